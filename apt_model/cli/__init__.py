@@ -1,0 +1,1 @@
+"""The ``apt-vb`` command line (also ``python -m apt_model``)."""

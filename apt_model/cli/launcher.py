@@ -1,0 +1,48 @@
+"""``apt-vb run``: run an unmodified script with the switch on.
+
+apt_model is imported before the script imports torch, so a broken vendor plugin is contained
+(see :mod:`apt_model.devices.plugins`) and the switch's patches are in place before the script
+builds its model. The script runs in this process as ``__main__`` (``runpy``), with ``sys.argv``
+and ``sys.path[0]`` set as ``python script.py`` would set them.
+"""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from apt_model.errors import ConfigError
+
+
+def run_script(args) -> int:
+    """Enable the switch, run ``args.script`` (or ``-m args.module``), optionally save the report."""
+    import apt_model.optimization.vb_global as vb
+    from apt_model.switch.env import env_mode
+
+    mode = args.mode or env_mode() or "balanced"
+    if args.script and not os.path.isfile(args.script):
+        raise ConfigError(f"script {args.script!r} not found")
+    if not vb.is_enabled() or vb.get_config()["mode"] != mode.replace("speed", "performance") or args.device:
+        vb.enable(mode, device=args.device, banner=not args.quiet)
+    status = 0
+    old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
+    try:
+        if args.module:
+            sys.argv = [args.module, *args.args]
+            runpy.run_module(args.module, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [args.script, *args.args]
+            sys.path.insert(0, os.path.dirname(os.path.abspath(args.script)))
+            runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as exc:  # the script's own exit status
+        code = exc.code
+        status = code if isinstance(code, int) else (0 if code is None else 1)
+        if not isinstance(code, int) and code is not None:
+            print(code, file=sys.stderr)
+    finally:
+        sys.argv = old_argv
+        if args.script and sys.path and old_path0 is not None and sys.path[0] != old_path0:
+            sys.path.pop(0)
+        if args.report:
+            vb.save_report(args.report)
+    return status

@@ -1,0 +1,61 @@
+"""``apt-vb``: entry point and sub-command dispatch.
+
+Sub-commands:
+    info   devices (every candidate with status and reason), chosen device, memory per tier,
+           probed capabilities, communication backend (``--json`` for machines)
+    run    run an unmodified script with the switch on, like ``torchrun`` runs one distributed
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from apt_model._version import __version__
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info and the switch launcher.")
+    p.add_argument("--version", action="version", version=f"apt_model {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    info = sub.add_parser("info", help="devices, memory tiers, probed capabilities")
+    info.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    info.add_argument("--no-probe", action="store_true", help="skip the capability probes")
+    info.add_argument("--device", default=None, help="describe this device instead of the ranking's choice")
+
+    run = sub.add_parser("run", help="run a script (or -m module) with the switch on",
+                         description="Run an unmodified training script with Virtual Blackwell enabled.")
+    run.add_argument("--mode", default=None, help="performance|speed|balanced|memory|full (default: VB_MODE or balanced)")
+    run.add_argument("--device", default=None, help="device to use (default: VB_DEVICE or the ranking's choice)")
+    run.add_argument("--report", default=None, help="write the switch's JSON report here when the script ends")
+    run.add_argument("--quiet", action="store_true", help="no enable banner")
+    run.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
+    run.add_argument("script", nargs="?", help="the script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "info":
+        from apt_model.cli.info import run_info
+
+        return run_info(args)
+    if args.command == "run":
+        from apt_model.cli.launcher import run_script
+
+        if not args.module and not args.script:
+            parser.error("run needs a script path or -m MODULE")
+        if args.module and args.script:  # with -m, the first positional is the module's first argument
+            args.args = [args.script, *args.args]
+            args.script = None
+        return run_script(args)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The contract every device kind implements: :class:`AcceleratorBackend`.
+
+One subclass per kind of device (NVIDIA CUDA, AMD ROCm / Hygon DCU, Huawei Ascend NPU,
+Cambricon MLU, Intel XPU, Apple MPS, CPU). A new kind is added by subclassing and registering
+with :func:`apt_model.devices.registry.register_backend` (or the ``apt_model.backends`` entry
+point); ``docs/backends.md`` gives the contract and the verification checklist.
+
+The rules a backend follows:
+
+* :meth:`AcceleratorBackend.detect` finds devices **without initializing them** unless
+  ``allow_init`` is true (initializing CUDA before ``fork`` breaks every forked child that uses
+  CUDA). It never raises for an expected condition; it returns a :class:`Detection` whose
+  ``status`` and ``reason`` say what was found or what went wrong (with the exact error text).
+* The figure methods (``memory_info``, ``memory_allocated``, ...) return bytes, or raise
+  :class:`~apt_model.errors.FigureUnavailable` with the reason. The public facade
+  (:class:`apt_model.optimization.npu_backend.DeviceBackend`) turns that into ``None`` plus a
+  readable reason.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from apt_model.devices.plugins import PLUGIN_ERRORS, describe_exception
+from apt_model.errors import FigureUnavailable
+
+#: Detection statuses, in the order reports list them.
+AVAILABLE = "available"
+UNAVAILABLE = "unavailable"  # the software is there, no usable device
+NOT_INSTALLED = "not_installed"  # the vendor package / torch build is missing
+ERROR = "error"  # a probe failed; ``reason`` carries the error text
+STATUSES = (AVAILABLE, UNAVAILABLE, NOT_INSTALLED, ERROR)
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What :meth:`AcceleratorBackend.detect` found.
+
+    Attributes:
+        status: one of ``available``, ``unavailable``, ``not_installed``, ``error``.
+        reason: human-readable explanation (device names and count, or the exact error text).
+        count: number of usable devices of this kind (0 unless ``available``).
+        names: device names, one per device, when they could be read without initializing
+            the device (or with ``allow_init``); otherwise empty.
+        kind: the reported kind; a backend may refine its class kind (``rocm`` -> ``dcu``).
+        details: extra facts (driver/runtime versions, visible-devices value, ...).
+    """
+
+    status: str
+    reason: str
+    count: int = 0
+    names: tuple[str, ...] = ()
+    kind: str | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+class AcceleratorBackend:
+    """Base class of a device kind. Subclasses set the class attributes and implement ``detect``.
+
+    Class attributes:
+        kind: name used in reports, ``VB_DEVICE`` and ``prefer=``: ``cuda``, ``rocm``, ``npu``...
+        device_type: the torch device type this kind runs on (``rocm`` and ``dcu`` use ``cuda``).
+        vendor: vendor and product family, for reports.
+        priority: ranking position; lower is preferred (CUDA 0 ... CPU 100).
+        package: the Python package that provides the device (``torch_npu``), or None when
+            stock torch does.
+        dist_backend: the ``torch.distributed`` backend for this kind (``nccl``, ``hccl``, ...).
+        visible_devices_env: the environment variable that restricts visible devices.
+    """
+
+    kind: ClassVar[str] = ""
+    device_type: ClassVar[str] = ""
+    vendor: ClassVar[str] = ""
+    priority: ClassVar[int] = 50
+    package: ClassVar[str | None] = None
+    dist_backend: ClassVar[str | None] = None
+    visible_devices_env: ClassVar[str | None] = None
+
+    # ------------------------------------------------------------------ detection
+    def detect(self, allow_init: bool = False) -> Detection:
+        """Find devices of this kind. Must not raise and must not initialize the device
+        unless ``allow_init`` is true."""
+        raise NotImplementedError
+
+    def visible_devices(self) -> str | None:
+        """The value of this kind's visible-devices variable, or None when unset."""
+        return os.environ.get(self.visible_devices_env) if self.visible_devices_env else None
+
+    # ------------------------------------------------------------------ torch module access
+    def device_module(self):
+        """The torch device module (``torch.cuda``, ``torch.npu``...). Raises FigureUnavailable."""
+        mod = getattr(torch, self.device_type, None)
+        if mod is None:
+            raise FigureUnavailable(f"torch has no '{self.device_type}' device module")
+        return mod
+
+    def _is_current_accelerator(self) -> bool:
+        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return acc is not None and acc.type == self.device_type
+
+    def _first_of(self, what: str, attempts: list[tuple[str, Callable[[], Any]]]) -> Any:
+        """Run ``attempts`` in order; return the first result; raise FigureUnavailable with all errors."""
+        errors = []
+        for label, fn in attempts:
+            try:
+                return fn()
+            except Exception as err:  # noqa: BLE001 - collect the reason, try the next source
+                errors.append(f"{label}: {describe_exception(err)}")
+        raise FigureUnavailable(f"{what} unavailable on {self.kind}: " + "; ".join(errors))
+
+    def _module_then_accelerator(self, what: str, fn_name: str, index: int) -> Any:
+        attempts: list[tuple[str, Callable[[], Any]]] = []
+        if self._is_current_accelerator() and hasattr(torch.accelerator, fn_name):
+            attempts.append((f"torch.accelerator.{fn_name}", lambda: getattr(torch.accelerator, fn_name)(index)))
+        mod = getattr(torch, self.device_type, None)
+        if mod is not None and hasattr(mod, fn_name):
+            attempts.append((f"torch.{self.device_type}.{fn_name}", lambda: getattr(mod, fn_name)(index)))
+        if not attempts:
+            raise FigureUnavailable(f"{what} unavailable on {self.kind}: no torch API provides {fn_name}")
+        return self._first_of(what, attempts)
+
+    # ------------------------------------------------------------------ figures (bytes)
+    def device_name(self, index: int = 0) -> str:
+        """Marketing name of device ``index``. May initialize the device."""
+        return str(self._module_then_accelerator("device name", "get_device_name", index))
+
+    def device_properties(self, index: int = 0) -> dict[str, Any]:
+        """Properties of device ``index`` as a plain dict (names and values as torch reports them)."""
+        props = self._module_then_accelerator("device properties", "get_device_properties", index)
+        out: dict[str, Any] = {}
+        for attr in dir(props):
+            if attr.startswith("_"):
+                continue
+            try:
+                value = getattr(props, attr)
+            except Exception:  # noqa: BLE001 - some properties raise on some drivers
+                continue
+            if isinstance(value, (int, float, str, bool)) or value is None:
+                out[attr] = value
+            elif isinstance(value, (tuple, list)):
+                out[attr] = list(value)
+            elif not callable(value):
+                out[attr] = str(value)
+        return out
+
+    def memory_info(self, index: int = 0) -> tuple[int, int]:
+        """``(free_bytes, total_bytes)`` of device ``index``."""
+        attempts: list[tuple[str, Callable[[], Any]]] = []
+        if self._is_current_accelerator():
+            attempts.append(("torch.accelerator.get_memory_info", lambda: torch.accelerator.get_memory_info(index)))
+        mod = getattr(torch, self.device_type, None)
+        if mod is not None and hasattr(mod, "mem_get_info"):
+            attempts.append((f"torch.{self.device_type}.mem_get_info", lambda: mod.mem_get_info(index)))
+        if not attempts:
+            raise FigureUnavailable(f"memory info unavailable on {self.kind}: no torch API provides it")
+        free, total = self._first_of("memory info", attempts)
+        return int(free), int(total)
+
+    def memory_allocated(self, index: int = 0) -> int:
+        """Bytes currently held by tensors on device ``index``."""
+        return int(self._module_then_accelerator("memory allocated", "memory_allocated", index))
+
+    def memory_reserved(self, index: int = 0) -> int:
+        """Bytes reserved by the caching allocator on device ``index``."""
+        return int(self._module_then_accelerator("memory reserved", "memory_reserved", index))
+
+    def max_memory_allocated(self, index: int = 0) -> int:
+        """Peak bytes held by tensors on device ``index`` since start or the last reset."""
+        return int(self._module_then_accelerator("peak memory allocated", "max_memory_allocated", index))
+
+    def reset_peak_memory_stats(self, index: int = 0) -> None:
+        """Reset the peak counter read by :meth:`max_memory_allocated`."""
+        self._module_then_accelerator("peak reset", "reset_peak_memory_stats", index)
+
+    def empty_cache(self) -> None:
+        """Return cached, unused device memory to the driver."""
+        attempts: list[tuple[str, Callable[[], Any]]] = []
+        if self._is_current_accelerator():
+            attempts.append(("torch.accelerator.empty_cache", torch.accelerator.empty_cache))
+        mod = getattr(torch, self.device_type, None)
+        if mod is not None and hasattr(mod, "empty_cache"):
+            attempts.append((f"torch.{self.device_type}.empty_cache", mod.empty_cache))
+        self._first_of("empty_cache", attempts or [("none", _no_api("empty_cache"))])
+
+    def synchronize(self, index: int | None = None) -> None:
+        """Wait for all queued work on device ``index`` (the current device when None)."""
+        attempts: list[tuple[str, Callable[[], Any]]] = []
+        if self._is_current_accelerator():
+            attempts.append(("torch.accelerator.synchronize", lambda: torch.accelerator.synchronize(index)))
+        mod = getattr(torch, self.device_type, None)
+        if mod is not None and hasattr(mod, "synchronize"):
+            attempts.append((f"torch.{self.device_type}.synchronize", lambda: mod.synchronize(index)))
+        self._first_of("synchronize", attempts or [("none", _no_api("synchronize"))])
+
+    # ------------------------------------------------------------------ helpers for subclasses
+    @staticmethod
+    def package_installed(name: str) -> bool:
+        """Whether a top-level package can be imported (without importing it)."""
+        try:
+            return importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def import_package(self) -> str | None:
+        """Import :attr:`package`; return None on success or the exact error text on failure.
+
+        A failure recorded when torch auto-loaded the plugin is returned as is.
+        """
+        if self.package is None:
+            return None
+        if self.package in PLUGIN_ERRORS:
+            return PLUGIN_ERRORS[self.package]
+        try:
+            importlib.import_module(self.package)
+        except Exception as err:  # noqa: BLE001 - a broken vendor plugin must be survivable
+            text = describe_exception(err)
+            PLUGIN_ERRORS[self.package] = text
+            return text
+        return None
+
+
+def _no_api(name: str) -> Callable[[], Any]:
+    def fail():
+        raise FigureUnavailable(f"no torch API provides {name}")
+
+    return fail

@@ -1,0 +1,151 @@
+"""``DeviceBackend``: one device of any kind behind one API that never raises for a missing figure.
+
+Each figure method returns bytes (or a name / dict), or ``None`` when the device cannot report
+it; :meth:`DeviceBackend.why` then gives the reason. On the CPU every figure comes from psutil
+and nothing raises.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from apt_model.devices.backend import AcceleratorBackend
+from apt_model.devices.detection import Candidate, detect_devices
+from apt_model.devices.plugins import describe_exception
+from apt_model.devices.ranking import parse_device_spec, select_device
+
+
+class DeviceBackend:
+    """Uniform access to one device.
+
+    Args:
+        device: ``torch.device`` or string (``"cuda:0"``, ``"npu:1"``, ``"rocm"``, ``"cpu"``); None
+            means the device the ranking policy selects (see :func:`apt_model.devices.select_device`).
+
+    Raises:
+        ConfigError: for a malformed device string or an unknown kind. A known kind that is not
+            usable here does not raise: :meth:`is_available` is False and figures are None.
+    """
+
+    def __init__(self, device: str | torch.device | None = None):
+        cands = detect_devices()
+        if device is None:
+            sel = select_device(candidates=cands)
+            self.device, self.candidate = sel.device, sel.candidate
+        else:
+            name, index = parse_device_spec(device, cands)
+            matching = sorted((c for c in cands if name in (c.kind, c.device_type)),
+                              key=lambda c: (not c.available, c.priority))
+            self.candidate: Candidate = matching[0]
+            dtype = self.candidate.device_type
+            self.device = torch.device("cpu") if dtype == "cpu" else torch.device(dtype, index or 0)
+        self.kind = self.candidate.kind
+        self.reasons: dict[str, str] = {}
+        self._impl: AcceleratorBackend = self.candidate.backend
+
+    def __repr__(self) -> str:
+        return f"DeviceBackend({str(self.device)!r}, kind={self.kind!r}, status={self.candidate.status!r})"
+
+    @property
+    def index(self) -> int:
+        return self.device.index or 0
+
+    def _figure(self, name: str, fn: Callable[[], Any]) -> Any:
+        if not self.candidate.available:
+            self.reasons[name] = f"{self.kind} is {self.candidate.status}: {self.candidate.reason}"
+            return None
+        try:
+            value = fn()
+        except Exception as err:  # noqa: BLE001 - a missing figure is None plus a reason
+            self.reasons[name] = describe_exception(err)
+            return None
+        self.reasons.pop(name, None)
+        return value
+
+    def why(self, figure: str) -> str | None:
+        """Why ``figure`` (a method name such as ``"memory_reserved"``) returned None last time."""
+        return self.reasons.get(figure)
+
+    # ---------------------------------------------------------------- identity
+    def is_available(self) -> bool:
+        """Whether this device kind was found on this machine."""
+        return self.candidate.available
+
+    def device_count(self) -> int:
+        """Number of usable devices of this kind (0 when unavailable)."""
+        return self.candidate.count
+
+    def get_device_name(self) -> str | None:
+        """The device's name (may initialize the device)."""
+        return self._figure("get_device_name", lambda: self._impl.device_name(self.index))
+
+    def get_device_properties(self) -> dict | None:
+        """Device properties as a dict (total_memory in bytes, capability, cores... per kind)."""
+        return self._figure("get_device_properties", lambda: self._impl.device_properties(self.index))
+
+    # ---------------------------------------------------------------- memory (bytes)
+    def total_memory(self) -> int | None:
+        """Total device memory in bytes (host RAM for the CPU)."""
+        info = self._figure("total_memory", lambda: self._impl.memory_info(self.index))
+        return None if info is None else info[1]
+
+    def free_memory(self) -> int | None:
+        """Free device memory in bytes (available host RAM for the CPU)."""
+        info = self._figure("free_memory", lambda: self._impl.memory_info(self.index))
+        return None if info is None else info[0]
+
+    def memory_allocated(self) -> int | None:
+        """Bytes held by tensors (process RSS on the CPU)."""
+        return self._figure("memory_allocated", lambda: self._impl.memory_allocated(self.index))
+
+    def memory_reserved(self) -> int | None:
+        """Bytes reserved by the caching allocator (process RSS on the CPU)."""
+        return self._figure("memory_reserved", lambda: self._impl.memory_reserved(self.index))
+
+    def max_memory_allocated(self) -> int | None:
+        """Peak bytes held by tensors (peak process RSS on the CPU)."""
+        return self._figure("max_memory_allocated", lambda: self._impl.max_memory_allocated(self.index))
+
+    def reset_peak_memory_stats(self) -> bool:
+        """Reset the peak counter; False (with a reason) where the device cannot."""
+        return self._figure("reset_peak_memory_stats", lambda: self._impl.reset_peak_memory_stats(self.index) or True) is True
+
+    def empty_cache(self) -> None:
+        """Release cached memory; a no-op where there is no cache. Never raises."""
+        self._figure("empty_cache", self._impl.empty_cache)
+
+    def synchronize(self) -> None:
+        """Wait for queued work on the device. Never raises."""
+        self._figure("synchronize", lambda: self._impl.synchronize(self.index))
+
+    def to_device(self, obj: Any, non_blocking: bool = False) -> Any:
+        """Move a tensor, a module, or nested lists/tuples/dicts of tensors to this device.
+
+        Modules are moved in place (``module.to``), so parameter identity is kept. Nested
+        structures go through accelerate's ``send_to_device``.
+        """
+        if isinstance(obj, torch.nn.Module):
+            return obj.to(self.device)
+        from accelerate.utils import send_to_device
+
+        return send_to_device(obj, self.device, non_blocking=non_blocking)
+
+    def get_memory_summary(self) -> dict:
+        """``{device, kind, name, total, free, allocated, reserved, peak, unavailable}``; sizes in bytes,
+        ``unavailable`` maps each None figure to its reason."""
+        summary = {
+            "device": str(self.device),
+            "kind": self.kind,
+            "name": self.get_device_name(),
+            "total": self.total_memory(),
+            "free": self.free_memory(),
+            "allocated": self.memory_allocated(),
+            "reserved": self.memory_reserved(),
+            "peak": self.max_memory_allocated(),
+        }
+        summary["unavailable"] = {k: self.reasons[m] for k, m in (
+            ("name", "get_device_name"), ("total", "total_memory"), ("free", "free_memory"),
+            ("allocated", "memory_allocated"), ("reserved", "memory_reserved"), ("peak", "max_memory_allocated"),
+        ) if summary[k] is None and m in self.reasons}
+        return summary

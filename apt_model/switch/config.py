@@ -1,0 +1,97 @@
+"""The switch's configuration: a mode's requests plus overrides, each value with its source.
+
+Precedence, highest first: arguments to ``enable()`` > environment variables (``VB_ATTENTION``,
+``VB_MIXED_PRECISION``, ...) > the mode's defaults. ``get_config()`` reports where each value
+came from.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from apt_model.errors import ConfigError
+from apt_model.switch.modes import FEATURES, MODE_TABLE, validate_feature_value, validate_mode
+
+#: Settings that are not features: name -> (default, validator description).
+SETTINGS = {
+    "device": None,  # "npu:1", "cpu", ... (VB_DEVICE is read by the ranking policy)
+    "prefer": None,  # kind or tuple of kinds ranked first
+    "redirect_cuda": True,  # .cuda()/.to("cuda") go to the selected device when CUDA is absent
+    "adopt": "auto",  # "auto": models moved with .to()/.cuda() or first called are adopted; "explicit": only vb.adopt()
+    "autocast_min_speedup": 1.10,  # autocast only where the probe measured at least this speed-up
+    "sdpa_min_speedup": 1.0,  # SDPA routing only where it is at least this fast vs hand-written
+    "verbose": False,  # print the decisions as they are made
+    "banner": True,  # print the one-line-per-feature banner at enable()
+}
+
+
+@dataclass
+class VBConfig:
+    """A resolved configuration. ``features`` and ``settings`` hold values; ``sources`` says where
+    each came from (``mode:<name>``, ``environment:<VAR>``, ``argument``, ``default``)."""
+
+    mode: str
+    features: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+
+    def __getattr__(self, name):
+        d = self.__dict__
+        if name in d.get("features", {}):
+            return d["features"][name]
+        if name in d.get("settings", {}):
+            return d["settings"][name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict:
+        return {"mode": self.mode, "features": dict(self.features), "settings": dict(self.settings),
+                "sources": dict(self.sources)}
+
+
+def _validate_setting(name: str, value, source: str):
+    if name == "adopt" and value not in ("auto", "explicit"):
+        raise ConfigError(f"{source}: adopt={value!r} is not valid; valid values: auto, explicit")
+    if name in ("autocast_min_speedup", "sdpa_min_speedup"):
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: {name}={value!r} is not a number") from None
+        if not 0 < value < 100:
+            raise ConfigError(f"{source}: {name}={value!r} must be between 0 and 100")
+    if name in ("redirect_cuda", "verbose", "banner") and not isinstance(value, bool):
+        raise ConfigError(f"{source}: {name}={value!r} must be True or False")
+    if name == "prefer" and value is not None and not isinstance(value, (str, tuple, list)):
+        raise ConfigError(f"{source}: prefer={value!r} must be a device kind or a sequence of kinds")
+    return value
+
+
+def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
+    """Resolve ``mode`` + environment + ``overrides`` into a :class:`VBConfig`.
+
+    Raises:
+        ConfigError: unknown mode, unknown override name (the message lists the valid names),
+            or an invalid value.
+    """
+    mode = validate_mode(mode)
+    cfg = VBConfig(mode=mode)
+    for name, value in MODE_TABLE[mode].items():
+        cfg.features[name] = value
+        cfg.sources[name] = f"mode:{mode}"
+    for name, value in SETTINGS.items():
+        cfg.settings[name] = value
+        cfg.sources[name] = "default"
+    for name, spec in FEATURES.items():
+        raw = os.environ.get(spec.env)
+        if raw is not None and raw.strip():
+            cfg.features[name] = validate_feature_value(name, raw, f"environment {spec.env}")
+            cfg.sources[name] = f"environment:{spec.env}"
+    for name, value in (overrides or {}).items():
+        if name in FEATURES:
+            cfg.features[name] = validate_feature_value(name, value, "enable()")
+        elif name in SETTINGS:
+            cfg.settings[name] = _validate_setting(name, value, "enable()")
+        else:
+            valid = ", ".join(list(FEATURES) + list(SETTINGS))
+            raise ConfigError(f"enable() got an unknown option {name!r}; valid options: {valid}")
+        cfg.sources[name] = "argument"
+    return cfg

@@ -1,0 +1,381 @@
+"""The global switch: ``enable()``, ``disable()``, and the patches that adopt models.
+
+What enabling installs (every item is undone by :func:`disable`):
+
+* ``nn.Module.to`` / ``nn.Module.cuda`` wrappers: a model moved after enabling is adopted, and
+  when CUDA is absent ``.cuda()`` / ``.to("cuda")`` go to the selected device instead
+  (``redirect_cuda``); ``torch.Tensor.cuda`` / ``torch.Tensor.to`` are redirected likewise, but
+  only on machines where that redirection is needed.
+* A global forward pre-hook that adopts a model the first time it is called (for scripts that
+  never move their model). It costs one set lookup per module call.
+
+Adoption itself is in :mod:`apt_model.switch.adoption`; the decisions are in the report.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from apt_model._version import __version__
+from apt_model.devices.ranking import Selection, select_device
+from apt_model.errors import DeviceSelectionError
+from apt_model.log import get_logger
+from apt_model.switch.adoption import Adopter, model_device
+from apt_model.switch.config import VBConfig, build_config
+from apt_model.switch.modes import DEFAULT_MODE, FEATURES
+from apt_model.switch.patches import PatchSet
+from apt_model.switch.report import DecisionLog
+
+log = get_logger(__name__)
+
+
+class _State:
+    def __init__(self):
+        self.enabled = False
+        self.config: VBConfig | None = None
+        self.selection: Selection | None = None
+        self.log = DecisionLog()
+        self.patches = PatchSet()
+        self.adopter: Adopter | None = None
+        self.seen: weakref.WeakSet = weakref.WeakSet()
+        self.suspended = 0
+        self.redirect_target: torch.device | None = None
+        self.counters = {"cuda_redirects": 0, "adoptions": 0}
+        self.enabled_at: float | None = None
+        self.source = "api"
+        self.lock = threading.RLock()
+        self.tls = threading.local()
+
+
+_state = _State()
+
+
+# ---------------------------------------------------------------------------- public API
+
+
+def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
+    """Turn the switch on (or reconfigure it if it is on).
+
+    Args:
+        mode: ``performance`` (alias ``speed``), ``balanced`` (default), ``memory`` or ``full``.
+        **overrides: feature toggles (``attention``, ``mixed_precision``, ``fp4``,
+            ``activation_checkpointing``, ``activation_offload``, ``paging``) and settings
+            (``device``, ``prefer``, ``redirect_cuda``, ``adopt``, ``autocast_min_speedup``,
+            ``sdpa_min_speedup``, ``verbose``, ``banner``). See ``docs/modes.md``.
+
+    Returns:
+        The resolved configuration.
+
+    Raises:
+        ConfigError: unknown mode, option or value (the message lists the valid ones).
+        DeviceSelectionError: ``device=`` / ``VB_DEVICE`` names a device that is not usable here.
+    """
+    source = overrides.pop("_source", "api")
+    config = build_config(mode, overrides)
+    selection = select_device(prefer=config.prefer, device=config.device)
+    with _state.lock:
+        if _state.enabled:
+            disable()
+        st = _state
+        st.config, st.selection, st.source = config, selection, source
+        st.log = DecisionLog(echo=config.verbose)
+        st.patches = PatchSet()
+        st.adopter = Adopter(config, selection.device, st.log, st.patches)
+        st.seen = weakref.WeakSet()
+        st.counters = {"cuda_redirects": 0, "adoptions": 0}
+        st.enabled_at = time.time()
+        st.log.record("switch", "mode", mode, config.mode, f"enabled from {source}")
+        st.log.record("device", "device", config.device or "auto", str(selection.device), selection.reason,
+                      [f"{c}" for c in selection.ranking])
+        for name, spec in FEATURES.items():
+            value = config.features[name]
+            if not spec.built and value not in (False, "off"):
+                st.log.record("switch", name, value, "off", "not built in this version")
+        _install_patches(st)
+        st.enabled = True
+    if config.banner:
+        from apt_model.switch.banner import format_banner
+
+        print(format_banner(get_config(), _state.selection))  # the enable banner: the user asked for it
+    log.info("Virtual Blackwell enabled: mode=%s device=%s", config.mode, selection.device)
+    return config
+
+
+def disable() -> None:
+    """Turn the switch off and restore every patch. Adopted models keep their placement and
+    parameters, and keep working (their hooks are removed, attention implementations restored)."""
+    with _state.lock:
+        if not _state.enabled:
+            return
+        failures = _state.patches.restore_all()
+        _state.enabled = False
+        _state.redirect_target = None
+        _state.log.record("switch", "mode", _state.config.mode, "off", "disabled")
+        for f in failures:
+            log.warning("could not undo a patch: %s", f)
+
+
+def is_enabled() -> bool:
+    """Whether the switch is on."""
+    return _state.enabled
+
+
+def adopt(model: nn.Module) -> nn.Module:
+    """Adopt ``model`` now (with ``adopt="explicit"``, the only way). Returns the same object.
+
+    Raises:
+        RuntimeError: when the switch is off.
+    """
+    if not _state.enabled:
+        raise RuntimeError("the switch is off: call vb.enable() before vb.adopt(model)")
+    _maybe_adopt(model, "adopt()")
+    return model
+
+
+def device() -> torch.device:
+    """The device the switch selected (or the ranking's choice when the switch is off)."""
+    if _state.enabled and _state.selection is not None:
+        return _state.selection.device
+    return select_device().device
+
+
+def selection() -> Selection | None:
+    """The current device selection, or None when the switch is off."""
+    return _state.selection if _state.enabled else None
+
+
+def get_config() -> dict:
+    """The configuration in force: mode, each feature's value, status and source, the settings."""
+    cfg = _state.config
+    if cfg is None:
+        return {"enabled": False, "mode": None, "features": {}, "settings": {}}
+    features = {}
+    for name, spec in FEATURES.items():
+        value = cfg.features[name]
+        status = "off" if value in (False, "off") else ("requested" if spec.built else "not built")
+        features[name] = {"value": value, "status": status, "source": cfg.sources.get(name),
+                          "description": spec.description}
+    settings = {k: {"value": v, "source": cfg.sources.get(k)} for k, v in cfg.settings.items()}
+    return {"enabled": _state.enabled, "mode": cfg.mode, "device": str(_state.selection.device) if _state.selection else None,
+            "features": features, "settings": settings}
+
+
+def get_stats() -> dict:
+    """Counters and memory figures for the current (or last) session of the switch.
+
+    Keys: ``enabled``, ``mode``, ``device``, ``uptime_s``, ``adopted_models``, ``attention_routed``
+    (models whose attention runs on SDPA), ``autocast_models``, ``autocast_calls``,
+    ``cuda_redirects``, ``probe_seconds``, ``decisions``, ``memory`` (bytes; None where the device
+    cannot report a figure).
+    """
+    st = _state
+    ad = st.adopter
+    records = ad.records if ad else []
+    autocast_calls = 0
+    for r in records:
+        m = r.ref() if r.ref else None
+        hooks = getattr(m, "_vb_autocast", None) if m is not None else None
+        autocast_calls += getattr(hooks, "calls", 0)
+    probe_s = 0.0
+    if ad:
+        probe_s = sum(s.get("seconds", 0) for s in ad.supports.values()) + sum(s.get("seconds", 0) for s in ad.speeds.values())
+    mem = None
+    if st.selection is not None:
+        from apt_model.devices.device_backend import DeviceBackend
+
+        b = DeviceBackend(st.selection.device)
+        mem = {"allocated": b.memory_allocated(), "reserved": b.memory_reserved(), "peak": b.max_memory_allocated(),
+               "free": b.free_memory(), "total": b.total_memory()}
+    return {
+        "enabled": st.enabled,
+        "mode": st.config.mode if st.config else None,
+        "device": str(st.selection.device) if st.selection else None,
+        "uptime_s": round(time.time() - st.enabled_at, 3) if st.enabled_at else 0.0,
+        "adopted_models": len(records),
+        "attention_routed": sum(1 for r in records if r.features.get("attention", {}).get("chosen") == "sdpa"),
+        "autocast_models": sum(1 for r in records if r.features.get("mixed_precision", {}).get("chosen") in ("bf16", "fp16")),
+        "autocast_calls": autocast_calls,
+        "cuda_redirects": st.counters["cuda_redirects"],
+        "probe_seconds": round(probe_s, 4),
+        "decisions": len(st.log.entries),
+        "memory": mem,
+    }
+
+
+def get_report() -> dict:
+    """The full report: configuration, device choice with every candidate, probed capabilities,
+    adopted models with per-feature decisions, the decision timeline, and the stats (JSON-safe)."""
+    from apt_model.devices.detection import detect_devices
+
+    st = _state
+    ad = st.adopter
+    return {
+        "version": __version__,
+        "torch": torch.__version__,
+        "config": get_config(),
+        "device": {
+            "selection": st.selection.to_dict() if st.selection else None,
+            "candidates": [c.to_dict() for c in detect_devices()],
+        },
+        "capabilities": {"support": dict(ad.supports) if ad else {}, "speed": dict(ad.speeds) if ad else {}},
+        "models": [r.to_dict() for r in (ad.records if ad else [])],
+        "decisions": st.log.to_list(),
+        "stats": get_stats(),
+    }
+
+
+def print_stats() -> None:
+    """Print the stats and the per-model decisions as a short table (the user asked for output)."""
+    from apt_model.switch.banner import format_stats
+
+    print(format_stats(get_report()))
+
+
+@contextmanager
+def enabled(mode: str = DEFAULT_MODE, **overrides: Any):
+    """Context manager: the switch is on inside the block; the previous state is restored after.
+
+    Example:
+        >>> with vb.enabled("memory"):
+        ...     train()
+    """
+    prev = (_state.config, _state.enabled)
+    config = enable(mode, **overrides)
+    try:
+        yield config
+    finally:
+        disable()
+        old_cfg, was_on = prev
+        if was_on and old_cfg is not None:
+            enable(old_cfg.mode, **{k: v for k, v in {**old_cfg.features, **old_cfg.settings}.items()
+                                    if old_cfg.sources.get(k) == "argument"}, banner=False)
+
+
+# ---------------------------------------------------------------------------- patches
+
+
+def _redirect_device(value: Any) -> Any:
+    target = _state.redirect_target
+    if target is None:
+        return value
+    if isinstance(value, str) and value.split(":", 1)[0].strip() == "cuda":
+        value = torch.device(value)
+    if isinstance(value, torch.device) and value.type == "cuda":
+        index = value.index or 0
+        cand = _state.selection.candidate
+        if target.type != "cpu" and index >= cand.count:
+            raise DeviceSelectionError(
+                f"{value} was redirected to {target.type} (CUDA is absent), which has {cand.count} device(s)"
+            )
+        _state.counters["cuda_redirects"] += 1
+        _state.tls.redirected = str(value)
+        return torch.device("cpu") if target.type == "cpu" else torch.device(target.type, index)
+    return value
+
+
+def _as_cuda_device(device: Any) -> torch.device:
+    """The device ``.cuda(device)`` means: None -> cuda, int i -> cuda:i, else the given device."""
+    if device is None:
+        return torch.device("cuda")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device(device)
+
+
+def _redirect_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if args:
+        first = _redirect_device(args[0])
+        if first is not args[0]:
+            args = (first, *args[1:])
+    if "device" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs["device"] = _redirect_device(kwargs["device"])
+    return args, kwargs
+
+
+def _install_patches(st: _State) -> None:
+    cfg, sel = st.config, st.selection
+    needs_redirect = cfg.redirect_cuda and sel.device.type != "cuda" and not torch.cuda.is_available()
+    st.redirect_target = sel.device if needs_redirect else None
+    orig_module_to = nn.Module.to
+    orig_module_cuda = nn.Module.cuda
+
+    def module_to(self, *args, **kwargs):
+        st.tls.redirected = None
+        if st.redirect_target is not None:
+            args, kwargs = _redirect_args(args, kwargs)
+        out = orig_module_to(self, *args, **kwargs)
+        if st.enabled and st.config.adopt == "auto":
+            note = f" (redirected from {st.tls.redirected}: CUDA is absent)" if st.tls.redirected else ""
+            _maybe_adopt(self, "to()", note)
+        return out
+
+    def module_cuda(self, device=None):
+        if st.redirect_target is None:
+            return orig_module_cuda(self, device)
+        return self.to(_as_cuda_device(device))
+
+    module_to.__doc__ = orig_module_to.__doc__
+    module_cuda.__doc__ = orig_module_cuda.__doc__
+    st.patches.set_attr(nn.Module, "to", module_to, label="nn.Module.to")
+    st.patches.set_attr(nn.Module, "cuda", module_cuda, label="nn.Module.cuda")
+    if needs_redirect:
+        orig_tensor_to = torch.Tensor.to
+        orig_tensor_cuda = torch.Tensor.cuda
+
+        def tensor_to(self, *args, **kwargs):
+            args, kwargs = _redirect_args(args, kwargs)
+            return orig_tensor_to(self, *args, **kwargs)
+
+        def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+            dev = _redirect_device(_as_cuda_device(device))
+            return orig_tensor_to(self, dev, non_blocking=non_blocking, memory_format=memory_format)
+
+        st.patches.set_attr(torch.Tensor, "to", tensor_to, label="torch.Tensor.to")
+        st.patches.set_attr(torch.Tensor, "cuda", tensor_cuda, label="torch.Tensor.cuda")
+        st.log.record("device", "redirect_cuda", cfg.redirect_cuda, str(sel.device),
+                      f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors go to {sel.device}")
+    if cfg.adopt == "auto":
+        st.patches.add_handle(register_module_forward_pre_hook(_global_pre_hook), "global forward pre-hook")
+
+
+def _global_pre_hook(module: nn.Module, args: tuple):
+    st = _state
+    if st.suspended or module in st.seen:
+        return None
+    if _maybe_adopt(module, "first forward"):
+        hooks = getattr(module, "_vb_autocast", None)
+        if hooks is not None:  # the module's own pre-hooks were listed before adoption added ours
+            hooks.pre(module, args)
+    return None
+
+
+def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = "") -> bool:
+    st = _state
+    if not st.enabled or st.suspended or module in st.seen:
+        return False
+    with st.lock:
+        if module in st.seen:
+            return False
+        dev = model_device(module)
+        if dev is None:  # parameterless (a loss, an activation): nothing to adopt
+            st.seen.add(module)
+            return False
+        if dev.type == "meta":  # not materialized yet; adopt when it is moved
+            return False
+        for m in module.modules():
+            st.seen.add(m)
+        st.suspended += 1
+        try:
+            st.adopter.adopt(module, trigger, moved_note)
+            st.counters["adoptions"] += 1
+        finally:
+            st.suspended -= 1
+        return True

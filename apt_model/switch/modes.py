@@ -1,0 +1,93 @@
+"""The modes and the feature toggles they request (DESIGN.md section 3).
+
+Every cell is a *request*: the device's probed capabilities decide, and the decision with its
+reason goes into the report. Features not built in this version are carried in the config and
+shown as "not built" in the banner and report — never pretended.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from apt_model.errors import ConfigError
+
+MODES = ("performance", "speed", "balanced", "memory", "full")
+MODE_ALIASES = {"speed": "performance"}
+DEFAULT_MODE = "balanced"
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One toggle: its valid values, whether this version implements it, and what it does."""
+
+    name: str
+    values: tuple
+    built: bool
+    description: str
+    env: str
+
+
+FEATURES: dict[str, FeatureSpec] = {
+    f.name: f
+    for f in (
+        FeatureSpec("attention", ("auto", "sdpa", "off"), True,
+                    "route attention through fused SDPA where it runs and is not slower", "VB_ATTENTION"),
+        FeatureSpec("mixed_precision", ("auto", "bf16", "fp16", "off"), True,
+                    "autocast where the probe says the device is faster (auto picks bf16 only)", "VB_MIXED_PRECISION"),
+        FeatureSpec("fp4", ("off", "native", "storage", "all"), False,
+                    "FP4 weights: native FP4 GEMM where hardware has it, FP4 storage of frozen weights", "VB_FP4"),
+        FeatureSpec("activation_checkpointing", (False, True), False,
+                    "recompute activations of chosen blocks in backward", "VB_CHECKPOINTING"),
+        FeatureSpec("activation_offload", (False, True), False,
+                    "move saved activations to the host/NVMe tiers between forward and backward", "VB_ACTIVATION_OFFLOAD"),
+        FeatureSpec("paging", ("off", "over_budget", "tight"), False,
+                    "page parameters, gradients and optimizer states through HBM -> host -> NVMe", "VB_PAGING"),
+    )
+}
+
+#: What each mode requests, feature by feature.
+MODE_TABLE: dict[str, dict[str, object]] = {
+    "performance": {"attention": "auto", "mixed_precision": "auto", "fp4": "native",
+                    "activation_checkpointing": False, "activation_offload": False, "paging": "over_budget"},
+    "balanced": {"attention": "auto", "mixed_precision": "auto", "fp4": "off",
+                 "activation_checkpointing": False, "activation_offload": False, "paging": "over_budget"},
+    "memory": {"attention": "auto", "mixed_precision": "auto", "fp4": "storage",
+               "activation_checkpointing": True, "activation_offload": True, "paging": "tight"},
+    "full": {"attention": "auto", "mixed_precision": "auto", "fp4": "all",
+             "activation_checkpointing": True, "activation_offload": True, "paging": "tight"},
+}
+
+
+def validate_mode(mode: str, source: str = "mode") -> str:
+    """Return the canonical mode name (``speed`` -> ``performance``).
+
+    Raises:
+        ConfigError: for anything not in :data:`MODES`, naming the valid values.
+    """
+    if not isinstance(mode, str) or mode.strip().lower() not in MODES:
+        raise ConfigError(f"{source}={mode!r} is not a mode; valid modes: {', '.join(MODES)}")
+    m = mode.strip().lower()
+    return MODE_ALIASES.get(m, m)
+
+
+def validate_feature_value(name: str, value, source: str):
+    """Check one toggle value (strings are accepted for booleans: 1/0/true/false/on/off).
+
+    Raises:
+        ConfigError: for an unknown feature or a value outside its valid set.
+    """
+    if name not in FEATURES:
+        raise ConfigError(f"{source}: unknown feature {name!r}; valid features: {', '.join(FEATURES)}")
+    spec = FEATURES[name]
+    if spec.values == (False, True):
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{source}: {name}={value!r} is not valid; use true or false")
+    text = str(value).strip().lower() if isinstance(value, str) else value
+    if text not in spec.values:
+        raise ConfigError(f"{source}: {name}={value!r} is not valid; valid values: {', '.join(map(str, spec.values))}")
+    return text

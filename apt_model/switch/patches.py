@@ -1,0 +1,60 @@
+"""Bookkeeping for every change the switch makes, so ``disable()`` restores each one exactly.
+
+Attribute replacements (class methods such as ``nn.Module.to``, or per-module attributes) are
+recorded with their previous value — or with "was absent", in which case restoring deletes the
+attribute. Hook handles are removed. Other undo actions (``set_attn_implementation`` back to
+``eager``) are registered as callables. Restoration runs in reverse order.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+_MISSING = object()
+
+
+class PatchSet:
+    """An undo stack of patches."""
+
+    def __init__(self):
+        self._undo: list[tuple[str, Callable[[], None]]] = []
+
+    def __len__(self) -> int:
+        return len(self._undo)
+
+    def set_attr(self, obj: Any, name: str, value: Any, label: str | None = None) -> None:
+        """``setattr(obj, name, value)``, remembering what was there (in ``obj.__dict__``) before."""
+        previous = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
+        setattr(obj, name, value)
+
+        def undo():
+            if previous is _MISSING:
+                try:
+                    delattr(obj, name)
+                except AttributeError:
+                    pass
+            else:
+                setattr(obj, name, previous)
+
+        self._undo.append((label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}", undo))
+
+    def add_handle(self, handle: Any, label: str) -> None:
+        """Remember a removable hook handle (anything with ``.remove()``)."""
+        self._undo.append((label, handle.remove))
+
+    def add_undo(self, fn: Callable[[], None], label: str) -> None:
+        """Remember an arbitrary undo action."""
+        self._undo.append((label, fn))
+
+    def labels(self) -> list[str]:
+        return [label for label, _ in self._undo]
+
+    def restore_all(self) -> list[str]:
+        """Undo everything, newest first. Returns the labels of undo actions that failed (with errors)."""
+        failures = []
+        while self._undo:
+            label, fn = self._undo.pop()
+            try:
+                fn()
+            except Exception as err:  # noqa: BLE001 - keep undoing the rest
+                failures.append(f"{label}: {type(err).__name__}: {err}")
+        return failures

@@ -1,0 +1,40 @@
+"""Packaging for apt_model (Virtual Blackwell).
+
+Runtime dependencies are deliberately few: torch (the framework we extend), psutil (host
+memory figures on every OS), accelerate (its fork-safe CUDA/XPU/MPS availability checks and
+output-dtype helpers), numpy (seeding and data), tqdm (progress bars in the main job and the CLI).
+"""
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+version = {}
+exec((HERE / "apt_model" / "_version.py").read_text(), version)
+
+setup(
+    name="apt_model",
+    version=version["__version__"],
+    description="Virtual Blackwell: one switch that makes the accelerator you have behave like a bigger, newer one",
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["apt_model", "apt_model.*"]),
+    install_requires=[
+        "torch>=2.6",
+        "psutil>=5.9",
+        "accelerate>=1.0",
+        "numpy>=1.24",
+        "tqdm>=4.60",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "transformers>=4.45"],
+        "hf": ["transformers>=4.45"],
+        "plot": ["matplotlib>=3.7"],
+    },
+    entry_points={"console_scripts": ["apt-vb=apt_model.cli.main:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)

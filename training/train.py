@@ -1,0 +1,197 @@
+#!/usr/bin/env python
+"""The main job: train a GPT-style decoder on real text, with the Virtual Blackwell switch on.
+
+    python training/train.py                              # stdlib corpus, tiny model, balanced mode
+    python training/train.py --data ../shared/data/kjv.txt
+    python training/train.py --vb-mode off                # plain PyTorch, same everything else
+    python training/train.py --hf-model gpt2              # a transformers GPT-2 built from a config
+
+Writes ``checkpoint.pt`` (model, optimizer, scheduler, config, step) and ``report.json``
+(config, device, switch decisions, throughput, losses) to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.core.system import get_device, set_seed
+from apt_model.data.text import ByteCorpus, load_text_bytes
+from apt_model.devices.device_backend import DeviceBackend
+from apt_model.models.gpt import GPT, PRESETS, GPTConfig
+
+VB_MODES = ("off", "performance", "speed", "balanced", "memory", "full")
+SEQ_DEFAULT = {"tiny": 128, "small": 256, "medium": 512}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train a GPT-style model on real text with Virtual Blackwell.")
+    p.add_argument("--vb-mode", default="balanced", choices=VB_MODES, help="switch mode, or 'off' for plain PyTorch")
+    p.add_argument("--data", default=None, help="text file or folder of text files (default: the Python stdlib source)")
+    p.add_argument("--max-bytes", type=int, default=None, help="read at most this many corpus bytes")
+    p.add_argument("--model-size", default="tiny", choices=sorted(PRESETS), help="model preset")
+    p.add_argument("--hf-model", default=None, choices=("gpt2", "llama"), help="train a transformers model built from a config instead")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=None, help="context length (default: 128/256/512 by preset)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=20, help="linear warm-up steps before cosine decay")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--device", default=None, help="device (e.g. cpu, cuda:0, npu:1); default: the ranking policy's choice")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/train", help="folder for checkpoint.pt and report.json")
+    p.add_argument("--quiet", action="store_true", help="no banner or progress bar")
+    return p
+
+
+def build_model(args, seq_len: int) -> torch.nn.Module:
+    """Our GPT preset, or a transformers GPT-2 / Llama of the same size built from a config."""
+    shape = PRESETS[args.model_size]
+    if args.hf_model is None:
+        return GPT(GPTConfig(vocab_size=256, seq_len=seq_len, **shape))
+    try:
+        import transformers
+    except ImportError:
+        raise SystemExit("--hf-model needs transformers: pip install 'apt_model[hf]'") from None
+    d, layers, heads = shape["d_model"], shape["n_layers"], shape["n_heads"]
+    if args.hf_model == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=d, n_layer=layers, n_head=heads,
+                                      bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        return transformers.GPT2LMHeadModel(cfg)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=layers,
+                                   num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq_len,
+                                   bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def logits_of(out) -> torch.Tensor:
+    """Logits from our GPT (a tensor) or a transformers model (an output with ``.logits``)."""
+    return out.logits if hasattr(out, "logits") else out
+
+
+@torch.no_grad()
+def evaluate(model, corpus: ByteCorpus, args, seq_len: int, device) -> float:
+    """Mean cross-entropy (nats/byte) on ``eval_batches`` fixed held-out batches."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)
+    losses = []
+    for _ in range(args.eval_batches):
+        x, y = corpus.batch("val", args.batch_size, seq_len, gen, device)
+        logits = logits_of(model(x))
+        losses.append(F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1)).item())
+    model.train(was_training)
+    return sum(losses) / len(losses)
+
+
+def lr_lambda(args):
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Run the job; returns the report (also written to ``--out/report.json``)."""
+    args = build_parser().parse_args(argv)
+    if args.steps < 1 or args.batch_size < 1 or args.eval_every < 1:
+        raise SystemExit("--steps, --batch-size and --eval-every must be positive")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    set_seed(args.seed)
+    seq_len = args.seq_len or SEQ_DEFAULT[args.model_size]
+    if args.vb_mode != "off":
+        vb.enable(args.vb_mode, device=args.device, banner=not args.quiet)
+        device = vb.device()
+    else:
+        device = torch.device(args.device) if args.device else get_device()
+
+    t_load = time.perf_counter()
+    corpus = ByteCorpus(load_text_bytes(args.data, args.max_bytes))
+    load_s = time.perf_counter() - t_load
+    model = build_model(args, seq_len).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
+    backend = DeviceBackend(device)
+    gen = torch.Generator().manual_seed(args.seed)
+
+    evals = [(0, evaluate(model, corpus, args, seq_len, device))]
+    losses, step_times = [], []
+    tokens_per_step = args.batch_size * seq_len
+    from tqdm.auto import tqdm
+
+    bar = tqdm(range(1, args.steps + 1), desc="train", disable=args.quiet, mininterval=1.0, dynamic_ncols=True)
+    t_start = time.perf_counter()
+    for step in bar:
+        t0 = time.perf_counter()
+        x, y = corpus.batch("train", args.batch_size, seq_len, gen, device)
+        logits = logits_of(model(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if args.grad_clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        opt.step()
+        sched.step()
+        loss_v = loss.item()  # synchronizes the device, so the step time is complete
+        step_times.append(time.perf_counter() - t0)
+        losses.append((step, loss_v))
+        if step % args.eval_every == 0 or step == args.steps:
+            evals.append((step, evaluate(model, corpus, args, seq_len, device)))
+        peak = backend.max_memory_allocated()
+        bar.set_postfix(refresh=False, loss=f"{loss_v:.3f}", val=f"{evals[-1][1]:.3f}",
+                        tok_s=f"{tokens_per_step / step_times[-1]:,.0f}",
+                        peak=f"{(peak or 0) / 2**20:,.0f}MiB")
+    train_s = time.perf_counter() - t_start
+    bar.close()
+
+    steady = step_times[min(5, len(step_times) - 1):] or step_times
+    med = statistics.median(steady)
+    report = {
+        "args": vars(args),
+        "model": {"kind": args.hf_model or "apt_model.GPT", "parameters": n_params, "seq_len": seq_len,
+                  **({"config": model.cfg.to_dict()} if isinstance(model, GPT) else {})},
+        "device": {"device": str(device), "kind": backend.kind, "name": backend.get_device_name(),
+                   "threads": torch.get_num_threads()},
+        "corpus": {"source": args.data or "python stdlib", "train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
+                   "load_seconds": round(load_s, 3)},
+        "throughput": {"step_time_median_s": round(med, 5), "tokens_per_s_median": round(tokens_per_step / med, 1),
+                       "train_seconds": round(train_s, 2)},
+        "memory": {"peak_bytes": backend.max_memory_allocated(), "peak_note": backend.why("max_memory_allocated")},
+        "losses": losses,
+        "eval": evals,
+        "eval_drop": round(1 - evals[-1][1] / evals[0][1], 4),
+        "vb": vb.get_report() if vb.is_enabled() else None,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                "model_config": report["model"], "step": args.steps, "args": vars(args)}, out / "checkpoint.pt")
+    (out / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    if not args.quiet:
+        print(f"held-out loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f} nats/byte ({100 * report['eval_drop']:.1f}% lower) "
+              f"in {train_s:.1f} s; {report['throughput']['tokens_per_s_median']:,.0f} tokens/s on {device}; "
+              f"report: {out / 'report.json'}")
+    if vb.is_enabled():
+        vb.disable()
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -71,6 +71,8 @@ def load_text_bytes(path: str | os.PathLike | None = None, max_bytes: int | None
         if max_bytes is not None and total >= max_bytes:
             break
     blob = b"\n".join(chunks)
+    if max_bytes is not None:
+        blob = blob[:max_bytes]
     if not blob:
         raise ConfigError(f"the corpus from {label} is empty")
     return blob

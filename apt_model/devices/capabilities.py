@@ -25,7 +25,7 @@ log = get_logger(__name__)
 #: while the probe's cost grows with the square of the width.
 _MAX_WIDTH = {"cpu": 512}
 _DEFAULT_WIDTH = {"cpu": 256}
-_SHAPE = {"cpu": (128, 4)}  # (seq, batch): 512 tokens keeps the CPU probe near 0.5 s
+_SHAPE = {"cpu": (256, 4)}  # (seq, batch): 1024 tokens keeps the CPU probe under a second
 _ACCEL_SHAPE = (1024, 8)
 _ACCEL_WIDTH, _ACCEL_MAX_WIDTH = 1024, 4096
 

@@ -23,6 +23,11 @@ class DeviceBackend:
         device: ``torch.device`` or string (``"cuda:0"``, ``"npu:1"``, ``"rocm"``, ``"cpu"``); None
             means the device the ranking policy selects (see :func:`apt_model.devices.select_device`).
 
+    Attributes:
+        device: the ``torch.device``; None for a kind torch cannot address on this machine
+            (``npu`` without torch_npu).
+        kind: the candidate's kind (``cuda``, ``rocm``, ``dcu``, ``npu``...).
+
     Raises:
         ConfigError: for a malformed device string or an unknown kind. A known kind that is not
             usable here does not raise: :meth:`is_available` is False and figures are None.
@@ -39,17 +44,24 @@ class DeviceBackend:
                               key=lambda c: (not c.available, c.priority))
             self.candidate: Candidate = matching[0]
             dtype = self.candidate.device_type
-            self.device = torch.device("cpu") if dtype == "cpu" else torch.device(dtype, index or 0)
+            name = "cpu" if dtype == "cpu" else f"{dtype}:{index or 0}"
+            try:
+                self.device = torch.device(name)
+            except RuntimeError:  # a kind whose plugin is absent: torch cannot even parse its name
+                self.device = None
+            self._name = name
+        if device is None:
+            self._name = str(self.device)
         self.kind = self.candidate.kind
         self.reasons: dict[str, str] = {}
         self._impl: AcceleratorBackend = self.candidate.backend
 
     def __repr__(self) -> str:
-        return f"DeviceBackend({str(self.device)!r}, kind={self.kind!r}, status={self.candidate.status!r})"
+        return f"DeviceBackend({self._name!r}, kind={self.kind!r}, status={self.candidate.status!r})"
 
     @property
     def index(self) -> int:
-        return self.device.index or 0
+        return (self.device.index or 0) if self.device is not None else 0
 
     def _figure(self, name: str, fn: Callable[[], Any]) -> Any:
         if not self.candidate.available:
@@ -124,7 +136,12 @@ class DeviceBackend:
 
         Modules are moved in place (``module.to``), so parameter identity is kept. Nested
         structures go through accelerate's ``send_to_device``.
+
+        Raises:
+            RuntimeError: when this device kind is not usable here (nothing is moved).
         """
+        if self.device is None:
+            raise RuntimeError(f"{self._name} is not usable here: {self.candidate.reason}")
         if isinstance(obj, torch.nn.Module):
             return obj.to(self.device)
         from accelerate.utils import send_to_device
@@ -135,7 +152,7 @@ class DeviceBackend:
         """``{device, kind, name, total, free, allocated, reserved, peak, unavailable}``; sizes in bytes,
         ``unavailable`` maps each None figure to its reason."""
         summary = {
-            "device": str(self.device),
+            "device": self._name,
             "kind": self.kind,
             "name": self.get_device_name(),
             "total": self.total_memory(),

@@ -199,29 +199,43 @@ def probe_fp4_matmul(device: torch.device, properties: dict) -> dict:
 
 def _time_interleaved(fns: dict[str, Callable[[], None]], device: torch.device, reps: int,
                       abort_ratio: float | None = None, baseline: str | None = None) -> dict[str, list[float]]:
-    """Run each fn once to warm up, then ``reps`` interleaved rounds; return seconds per run.
+    """Warm each fn up once, then run ``reps`` interleaved rounds; return seconds per timed run.
 
-    With ``abort_ratio``, a candidate whose first timed run is slower than ``abort_ratio`` times
-    the baseline's is dropped (it cannot win, and a 30x slower dtype would blow the time budget).
+    With ``abort_ratio`` and a ``baseline``, a candidate that cannot win is dropped early, so a
+    dtype 30x slower than fp32 (bf16 on CPUs without bf16 units) does not blow the time budget:
+    after warm-up if its warm-up took over ``3 * abort_ratio`` times the baseline's (its one timed
+    sample is then the warm-up), and after two rounds if even its fastest run is over
+    ``abort_ratio`` times the baseline's median. Two samples are needed for the second rule, so
+    one noisy run cannot turn an optimization off.
     """
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
+    warm: dict[str, float] = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
         fn()
         _sync(device)
+        warm[name] = time.perf_counter() - t0
     active = list(fns)
+    if abort_ratio and baseline:
+        for name in list(active):
+            if name != baseline and warm[name] > 3 * abort_ratio * warm[baseline]:
+                times[name] = [warm[name]]
+                active.remove(name)
     for r in range(reps):
         for name in list(active):
             t0 = time.perf_counter()
             fns[name]()
             _sync(device)
             times[name].append(time.perf_counter() - t0)
-            if abort_ratio and baseline and name != baseline and r == 0 and times[baseline]:
-                if times[name][0] > abort_ratio * times[baseline][0]:
+        if abort_ratio and baseline and r == 1:
+            base = statistics.median(times[baseline])
+            for name in list(active):
+                if name != baseline and min(times[name]) > abort_ratio * base:
                     active.remove(name)
     return times
 
 
-def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int, reps: int = 3) -> dict:
+def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int, reps: int = 5) -> dict:
     """Causal attention, forward + backward, fp32: hand-written masked softmax vs SDPA.
 
     Returns:
@@ -257,13 +271,13 @@ def representative_block(width: int, device: torch.device) -> nn.Module:
 
 
 def probe_autocast_speed(device: torch.device, width: int, seq: int, batch: int,
-                         dtypes: tuple[str, ...] = ("bfloat16",), reps: int = 3) -> dict[str, dict]:
+                         dtypes: tuple[str, ...] = ("bfloat16",), reps: int = 5) -> dict[str, dict]:
     """Forward + backward of :func:`representative_block`: fp32 vs autocast to each dtype.
 
     Returns:
         ``{dtype_name: {"fp32_ms", "autocast_ms", "speedup"} | {"error"} | {"fp32_ms", "autocast_ms",
         "speedup", "aborted": True}}``; speedup = fp32 / autocast (medians); ``aborted`` means the
-        first timed run was over 3x slower than fp32 and the rest were skipped.
+        dtype was clearly over 3x slower than fp32 and its remaining runs were skipped.
     """
     out: dict[str, dict] = {}
     try:

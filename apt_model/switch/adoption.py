@@ -17,6 +17,7 @@ import torch.nn as nn
 from apt_model.attention.routing import find_attention_targets, route_to_sdpa
 from apt_model.devices.capabilities import Speed, Support, get_speed, get_support
 from apt_model.precision.autocast import attach_autocast
+from apt_model.precision.trial import SpeedTrial
 from apt_model.switch.config import VBConfig
 from apt_model.switch.modes import FEATURES
 from apt_model.switch.patches import PatchSet
@@ -224,12 +225,29 @@ class Adopter:
                              f"(threshold {self.config.autocast_min_speedup:.2f}x){note}", tried)
                 return
             why = f"bf16 autocast {ratio:.2f}x faster than fp32 on {dev}{note}"
-        else:
-            why = f"forced by mixed_precision={req} (probe: {ratio:.2f}x vs fp32)"
-            if req == "fp16":
-                why += "; use torch.amp.GradScaler in the training loop to avoid gradient underflow"
+            trial = SpeedTrial(self.config.autocast_trial_calls, self.config.autocast_trial_min_speedup)
+            if trial.running:
+                why += (f"; on trial: the model's next {len(trial.schedule)} training calls alternate autocast "
+                        "on/off and it stays on only if faster on this model")
+            attach_autocast(model, dev.type, getattr(torch, dname), self.patches, trial,
+                            lambda keep, summary: self._trial_verdict(rec, want, keep, summary))
+            self._decide(rec, "mixed_precision", req, want, why, tried)
+            return
+        why = f"forced by mixed_precision={req} (probe: {ratio:.2f}x vs fp32)"
+        if req == "fp16":
+            why += "; use torch.amp.GradScaler in the training loop to avoid gradient underflow"
         attach_autocast(model, dev.type, getattr(torch, dname), self.patches)
         self._decide(rec, "mixed_precision", req, want, why, tried)
+
+    def _trial_verdict(self, rec: ModelRecord, want: str, keep: bool, summary: dict) -> None:
+        timing = (f"{want} {summary['on_ms']} ms vs fp32 {summary['off_ms']} ms per forward+backward, median of "
+                  f"{summary['calls'] // 2} calls each: {summary['speedup']:.2f}x")
+        if keep:
+            why = f"kept after the trial on this model: {timing} (>= {summary['min_speedup']:.2f}x)"
+        else:
+            why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
+        self._decide(rec, "mixed_precision", "auto", want if keep else "fp32", why)
+        rec.features["mixed_precision"]["trial"] = summary
 
     def _not_built(self, rec: ModelRecord) -> None:
         for name, spec in FEATURES.items():

@@ -20,6 +20,8 @@ SETTINGS = {
     "adopt": "auto",  # "auto": models moved with .to()/.cuda() or first called are adopted; "explicit": only vb.adopt()
     "autocast_min_speedup": 1.10,  # autocast only where the probe measured at least this speed-up
     "sdpa_min_speedup": 1.0,  # SDPA routing only where it is at least this fast vs hand-written
+    "autocast_trial_calls": 16,  # timed training calls on the model itself confirming autocast (0: no trial)
+    "autocast_trial_min_speedup": 1.05,  # keep autocast after the trial only if this much faster
     "verbose": False,  # print the decisions as they are made
     "banner": True,  # print the one-line-per-feature banner at enable()
 }
@@ -51,7 +53,10 @@ class VBConfig:
 def _validate_setting(name: str, value, source: str):
     if name == "adopt" and value not in ("auto", "explicit"):
         raise ConfigError(f"{source}: adopt={value!r} is not valid; valid values: auto, explicit")
-    if name in ("autocast_min_speedup", "sdpa_min_speedup"):
+    if name == "autocast_trial_calls":
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % 2:
+            raise ConfigError(f"{source}: autocast_trial_calls={value!r} must be an even int >= 0")
+    if name in ("autocast_min_speedup", "sdpa_min_speedup", "autocast_trial_min_speedup"):
         try:
             value = float(value)
         except (TypeError, ValueError):

@@ -254,8 +254,10 @@ def enabled(mode: str = DEFAULT_MODE, **overrides: Any):
         disable()
         old_cfg, was_on = prev
         if was_on and old_cfg is not None:
-            enable(old_cfg.mode, **{k: v for k, v in {**old_cfg.features, **old_cfg.settings}.items()
-                                    if old_cfg.sources.get(k) == "argument"}, banner=False)
+            restored = {k: v for k, v in {**old_cfg.features, **old_cfg.settings}.items()
+                        if old_cfg.sources.get(k) == "argument"}
+            restored["banner"] = False
+            enable(old_cfg.mode, **restored)
 
 
 # ---------------------------------------------------------------------------- patches

@@ -29,13 +29,15 @@ def cpu_model_name() -> str:
 
 def peak_rss_bytes() -> int:
     """Peak resident set size of this process, in bytes."""
+    info = psutil.Process().memory_info()
     if sys.platform.startswith("linux") or sys.platform == "darwin":
         import resource
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return int(peak if sys.platform == "darwin" else peak * 1024)  # Linux reports KiB
-    info = psutil.Process().memory_info()
-    return int(getattr(info, "peak_wset", info.rss))
+        peak = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+    else:
+        peak = getattr(info, "peak_wset", info.rss)
+    return int(max(peak, info.rss))  # the kernel's high-water mark can lag the current RSS
 
 
 @register_backend

@@ -1,0 +1,50 @@
+"""Shared test fixtures: the real-data folder, a clean switch per test, subprocess helpers."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VB_ENV = ("ENABLE_VIRTUAL_BLACKWELL", "VB_MODE", "VB_DEVICE", "VB_ATTENTION", "VB_MIXED_PRECISION", "VB_FP4",
+          "VB_CHECKPOINTING", "VB_ACTIVATION_OFFLOAD", "VB_PAGING", "VB_LOG_LEVEL")
+
+
+def data_dir() -> Path:
+    """The shared real-data folder: ``APT_DATA_DIR`` or ``../shared/data`` beside the project."""
+    return Path(os.environ.get("APT_DATA_DIR", ROOT.parent / "shared" / "data"))
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    d = data_dir()
+    if not (d / "kjv.txt").exists():
+        pytest.skip(f"real data not found at {d} (set APT_DATA_DIR to the folder with kjv.txt)")
+    return d
+
+
+@pytest.fixture(autouse=True)
+def clean_switch(monkeypatch):
+    """Every test starts and ends with the switch off and no VB_* variables set."""
+    for name in VB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    import apt_model.optimization.vb_global as vb
+
+    vb.disable()
+    yield
+    vb.disable()
+
+
+def clean_env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in VB_ENV}
+    env.update(extra)
+    return env
+
+
+def run_python(code: str, env: dict | None = None, timeout: float = 300, cwd: str | Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (import-time behaviour, PrivateUse1 registration)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          env=env if env is not None else clean_env(), cwd=cwd or ROOT)

@@ -1,0 +1,217 @@
+"""What enabling does to a model: adoption, parameter identity, routing, autocast, redirection."""
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.models.gpt import GPT, GPTConfig
+
+
+def tiny_gpt(attn="eager", seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1, attn_implementation=attn))
+
+
+def train_steps(model, opt, steps=5, seed=1, fixed_batch=False):
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout masks
+    losses = []
+    x = torch.randint(0, 256, (4, 32), generator=gen)
+    for _ in range(steps):
+        if not fixed_batch:
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(model(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_optimizer_built_before_enable_keeps_training_the_same_tensors():
+    model = tiny_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids_before = [id(p) for p in model.parameters()]
+    vb.enable("balanced", attention="sdpa", mixed_precision="bf16", banner=False)
+    model = model.to("cpu")
+    assert [id(p) for p in model.parameters()] == ids_before
+    assert [id(p) for g in opt.param_groups for p in g["params"]] == ids_before
+    w0 = model.blocks[0].mlp[0].weight.detach().clone()
+    losses = train_steps(model, opt, steps=8, fixed_batch=True)
+    assert not torch.equal(model.blocks[0].mlp[0].weight, w0)  # the optimizer updated the live weight
+    assert losses[-1] < losses[0]
+    assert vb.get_stats()["autocast_calls"] == 8
+
+
+def test_adopted_model_equals_plain_model_when_no_optimization_applies():
+    """fp32, CPU, deterministic: a model with nothing to route and autocast off trains bit-identically."""
+    plain = tiny_gpt(attn="sdpa")
+    ref = train_steps(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
+    adopted = tiny_gpt(attn="sdpa")
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    adopted.to("cpu")
+    got = train_steps(adopted, torch.optim.AdamW(adopted.parameters(), lr=1e-3))
+    assert vb.get_report()["models"][0]["features"]["attention"]["reason"].startswith("already fused")
+    assert got == ref
+    for a, b in zip(plain.parameters(), adopted.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_eager_attention_routed_to_sdpa_matches_eager():
+    model = tiny_gpt().eval()
+    x = torch.randint(0, 256, (2, 32))
+    ref = model(x)
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    model.to("cpu")
+    out = model(x)
+    assert all(b.attn.attn_implementation == "sdpa" for b in model.blocks)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-4)
+    rec = vb.get_report()["models"][0]["features"]["attention"]
+    assert rec["chosen"] == "sdpa" and "forced by attention=sdpa" in rec["reason"] and "blocks.1.attn" in rec["reason"]
+
+
+def test_decisions_follow_the_probe_and_thresholds():
+    model = tiny_gpt()
+    vb.enable("balanced", autocast_min_speedup=99.0, sdpa_min_speedup=99.0, banner=False)
+    model.to("cpu")
+    feats = vb.get_report()["models"][0]["features"]
+    assert feats["mixed_precision"]["chosen"] == "fp32" and "threshold 99.00x" in feats["mixed_precision"]["reason"]
+    assert feats["attention"]["chosen"] == "as written" and "below the 99.00x threshold" in feats["attention"]["reason"]
+    assert model.blocks[0].attn.attn_implementation == "eager" and not hasattr(model, "_vb_autocast")
+
+    model2 = tiny_gpt()
+    vb.enable("balanced", autocast_min_speedup=0.01, sdpa_min_speedup=0.01, banner=False)
+    model2.to("cpu")
+    feats = vb.get_report()["models"][0]["features"]
+    assert feats["mixed_precision"]["chosen"] == "bf16"  # bf16 runs on every CPU torch supports
+    assert feats["attention"]["chosen"] == "sdpa"
+    speed = next(iter(vb.get_report()["capabilities"]["speed"].values()))
+    assert speed["width"] == 64 and speed["autocast"]["bfloat16"]["speedup"] > 0
+
+
+def test_auto_decision_is_consistent_with_the_measured_ratio():
+    model = tiny_gpt()
+    vb.enable("balanced", banner=False)
+    model.to("cpu")
+    rep = vb.get_report()
+    speed = next(iter(rep["capabilities"]["speed"].values()))
+    ratio = speed["autocast"]["bfloat16"].get("speedup", 0)
+    chosen = rep["models"][0]["features"]["mixed_precision"]["chosen"]
+    assert chosen == ("bf16" if ratio >= 1.10 else "fp32")
+    att = rep["models"][0]["features"]["attention"]["chosen"]
+    assert att == ("sdpa" if speed["attention"]["speedup"] >= 1.0 else "as written")
+
+
+def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    q = torch.randn(2, 10, 32)
+    ref_out, ref_w = mha(q, q, q)
+    assert ref_w is not None
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    mha.to("cpu")
+    out, w = mha(q, q, q)
+    assert w is None  # need_weights defaulted to False: the fused path
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
+    out2, w2 = mha(q, q, q, need_weights=True)
+    assert w2 is not None and torch.allclose(w2, ref_w)
+    vb.disable()
+    assert mha(q, q, q)[1] is not None
+
+
+def test_hugging_face_eager_attention_is_switched_and_restored():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                                  bos_token_id=0, eos_token_id=0)
+    cfg._attn_implementation = "eager"
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    x = torch.randint(0, 256, (1, 16))
+    ref = model(x).logits
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    model.to("cpu")
+    assert model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(model(x).logits, ref, atol=1e-4, rtol=1e-4)
+    vb.disable()
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")
+def test_cuda_calls_go_to_the_selected_device_and_stop_after_disable():
+    vb.enable("balanced", banner=False)
+    model = nn.Linear(4, 4).cuda()
+    t = torch.ones(3).cuda()
+    t2 = torch.ones(3).to("cuda:0")
+    assert model.weight.device.type == "cpu" and t.device.type == "cpu" and t2.device.type == "cpu"
+    assert vb.get_stats()["cuda_redirects"] >= 3
+    placement = vb.get_report()["models"][0]["features"]["placement"]["reason"]
+    assert "redirected from cuda" in placement
+    vb.disable()
+    with pytest.raises((AssertionError, RuntimeError)):
+        torch.ones(1).cuda()
+
+
+def test_a_model_that_is_never_moved_is_adopted_at_its_first_call():
+    model = tiny_gpt().eval()
+    x = torch.randint(0, 256, (2, 32))
+    ref = model(x)
+    vb.enable("balanced", mixed_precision="bf16", attention="off", banner=False)
+    out = model(x)
+    assert out.dtype == torch.float32  # outputs converted back for the user's loss
+    rec = vb.get_report()["models"][0]
+    assert rec["trigger"] == "first forward" and rec["features"]["mixed_precision"]["chosen"] == "bf16"
+    assert model._vb_autocast.calls == 1  # autocast applied on that very first call
+    assert not torch.equal(out, ref)
+    vb.disable()
+    assert torch.equal(model(x), ref)  # plain fp32 again after disable
+
+
+def test_explicit_adoption_mode():
+    model = tiny_gpt()
+    vb.enable("balanced", adopt="explicit", mixed_precision="bf16", banner=False)
+    model.to("cpu")
+    model(torch.randint(0, 256, (1, 8)))
+    assert vb.get_stats()["adopted_models"] == 0
+    assert vb.adopt(model) is model
+    assert vb.get_stats()["adopted_models"] == 1 and hasattr(model, "_vb_autocast")
+
+
+def test_user_autocast_is_respected():
+    model = tiny_gpt()
+    vb.enable("balanced", mixed_precision="bf16", banner=False)
+    model.to("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(torch.randint(0, 256, (1, 8)))
+    assert out.dtype == torch.bfloat16  # untouched: the script manages precision here
+    assert model._vb_autocast.calls == 0
+
+
+def test_adopted_model_pickles_and_deepcopies():
+    model = tiny_gpt()
+    vb.enable("balanced", attention="sdpa", mixed_precision="bf16", banner=False)
+    model.to("cpu")
+    x = torch.randint(0, 256, (1, 8))
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    clone = copy.deepcopy(model)
+    model.eval(), loaded.eval(), clone.eval()
+    assert torch.equal(loaded(x), model(x)) and torch.equal(clone(x), model(x))
+
+
+def test_print_stats_and_report(capsys):
+    model = tiny_gpt()
+    vb.enable("balanced", banner=False)
+    model.to("cpu")
+    vb.print_stats()
+    text = capsys.readouterr().out
+    assert "model GPT#1" in text and "attention" in text and "mixed_precision" in text
+    rep = vb.get_report()
+    assert {"version", "config", "device", "capabilities", "models", "decisions", "stats"} <= set(rep)
+    assert rep["device"]["selection"]["device"] == "cpu"
+    assert [d["feature"] for d in rep["decisions"]][:2] == ["mode", "device"]

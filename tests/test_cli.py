@@ -1,0 +1,49 @@
+"""apt-vb as users run it: in a subprocess, parsing its JSON."""
+import json
+import subprocess
+import sys
+
+from apt_model.devices.backend import STATUSES
+from conftest import clean_env
+
+
+def apt_vb(*args, timeout=180):
+    return subprocess.run([sys.executable, "-m", "apt_model", *args], capture_output=True, text=True,
+                          env=clean_env(), timeout=timeout)
+
+
+def test_info_json_lists_every_candidate_with_status_and_reason():
+    proc = apt_vb("info", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout)
+    kinds = {c["kind"]: c for c in info["candidates"]}
+    for k in ("cuda", "npu", "mlu", "xpu", "mps", "cpu"):
+        assert k in kinds
+        assert kinds[k]["status"] in STATUSES and kinds[k]["reason"]
+    assert kinds["npu"]["dist_backend"] == "hccl" and kinds["mlu"]["dist_backend"] == "cncl"
+    sel = info["selected"]
+    assert {"device", "kind", "reason", "ranking", "dist_backend"} <= set(sel)
+    assert {"device", "host", "disk"} <= set(info["memory"])
+    assert info["memory"]["host"]["total"] > 0
+    caps = info["capabilities"]
+    assert caps["support"]["dtypes"]["float32"]["matmul"] is True
+    assert "speedup" in caps["speed"]["attention"]
+
+
+def test_info_text_and_version():
+    proc = apt_vb("info", "--no-probe")
+    assert proc.returncode == 0 and "Device candidates" in proc.stdout and "Memory tiers" in proc.stdout
+    assert "Capabilities" not in proc.stdout
+    ver = apt_vb("--version")
+    assert ver.returncode == 0 and ver.stdout.startswith("apt_model ")
+
+
+def test_run_module_and_missing_script(tmp_path):
+    pkg = tmp_path / "mymod.py"
+    pkg.write_text("import sys\nimport apt_model.optimization.vb_global as vb\nprint('MOD', vb.is_enabled(), sys.argv[1:])\n")
+    proc = subprocess.run([sys.executable, "-m", "apt_model", "run", "--quiet", "-m", "mymod", "x", "--flag"],
+                          capture_output=True, text=True, env=clean_env(PYTHONPATH=str(tmp_path)), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "MOD True ['x', '--flag']" in proc.stdout
+    bad = apt_vb("run", str(tmp_path / "nope.py"))
+    assert bad.returncode != 0 and "not found" in bad.stderr

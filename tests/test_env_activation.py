@@ -1,0 +1,81 @@
+"""Environment activation at import, its validation, and the absence of other import side effects."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import clean_env, run_python
+
+PROBE = textwrap.dedent("""
+    import json, torch, torch.nn as nn
+    before = (nn.Module.to, torch.Tensor.to)
+    import apt_model
+    import apt_model.optimization.vb_global as vb
+    from torch.nn.modules import module as M
+    print("RESULT" + json.dumps({
+        "enabled": vb.is_enabled(),
+        "mode": vb.get_config()["mode"],
+        "untouched": before == (nn.Module.to, torch.Tensor.to),
+        "global_hooks": len(M._global_forward_pre_hooks),
+    }))
+""")
+
+
+def _result(proc):
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.split("RESULT", 1)[1])
+
+
+def test_import_without_env_has_no_side_effects():
+    r = _result(run_python(PROBE, env=clean_env()))
+    assert r == {"enabled": False, "mode": None, "untouched": True, "global_hooks": 0}
+
+
+@pytest.mark.parametrize("mode,expected", [("memory", "memory"), ("speed", "performance"), ("", "balanced")])
+def test_env_enables_at_import(mode, expected):
+    r = _result(run_python(PROBE, env=clean_env(ENABLE_VIRTUAL_BLACKWELL="1", VB_MODE=mode)))
+    assert r["enabled"] is True and r["mode"] == expected
+    assert r["untouched"] is False and r["global_hooks"] == 1
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"ENABLE_VIRTUAL_BLACKWELL": "maybe"}, "ENABLE_VIRTUAL_BLACKWELL='maybe' is not valid; use one of 1, true, yes, on"),
+    ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_MODE": "fast"}, "VB_MODE='fast' is not a mode; valid modes: performance, speed, balanced, memory, full"),
+    ({"VB_MODE": "fast"}, "VB_MODE='fast' is not a mode"),  # validated even while the switch stays off
+    ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_ATTENTION": "flash3"}, "VB_ATTENTION: attention='flash3' is not valid; valid values: auto, sdpa, off"),
+    ({"VB_LOG_LEVEL": "LOUD"}, "VB_LOG_LEVEL='LOUD' is not valid; use one of DEBUG"),
+    ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_DEVICE": "npu:1"}, "VB_DEVICE='npu:1' asks for npu, which is not usable here (npu: not_installed - package torch_npu not installed"),
+    ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_DEVICE": "gpu"}, "unknown kind 'gpu'; valid kinds:"),
+])
+def test_invalid_env_values_fail_clearly(env, needle):
+    proc = run_python("import apt_model", env=clean_env(**env))
+    assert proc.returncode != 0
+    assert needle in proc.stderr, proc.stderr[-1500:]
+
+
+def test_false_values_keep_it_off():
+    r = _result(run_python(PROBE, env=clean_env(ENABLE_VIRTUAL_BLACKWELL="off", VB_MODE="memory")))
+    assert r["enabled"] is False and r["untouched"] is True
+
+
+def test_launcher_enables_for_an_unmodified_script(tmp_path):
+    script = tmp_path / "train_like.py"
+    script.write_text(textwrap.dedent("""
+        import sys, json, torch
+        import apt_model.optimization.vb_global as vb
+        model = torch.nn.Linear(4, 4).cuda()   # a CUDA-only script on a machine without CUDA
+        print("RESULT" + json.dumps({"argv": sys.argv[1:], "enabled": vb.is_enabled(),
+                                      "mode": vb.get_config()["mode"], "device": str(model.weight.device)}))
+        sys.exit(3)
+    """))
+    report = tmp_path / "vb.json"
+    proc = subprocess.run([sys.executable, "-m", "apt_model", "run", "--mode", "memory", "--quiet",
+                           "--report", str(report), str(script), "--lr", "1"],
+                          capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.split("RESULT", 1)[1])
+    assert r == {"argv": ["--lr", "1"], "enabled": True, "mode": "memory", "device": "cpu"}
+    rep = json.loads(report.read_text())
+    assert rep["stats"]["cuda_redirects"] >= 1 and rep["models"][0]["name"] == "Linear"

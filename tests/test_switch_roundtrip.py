@@ -1,0 +1,113 @@
+"""enable()/disable() round trip: every patch restored, configuration validated and explained."""
+import pytest
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as M
+
+import apt_model.optimization.vb_global as vb
+from apt_model.errors import ConfigError
+from apt_model.models.gpt import GPT, GPTConfig
+
+
+def _snapshot():
+    return {
+        "Module.to": nn.Module.__dict__["to"],
+        "Module.cuda": nn.Module.__dict__["cuda"],
+        "Tensor.to": torch.Tensor.__dict__.get("to"),
+        "Tensor.cuda": torch.Tensor.__dict__.get("cuda"),
+        "global_pre_hooks": dict(M._global_forward_pre_hooks),
+        "global_hooks": dict(M._global_forward_hooks),
+    }
+
+
+def test_enable_disable_restores_every_patch():
+    before = _snapshot()
+    vb.enable("balanced", banner=False)
+    during = _snapshot()
+    assert during["Module.to"] is not before["Module.to"]
+    assert during["Module.cuda"] is not before["Module.cuda"]
+    assert len(during["global_pre_hooks"]) == len(before["global_pre_hooks"]) + 1
+    if not torch.cuda.is_available():  # the tensor redirection exists only where CUDA is absent
+        assert during["Tensor.to"] is not before["Tensor.to"]
+    vb.disable()
+    assert _snapshot() == before
+    assert not vb.is_enabled()
+
+
+def test_adopted_model_is_unpatched_by_disable_and_keeps_working():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2))
+    x = torch.randint(0, 256, (2, 32))
+    ref = model(x)
+    vb.enable("balanced", attention="sdpa", mixed_precision="bf16", banner=False)
+    model.to("cpu")
+    assert all(b.attn.attn_implementation == "sdpa" for b in model.blocks)
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    during = model(x)
+    assert not torch.equal(during, ref)  # bf16 autocast really ran
+    vb.disable()
+    assert all(b.attn.attn_implementation == "eager" for b in model.blocks)
+    assert len(model._forward_pre_hooks) == 0 and len(model._forward_hooks) == 0
+    assert not hasattr(model, "_vb_autocast")
+    assert torch.equal(model(x), ref)  # bit-identical to before enabling
+
+
+def test_context_manager_restores_previous_state():
+    assert not vb.is_enabled()
+    with vb.enabled("memory", banner=False) as cfg:
+        assert vb.is_enabled() and cfg.mode == "memory"
+    assert not vb.is_enabled()
+    vb.enable("performance", attention="off", banner=False)
+    with vb.enabled("memory", banner=False):
+        assert vb.get_config()["mode"] == "memory"
+    assert vb.is_enabled() and vb.get_config()["mode"] == "performance"
+    assert vb.get_config()["features"]["attention"]["value"] == "off"  # the override survives
+
+
+def test_enable_twice_reconfigures_without_stacking_patches():
+    before = _snapshot()
+    vb.enable("balanced", banner=False)
+    vb.enable("memory", banner=False)
+    assert vb.get_config()["mode"] == "memory"
+    assert len(M._global_forward_pre_hooks) == len(before["global_pre_hooks"]) + 1
+    vb.disable()
+    assert _snapshot() == before
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda: vb.enable("fast"), "mode='fast' is not a mode; valid modes: performance, speed, balanced, memory, full"),
+    (lambda: vb.enable(turbo=True), "unknown option 'turbo'; valid options: attention, mixed_precision"),
+    (lambda: vb.enable(mixed_precision="fp8"), "mixed_precision='fp8' is not valid; valid values: auto, bf16, fp16, off"),
+    (lambda: vb.enable(adopt="always"), "adopt='always' is not valid"),
+    (lambda: vb.enable(device="tpu"), "unknown kind 'tpu'"),
+    (lambda: vb.enable(autocast_min_speedup="fast"), "autocast_min_speedup='fast' is not a number"),
+])
+def test_invalid_enable_arguments(call, needle):
+    with pytest.raises(ConfigError) as info:
+        call()
+    assert needle in str(info.value)
+    assert not vb.is_enabled()
+
+
+def test_config_reports_sources_and_unbuilt_features(monkeypatch, capsys):
+    monkeypatch.setenv("VB_MIXED_PRECISION", "off")
+    vb.enable("memory", attention="sdpa")
+    banner = capsys.readouterr().out
+    cfg = vb.get_config()
+    assert cfg["features"]["attention"] == {**cfg["features"]["attention"], "value": "sdpa", "source": "argument"}
+    assert cfg["features"]["mixed_precision"]["source"] == "environment:VB_MIXED_PRECISION"
+    assert cfg["features"]["mixed_precision"]["value"] == "off"
+    assert cfg["features"]["paging"]["source"] == "mode:memory"
+    assert cfg["features"]["paging"]["status"] == "not built"
+    assert "NOT BUILT" in banner and "paging" in banner
+    decisions = vb.get_report()["decisions"]
+    assert any(d["feature"] == "paging" and d["reason"] == "not built in this version" for d in decisions)
+
+
+def test_speed_alias_and_mode_functions():
+    for fn, mode in [(vb.enable_speed_mode, "performance"), (vb.enable_performance_mode, "performance"),
+                     (vb.enable_balanced_mode, "balanced"), (vb.enable_memory_mode, "memory"),
+                     (vb.enable_full_optimization, "full")]:
+        cfg = fn(banner=False)
+        assert cfg.mode == mode and vb.get_config()["mode"] == mode
+    vb.disable()

@@ -1,0 +1,55 @@
+"""The main job, run for real on short schedules."""
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from apt_model.models.gpt import GPT, GPTConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_train():
+    spec = importlib.util.spec_from_file_location("apt_train", ROOT / "training" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_short_run_learns_and_writes_checkpoint_and_report(tmp_path):
+    train = load_train()
+    rep = train.main(["--steps", "120", "--eval-every", "60", "--max-bytes", "3000000", "--quiet",
+                      "--threads", "2", "--out", str(tmp_path)])
+    assert rep["eval"][0][0] == 0 and rep["eval"][-1][0] == 120
+    assert rep["eval_drop"] >= 0.30, rep["eval"]  # held-out loss falls by at least 30%
+    saved = json.loads((tmp_path / "report.json").read_text())
+    assert saved["vb"]["config"]["mode"] == "balanced"
+    assert saved["vb"]["models"][0]["features"]["attention"]["chosen"] in ("sdpa", "as written")
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=False)
+    model = GPT(GPTConfig(**ckpt["model_config"]["config"]))
+    model.load_state_dict(ckpt["model"])
+    assert ckpt["step"] == 120 and len(ckpt["optimizer"]["state"]) > 0
+
+
+def test_off_and_balanced_start_from_the_same_place(tmp_path):
+    train = load_train()
+    common = ["--steps", "3", "--eval-every", "3", "--max-bytes", "500000", "--quiet"]
+    off = train.main(common + ["--vb-mode", "off", "--out", str(tmp_path / "off")])
+    on = train.main(common + ["--vb-mode", "balanced", "--out", str(tmp_path / "on")])
+    assert off["vb"] is None and on["vb"] is not None
+    assert abs(off["eval"][0][1] - on["eval"][0][1]) < 1e-3  # same init, same held-out batches
+    assert abs(off["losses"][0][1] - on["losses"][0][1]) < 5e-2
+
+
+def test_kjv_corpus(shared_data, tmp_path):
+    rep = load_train().main(["--data", str(shared_data / "kjv.txt"), "--steps", "20", "--eval-every", "20",
+                             "--quiet", "--out", str(tmp_path)])
+    assert rep["corpus"]["source"].endswith("kjv.txt") and rep["eval"][-1][1] < rep["eval"][0][1]
+
+
+@pytest.mark.slow
+def test_default_run_meets_the_acceptance_target(tmp_path):
+    rep = load_train().main(["--quiet", "--out", str(tmp_path)])
+    assert rep["eval_drop"] >= 0.30

@@ -116,9 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)
     seq_len = args.seq_len or SEQ_DEFAULT[args.model_size]
     if args.vb_mode != "off":
-        vb.enable(args.vb_mode, device=args.device, banner=not args.quiet)
+        mode = "performance" if args.vb_mode == "speed" else args.vb_mode
+        already = vb.is_enabled() and vb.get_config()["mode"] == mode and args.device is None
+        if not already:  # the launcher or ENABLE_VIRTUAL_BLACKWELL may have enabled it already
+            vb.enable(mode, device=args.device, banner=not args.quiet)
         device = vb.device()
     else:
+        vb.disable()  # plain PyTorch, even if the environment enabled the switch
         device = torch.device(args.device) if args.device else get_device()
 
     t_load = time.perf_counter()

@@ -2,45 +2,65 @@
 
 A probe on a representative block screens candidates cheaply, but the user's model (its width,
 sequence length, head size, optimizer) decides. A :class:`SpeedTrial` therefore times early
-training calls of the adopted model itself and keeps the setting only if its median is faster
-by ``min_speedup``. The design guards against the usual traps of timing a live run:
+training calls of the adopted model itself and keeps the setting only if it clearly wins. The
+design guards against the usual traps of timing a live run:
 
-* the first ``skip`` calls are not timed (allocator growth, first optimizer-state allocation,
-  thread-pool start), then one warm-up call with each setting;
-* the timed calls follow an ABBA order (on, off, off, on, ...), which cancels a linear drift in
-  speed, and gives each call site of a model called twice per step both settings.
+* **settle first.** Calls alternate on/off in ABBA order (on, off, off, on) from the start, but
+  none counts until each setting's last ``settle_window`` calls agree within
+  ``settle_tolerance`` (max/min), or ``settle_max`` calls have passed. A fresh process is not in
+  steady state: on the 2-core development VM, while another process held memory, a new process's
+  fp32 steps wandered between 80 and 110 ms for ~30 steps before settling at 75 ms, while its
+  smaller bf16 steps were steady — timing that phase made bf16 look 1.15x faster when it was
+  1.15x slower. Both settings alternate while settling, so each one's memory footprint is
+  established before timing starts.
+* **ABBA timing.** ``calls`` timed calls in ABBA order, starting on a cycle boundary, cancel a
+  linear drift in speed and give each call site of a model called twice per step both settings.
+* **a clear win.** "on" must be faster by ``min_speedup`` (medians) *and* its interquartile
+  range must lie entirely below the "off" one. A promising but unclear result is extended once
+  with as many calls again; still unclear means off — the user's own precision is never the
+  risky choice.
 """
 from __future__ import annotations
 
 import statistics
 
+_ABBA = (True, False, False, True)
+
 
 class SpeedTrial:
-    """Schedules and judges ``calls`` timed calls (half with the setting on, half off).
+    """Schedules and judges the calls of one trial.
 
     Args:
-        calls: number of timed calls (even; 0 disables the trial, the setting stays on).
-        min_speedup: keep the setting when median(off) / median(on) >= this.
-        skip: untimed calls (setting on) before the warm-up pair.
+        calls: number of timed calls (a multiple of 4; 0 disables the trial: the setting stays on).
+        min_speedup: keep the setting when median(off) / median(on) >= this (and the win is clear).
+        settle_window: calls per setting that must agree before timing starts.
+        settle_tolerance: max/min ratio under which a window counts as settled.
+        settle_max: calls after which timing starts even if not settled.
 
     Raises:
-        ValueError: for a negative or odd ``calls``, a negative ``skip`` or a non-positive ``min_speedup``.
+        ValueError: for ``calls`` not a non-negative multiple of 4, or other out-of-range values.
     """
 
-    def __init__(self, calls: int = 16, min_speedup: float = 1.05, skip: int = 4):
-        if calls < 0 or calls % 2:
-            raise ValueError(f"calls={calls} must be an even number >= 0")
+    def __init__(self, calls: int = 16, min_speedup: float = 1.05, settle_window: int = 4,
+                 settle_tolerance: float = 1.2, settle_max: int = 48):
+        if calls < 0 or calls % 4:
+            raise ValueError(f"calls={calls} must be a multiple of 4 and >= 0")
         if min_speedup <= 0:
             raise ValueError(f"min_speedup={min_speedup} must be positive")
-        if skip < 0:
-            raise ValueError(f"skip={skip} must be >= 0")
-        abba = (True, False, False, True)
-        order = [abba[i % 4] for i in range(calls)]
-        self.untimed = skip + 2  # the skipped calls and the warm-up pair
-        self.schedule = [True] * skip + [True, False] + order if calls else []
+        if settle_window < 2 or settle_tolerance <= 1 or settle_max < 0:
+            raise ValueError("settle_window must be >= 2, settle_tolerance > 1 and settle_max >= 0")
+        self.calls = calls
         self.min_speedup = min_speedup
-        self.samples: dict[bool, list[float]] = {True: [], False: []}
+        self.settle_window = settle_window
+        self.settle_tolerance = settle_tolerance
+        self.settle_max = settle_max
         self.index = 0
+        self.phase = "settle" if calls else "done"
+        self.settle_calls = 0
+        self.target = calls
+        self.extended = False
+        self._settling: dict[bool, list[float]] = {True: [], False: []}
+        self.samples: dict[bool, list[float]] = {True: [], False: []}
         self.verdict: bool | None = None if calls else True
 
     @property
@@ -48,18 +68,38 @@ class SpeedTrial:
         return self.verdict is None
 
     def next_setting(self) -> bool:
-        """Whether the next timed call runs with the setting on."""
-        return self.schedule[self.index]
+        """Whether the next call runs with the setting on."""
+        return _ABBA[self.index % 4]
+
+    def _settled(self) -> bool:
+        w = self.settle_window
+        for xs in self._settling.values():
+            if len(xs) < w or max(xs[-w:]) > self.settle_tolerance * min(xs[-w:]):
+                return False
+        return True
 
     def record(self, seconds: float) -> bool | None:
         """Record the duration of the call :meth:`next_setting` announced; returns the verdict
-        once the schedule is complete (True: keep the setting), else None."""
-        setting = self.schedule[self.index]
-        if self.index >= self.untimed:
-            self.samples[setting].append(seconds)
+        once decided (True: keep the setting), else None."""
+        setting = self.next_setting()
         self.index += 1
-        if self.index == len(self.schedule):
-            self.verdict = self.speedup() >= self.min_speedup
+        if self.phase == "settle":
+            self._settling[setting].append(seconds)
+            if self.index % 4 == 0 and (self._settled() or self.index >= self.settle_max):
+                self.phase, self.settle_calls = "timed", self.index
+            return None
+        if self.phase != "timed":
+            return self.verdict
+        self.samples[setting].append(seconds)
+        if len(self.samples[True]) + len(self.samples[False]) < self.target:
+            return None
+        promising = self.speedup() >= self.min_speedup
+        if promising and not self.clear() and not self.extended:
+            self.extended = True
+            self.target += self.calls
+            return None
+        self.verdict = promising and self.clear()
+        self.phase = "done"
         return self.verdict
 
     def speedup(self) -> float:
@@ -68,12 +108,28 @@ class SpeedTrial:
             return float("nan")
         return statistics.median(self.samples[False]) / statistics.median(self.samples[True])
 
+    @staticmethod
+    def _quartiles(xs: list[float]) -> tuple[float, float]:
+        if len(xs) < 2:
+            return xs[0], xs[0]
+        q = statistics.quantiles(xs, n=4)
+        return q[0], q[2]
+
+    def clear(self) -> bool:
+        """Whether "on" wins without overlap: its 75th percentile below the 25th of "off"."""
+        if not self.samples[True] or not self.samples[False]:
+            return False
+        return self._quartiles(self.samples[True])[1] < self._quartiles(self.samples[False])[0]
+
     def summary(self) -> dict:
         on, off = self.samples[True], self.samples[False]
         return {
             "calls": len(on) + len(off),
+            "settle_calls": self.settle_calls,
             "on_ms": round(1e3 * statistics.median(on), 3) if on else None,
             "off_ms": round(1e3 * statistics.median(off), 3) if off else None,
             "speedup": round(self.speedup(), 3) if on and off else None,
             "min_speedup": self.min_speedup,
+            "clear": self.clear(),
+            "extended": self.extended,
         }

@@ -227,8 +227,8 @@ class Adopter:
             why = f"bf16 autocast {ratio:.2f}x faster than fp32 on {dev}{note}"
             trial = SpeedTrial(self.config.autocast_trial_calls, self.config.autocast_trial_min_speedup)
             if trial.running:
-                why += (f"; on trial: the model's next {len(trial.schedule)} training calls alternate autocast "
-                        "on/off and it stays on only if faster on this model")
+                why += (f"; on trial: the model's first training calls alternate autocast on/off; once step "
+                        f"times settle, {trial.calls} timed calls decide, and it stays on only if clearly faster")
             attach_autocast(model, dev.type, getattr(torch, dname), self.patches, trial,
                             lambda keep, summary: self._trial_verdict(rec, want, keep, summary))
             self._decide(rec, "mixed_precision", req, want, why, tried)
@@ -241,9 +241,13 @@ class Adopter:
 
     def _trial_verdict(self, rec: ModelRecord, want: str, keep: bool, summary: dict) -> None:
         timing = (f"{want} {summary['on_ms']} ms vs fp32 {summary['off_ms']} ms per forward+backward, median of "
-                  f"{summary['calls'] // 2} calls each: {summary['speedup']:.2f}x")
+                  f"{summary['calls'] // 2} calls each after {summary['settle_calls']} settling calls: "
+                  f"{summary['speedup']:.2f}x")
         if keep:
-            why = f"kept after the trial on this model: {timing} (>= {summary['min_speedup']:.2f}x)"
+            why = f"kept after the trial on this model: {timing} (>= {summary['min_speedup']:.2f}x, clear win)"
+        elif summary["speedup"] >= summary["min_speedup"]:
+            why = (f"turned off after the trial on this model: {timing}, but the timings overlap "
+                   "(no clear win even after extending the trial), so the script's own precision is kept")
         else:
             why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
         self._decide(rec, "mixed_precision", "auto", want if keep else "fp32", why)

@@ -54,8 +54,8 @@ def _validate_setting(name: str, value, source: str):
     if name == "adopt" and value not in ("auto", "explicit"):
         raise ConfigError(f"{source}: adopt={value!r} is not valid; valid values: auto, explicit")
     if name == "autocast_trial_calls":
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % 2:
-            raise ConfigError(f"{source}: autocast_trial_calls={value!r} must be an even int >= 0")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % 4:
+            raise ConfigError(f"{source}: autocast_trial_calls={value!r} must be a multiple of 4, >= 0")
     if name in ("autocast_min_speedup", "sdpa_min_speedup", "autocast_trial_min_speedup"):
         try:
             value = float(value)

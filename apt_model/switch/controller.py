@@ -304,7 +304,10 @@ def _redirect_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def _install_patches(st: _State) -> None:
     cfg, sel = st.config, st.selection
-    needs_redirect = cfg.redirect_cuda and sel.device.type != "cuda" and not torch.cuda.is_available()
+    from apt_model.devices.detection import detect_devices
+
+    cuda_present = any(c.available and c.device_type == "cuda" for c in detect_devices())  # no CUDA init
+    needs_redirect = cfg.redirect_cuda and sel.device.type != "cuda" and not cuda_present
     st.redirect_target = sel.device if needs_redirect else None
     orig_module_to = nn.Module.to
     orig_module_cuda = nn.Module.cuda

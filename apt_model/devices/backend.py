@@ -103,8 +103,23 @@ class AcceleratorBackend:
         acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         return acc is not None and acc.type == self.device_type
 
-    def _first_of(self, what: str, attempts: list[tuple[str, Callable[[], Any]]]) -> Any:
-        """Run ``attempts`` in order; return the first result; raise FigureUnavailable with all errors."""
+    def _call(self, what: str, fn_name: str, *args: Any, accelerator_fn: str | None = None) -> Any:
+        """Call ``torch.accelerator.<accelerator_fn or fn_name>(*args)`` when this kind is the current
+        accelerator, else (or if that fails) ``torch.<device_type>.<fn_name>(*args)``.
+
+        ``torch.accelerator`` is preferred (one API for every in-tree and PrivateUse1 device); the
+        device module covers what it lacks (it is only for the *current* accelerator, and raises
+        on a CPU-only machine). Raises FigureUnavailable listing every error when all fail.
+        """
+        acc_name = accelerator_fn or fn_name
+        attempts: list[tuple[str, Callable[[], Any]]] = []
+        if self._is_current_accelerator() and hasattr(torch.accelerator, acc_name):
+            attempts.append((f"torch.accelerator.{acc_name}", lambda: getattr(torch.accelerator, acc_name)(*args)))
+        mod = getattr(torch, self.device_type, None)
+        if mod is not None and hasattr(mod, fn_name):
+            attempts.append((f"torch.{self.device_type}.{fn_name}", lambda: getattr(mod, fn_name)(*args)))
+        if not attempts:
+            raise FigureUnavailable(f"{what} unavailable on {self.kind}: no torch API provides {fn_name}")
         errors = []
         for label, fn in attempts:
             try:
@@ -113,25 +128,14 @@ class AcceleratorBackend:
                 errors.append(f"{label}: {describe_exception(err)}")
         raise FigureUnavailable(f"{what} unavailable on {self.kind}: " + "; ".join(errors))
 
-    def _module_then_accelerator(self, what: str, fn_name: str, index: int) -> Any:
-        attempts: list[tuple[str, Callable[[], Any]]] = []
-        if self._is_current_accelerator() and hasattr(torch.accelerator, fn_name):
-            attempts.append((f"torch.accelerator.{fn_name}", lambda: getattr(torch.accelerator, fn_name)(index)))
-        mod = getattr(torch, self.device_type, None)
-        if mod is not None and hasattr(mod, fn_name):
-            attempts.append((f"torch.{self.device_type}.{fn_name}", lambda: getattr(mod, fn_name)(index)))
-        if not attempts:
-            raise FigureUnavailable(f"{what} unavailable on {self.kind}: no torch API provides {fn_name}")
-        return self._first_of(what, attempts)
-
     # ------------------------------------------------------------------ figures (bytes)
     def device_name(self, index: int = 0) -> str:
         """Marketing name of device ``index``. May initialize the device."""
-        return str(self._module_then_accelerator("device name", "get_device_name", index))
+        return str(self._call("device name", "get_device_name", index))
 
     def device_properties(self, index: int = 0) -> dict[str, Any]:
         """Properties of device ``index`` as a plain dict (names and values as torch reports them)."""
-        props = self._module_then_accelerator("device properties", "get_device_properties", index)
+        props = self._call("device properties", "get_device_properties", index)
         out: dict[str, Any] = {}
         for attr in dir(props):
             if attr.startswith("_"):
@@ -150,52 +154,32 @@ class AcceleratorBackend:
 
     def memory_info(self, index: int = 0) -> tuple[int, int]:
         """``(free_bytes, total_bytes)`` of device ``index``."""
-        attempts: list[tuple[str, Callable[[], Any]]] = []
-        if self._is_current_accelerator():
-            attempts.append(("torch.accelerator.get_memory_info", lambda: torch.accelerator.get_memory_info(index)))
-        mod = getattr(torch, self.device_type, None)
-        if mod is not None and hasattr(mod, "mem_get_info"):
-            attempts.append((f"torch.{self.device_type}.mem_get_info", lambda: mod.mem_get_info(index)))
-        if not attempts:
-            raise FigureUnavailable(f"memory info unavailable on {self.kind}: no torch API provides it")
-        free, total = self._first_of("memory info", attempts)
+        free, total = self._call("memory info", "mem_get_info", index, accelerator_fn="get_memory_info")
         return int(free), int(total)
 
     def memory_allocated(self, index: int = 0) -> int:
         """Bytes currently held by tensors on device ``index``."""
-        return int(self._module_then_accelerator("memory allocated", "memory_allocated", index))
+        return int(self._call("memory allocated", "memory_allocated", index))
 
     def memory_reserved(self, index: int = 0) -> int:
         """Bytes reserved by the caching allocator on device ``index``."""
-        return int(self._module_then_accelerator("memory reserved", "memory_reserved", index))
+        return int(self._call("memory reserved", "memory_reserved", index))
 
     def max_memory_allocated(self, index: int = 0) -> int:
         """Peak bytes held by tensors on device ``index`` since start or the last reset."""
-        return int(self._module_then_accelerator("peak memory allocated", "max_memory_allocated", index))
+        return int(self._call("peak memory allocated", "max_memory_allocated", index))
 
     def reset_peak_memory_stats(self, index: int = 0) -> None:
         """Reset the peak counter read by :meth:`max_memory_allocated`."""
-        self._module_then_accelerator("peak reset", "reset_peak_memory_stats", index)
+        self._call("peak reset", "reset_peak_memory_stats", index)
 
     def empty_cache(self) -> None:
         """Return cached, unused device memory to the driver."""
-        attempts: list[tuple[str, Callable[[], Any]]] = []
-        if self._is_current_accelerator():
-            attempts.append(("torch.accelerator.empty_cache", torch.accelerator.empty_cache))
-        mod = getattr(torch, self.device_type, None)
-        if mod is not None and hasattr(mod, "empty_cache"):
-            attempts.append((f"torch.{self.device_type}.empty_cache", mod.empty_cache))
-        self._first_of("empty_cache", attempts or [("none", _no_api("empty_cache"))])
+        self._call("empty_cache", "empty_cache")
 
     def synchronize(self, index: int | None = None) -> None:
         """Wait for all queued work on device ``index`` (the current device when None)."""
-        attempts: list[tuple[str, Callable[[], Any]]] = []
-        if self._is_current_accelerator():
-            attempts.append(("torch.accelerator.synchronize", lambda: torch.accelerator.synchronize(index)))
-        mod = getattr(torch, self.device_type, None)
-        if mod is not None and hasattr(mod, "synchronize"):
-            attempts.append((f"torch.{self.device_type}.synchronize", lambda: mod.synchronize(index)))
-        self._first_of("synchronize", attempts or [("none", _no_api("synchronize"))])
+        self._call("synchronize", "synchronize", index)
 
     # ------------------------------------------------------------------ helpers for subclasses
     @staticmethod
@@ -223,9 +207,3 @@ class AcceleratorBackend:
             return text
         return None
 
-
-def _no_api(name: str) -> Callable[[], Any]:
-    def fail():
-        raise FigureUnavailable(f"no torch API provides {name}")
-
-    return fail

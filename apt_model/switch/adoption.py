@@ -84,11 +84,13 @@ def _param_dtype(model: nn.Module) -> torch.dtype | None:
 class Adopter:
     """Applies a :class:`VBConfig` to models, recording every decision in a :class:`DecisionLog`."""
 
-    def __init__(self, config: VBConfig, selected: torch.device, log: DecisionLog, patches: PatchSet):
+    def __init__(self, config: VBConfig, selected: torch.device, log: DecisionLog, patches: PatchSet, stack=None):
         self.config = config
         self.selected = selected
         self.log = log
         self.patches = patches
+        self.stack = stack
+        self.session = None  # the paging session, created when a model first needs paging
         self.records: list[ModelRecord] = []
         self.speeds: dict[str, dict] = {}
         self.supports: dict[str, dict] = {}
@@ -112,6 +114,7 @@ class Adopter:
         speed = self._speed(dev, rec.width) if need_probe and self._wants_speed() else None
         self._attention(model, rec, support, speed)
         self._precision(model, rec, dev, support, speed)
+        self._paging(model, rec, dev)
         self._not_built(rec)
         return rec
 
@@ -252,6 +255,35 @@ class Adopter:
             why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
         self._decide(rec, "mixed_precision", "auto", want if keep else "fp32", why)
         rec.features["mixed_precision"]["trial"] = summary
+
+    def _paging(self, model: nn.Module, rec: ModelRecord, dev: torch.device) -> None:
+        from apt_model.memory.placement import plan_placement
+
+        req = self.config.paging
+        if req == "off" or self.stack is None:
+            self._decide(rec, "paging", req, "off", "paging=off")
+            return
+        if dev.type != "cpu":
+            self._decide(rec, "paging", req, "off",
+                         f"paging of state on {dev.type} devices is not built in this version (CPU runs page to NVMe)")
+            return
+        budget = self.stack.compute_budget
+        plan = plan_placement(model, budget, None, force=req == "always")
+        if not plan.paged:
+            self._decide(rec, "paging", req, "resident", plan.reason)
+            rec.features["paging"]["plan"] = plan.to_dict()
+            return
+        bw = self.stack.measure()
+        plan = plan_placement(model, budget, bw["disk"], force=req == "always")
+        if self.session is None:
+            from apt_model.memory.paging.session import PagingSession
+
+            self.session = PagingSession(budget, self.stack.swap, self.patches, page_states=plan.page_states)
+        self.session.optimizers.page_states |= plan.page_states
+        self.session.page_model(model, plan.page_params, plan.page_grads)
+        self._decide(rec, "paging", req, "paged", plan.reason,
+                     [str(level) for level in self.stack.levels])
+        rec.features["paging"]["plan"] = plan.to_dict()
 
     def _not_built(self, rec: ModelRecord) -> None:
         for name, spec in FEATURES.items():

@@ -41,6 +41,21 @@ def format_stats(report: dict) -> str:
     mem = s.get("memory") or {}
     if mem:
         lines.append("  memory: " + ", ".join(f"{k} {_fmt_bytes(v)}" for k, v in mem.items()))
+    levels = s.get("levels")
+    if levels:
+        lines.append(f"  {'level':<22} {'capacity':>10} {'resident':>10} {'in':>10} {'out':>10} "
+                     f"{'hits':>6} {'misses':>7} {'GB/s':>11} {'stall s':>8}")
+        for lv in levels:
+            gbps = lv.get("measured_gbps")
+            if lv["kind"] == "nvme" and lv.get("write_gbps"):
+                gbps_txt = f"w{lv['write_gbps']:.2f}/r{(lv.get('read_gbps') or 0):.2f}"
+            else:
+                gbps_txt = f"{gbps:.1f}" if gbps else "-"
+            lines.append(
+                f"  Level {lv['level']} {lv['kind']:<14} {_fmt_bytes(lv['capacity']):>10} "
+                f"{_fmt_bytes(lv.get('resident_bytes')):>10} {_fmt_bytes(lv.get('bytes_in')):>10} "
+                f"{_fmt_bytes(lv.get('bytes_out')):>10} {str(lv.get('hits', '-')):>6} {str(lv.get('misses', '-')):>7} "
+                f"{gbps_txt:>11} {lv.get('stall_s', 0) or 0:>8.2f}")
     for m in report["models"]:
         lines.append(f"  model {m['name']}#{m['id']} ({m['parameters']:,} params on {m['device']}, via {m['trigger']}):")
         for feat, d in m["features"].items():

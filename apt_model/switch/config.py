@@ -22,6 +22,10 @@ SETTINGS = {
     "sdpa_min_speedup": 1.0,  # SDPA routing only where it is at least this fast vs hand-written
     "autocast_trial_calls": 16,  # timed training calls on the model itself confirming autocast (0: no trial)
     "autocast_trial_min_speedup": 1.05,  # keep autocast after the trial only if this much faster
+    "device_budget": None,  # level-0 bytes for training state (VB_DEVICE_BUDGET); CPU: the host level
+    "host_budget": None,  # host-level bytes (VB_HOST_BUDGET)
+    "swap_dir": None,  # where swap folders go (VB_SWAP_DIR; default: the system temp folder)
+    "swap_budget": None,  # bytes the swap level may hold (VB_SWAP_BUDGET)
     "verbose": False,  # print the decisions as they are made
     "banner": True,  # print the one-line-per-feature banner at enable()
 }
@@ -50,9 +54,20 @@ class VBConfig:
                 "sources": dict(self.sources)}
 
 
+#: Settings that can also come from the environment.
+SETTING_ENV = {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET", "swap_dir": "VB_SWAP_DIR",
+               "swap_budget": "VB_SWAP_BUDGET"}
+
+
 def _validate_setting(name: str, value, source: str):
     if name == "adopt" and value not in ("auto", "explicit"):
         raise ConfigError(f"{source}: adopt={value!r} is not valid; valid values: auto, explicit")
+    if name in ("device_budget", "host_budget", "swap_budget") and value is not None:
+        from apt_model.memory.sizes import parse_size
+
+        parse_size(value, f"{source} {name}")
+    if name == "swap_dir" and value is not None and not isinstance(value, (str, os.PathLike)):
+        raise ConfigError(f"{source}: swap_dir={value!r} must be a folder path")
     if name == "autocast_trial_calls":
         if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % 4:
             raise ConfigError(f"{source}: autocast_trial_calls={value!r} must be a multiple of 4, >= 0")
@@ -90,6 +105,11 @@ def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
         if raw is not None and raw.strip():
             cfg.features[name] = validate_feature_value(name, raw, f"environment {spec.env}")
             cfg.sources[name] = f"environment:{spec.env}"
+    for name, env in SETTING_ENV.items():
+        raw = os.environ.get(env)
+        if raw is not None and raw.strip():
+            cfg.settings[name] = _validate_setting(name, raw.strip(), f"environment {env}")
+            cfg.sources[name] = f"environment:{env}"
     for name, value in (overrides or {}).items():
         if name in FEATURES:
             cfg.features[name] = validate_feature_value(name, value, "enable()")

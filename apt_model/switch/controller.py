@@ -44,6 +44,7 @@ class _State:
         self.log = DecisionLog()
         self.patches = PatchSet()
         self.adopter: Adopter | None = None
+        self.stack = None
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.suspended = 0
         self.redirect_target: torch.device | None = None
@@ -84,10 +85,20 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
         if _state.enabled:
             disable()
         st = _state
+        stack = None
+        if config.paging != "off":  # the swap folder is checked (and created) now: errors surface at enable
+            from apt_model.memory.levels import HEADROOM, VGPUStack
+
+            stack = VGPUStack(selection.device, config.device_budget, config.host_budget, config.swap_dir,
+                              config.swap_budget, headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"],
+                              measure=False)
         st.config, st.selection, st.source = config, selection, source
         st.log = DecisionLog(echo=config.verbose)
         st.patches = PatchSet()
-        st.adopter = Adopter(config, selection.device, st.log, st.patches)
+        st.stack = stack
+        if stack is not None:
+            st.patches.add_undo(stack.close, "VGPU stack swap folder")
+        st.adopter = Adopter(config, selection.device, st.log, st.patches, stack)
         st.seen = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at = time.time()
@@ -194,6 +205,7 @@ def get_stats() -> dict:
         mem = {"allocated": b.memory_allocated(), "reserved": b.memory_reserved(), "peak": b.max_memory_allocated(),
                "free": b.free_memory(), "total": b.total_memory()}
     return {
+        "levels": _level_stats(),
         "enabled": st.enabled,
         "mode": st.config.mode if st.config else None,
         "device": str(st.selection.device) if st.selection else None,
@@ -207,6 +219,31 @@ def get_stats() -> dict:
         "decisions": len(st.log.entries),
         "memory": mem,
     }
+
+
+def _level_stats() -> list[dict] | None:
+    """Per-level figures of the VGPU stack: capacity, resident bytes, traffic, hits/misses, GB/s, stalls."""
+    st = _state
+    stack = st.stack
+    if stack is None:
+        return None
+    session = st.adopter.session if st.adopter else None
+    out = []
+    for level in stack.levels:
+        row = {"level": level.index, "kind": level.kind, "device": level.device, "capacity": level.capacity,
+               "measured_gbps": level.gbps}
+        if session is not None and level.index == 0:
+            pr = session.pager.report()
+            row.update(resident_bytes=pr["resident_bytes"], peak_resident=pr["peak_resident"], bytes_in=pr["bytes_in"],
+                       bytes_out=pr["bytes_out"], hits=pr["hits"], misses=pr["misses"], faults=pr["faults"],
+                       stall_s=pr["stall_s"], over_budget_bytes=pr["over_budget_bytes"])
+        if session is not None and level.kind == "nvme":
+            io = session.pager.io
+            row.update(resident_bytes=session.swap.bytes_on_disk, bytes_in=io.write_stats.bytes,
+                       bytes_out=io.read_stats.bytes, write_gbps=io.write_stats.gbps, read_gbps=io.read_stats.gbps,
+                       writes=io.write_stats.ops, reads=io.read_stats.ops)
+        out.append(row)
+    return out
 
 
 def get_report() -> dict:
@@ -226,6 +263,10 @@ def get_report() -> dict:
         },
         "capabilities": {"support": dict(ad.supports) if ad else {}, "speed": dict(ad.speeds) if ad else {}},
         "models": [r.to_dict() for r in (ad.records if ad else [])],
+        "memory": {
+            "stack": st.stack.describe() if st.stack is not None else None,
+            "paging": ad.session.report() if ad and ad.session is not None else None,
+        },
         "decisions": st.log.to_list(),
         "stats": get_stats(),
     }

@@ -39,8 +39,10 @@ FEATURES: dict[str, FeatureSpec] = {
                     "recompute activations of chosen blocks in backward", "VB_CHECKPOINTING"),
         FeatureSpec("activation_offload", (False, True), False,
                     "move saved activations to the host/NVMe tiers between forward and backward", "VB_ACTIVATION_OFFLOAD"),
-        FeatureSpec("paging", ("off", "over_budget", "tight"), False,
-                    "page parameters, gradients and optimizer states through HBM -> host -> NVMe", "VB_PAGING"),
+        FeatureSpec("paging", ("off", "over_budget", "tight", "always"), True,
+                    "page parameters, gradients and optimizer states to the levels below when the training "
+                    "state exceeds the level-0 budget (tight: budget 50% of free memory; always: page even "
+                    "if it fits)", "VB_PAGING"),
     )
 }
 

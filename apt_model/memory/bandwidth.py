@@ -1,0 +1,133 @@
+"""Bandwidth of each memory level, measured on this machine (cached per process).
+
+* compute-device memory: a device-to-device copy (CPU: a host ``memcpy``), reported as bytes
+  read + written per second, the way memory bandwidth is usually quoted;
+* host <-> device link (accelerators only): pinned host-to-device and device-to-host copies;
+* NVMe (the swap folder's disk): a file written with ``fdatasync`` and read back after its
+  pages were dropped from the page cache — the path paging itself uses.
+
+Each figure is the median of a few runs after a warm-up. The probe writes ``probe_mb`` MiB to
+the swap folder and deletes it. Numbers are never constants: a stack printed on another machine
+shows that machine's measurements.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from apt_model.memory.swap import _fadvise_dontneed
+
+_cache: dict[tuple, dict] = {}
+_lock = threading.Lock()
+
+
+def _median_time(fn, reps: int = 3) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        mod = getattr(torch, device.type, None)
+        if mod is not None and hasattr(mod, "synchronize"):
+            mod.synchronize()
+
+
+def measure_memory(device: torch.device, mb: int = 64) -> float:
+    """Copy bandwidth of ``device`` memory in GB/s (bytes read + written)."""
+    n = mb * 2**20
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    a.fill_(1)
+
+    def run():
+        b.copy_(a)
+        _sync(device)
+
+    return 2 * n / _median_time(run) / 1e9
+
+
+def measure_link(device: torch.device, mb: int = 64) -> dict:
+    """Pinned host<->device copy bandwidth in GB/s: ``{"h2d": ..., "d2h": ...}``."""
+    n = mb * 2**20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(n, dtype=torch.uint8, device=device)
+
+    def h2d():
+        dev.copy_(host, non_blocking=True)
+        _sync(device)
+
+    def d2h():
+        host.copy_(dev, non_blocking=True)
+        _sync(device)
+
+    return {"h2d": n / _median_time(h2d) / 1e9, "d2h": n / _median_time(d2h) / 1e9}
+
+
+def measure_disk(folder: str | os.PathLike, mb: int = 64) -> dict:
+    """Write (with fdatasync) and cold-read bandwidth of ``folder``'s disk in GB/s."""
+    n = mb * 2**20
+    data = os.urandom(1 << 20) * mb
+    path = Path(folder) / f".bandwidth-probe-{os.getpid()}"
+    buf = bytearray(n)
+
+    def write():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, data)
+            os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
+            _fadvise_dontneed(fd)
+        finally:
+            os.close(fd)
+
+    def read():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            _fadvise_dontneed(fd)
+            off = 0
+            while off < n:
+                off += os.preadv(fd, [memoryview(buf)[off:]], off)
+        finally:
+            os.close(fd)
+
+    try:
+        w = _median_time(write, reps=2)
+        r = _median_time(read, reps=2)
+    finally:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+    return {"write": n / w / 1e9, "read": n / r / 1e9}
+
+
+def measure_bandwidths(device: torch.device, swap_folder: str | os.PathLike, refresh: bool = False) -> dict:
+    """All level bandwidths (GB/s) for ``device`` and the disk of ``swap_folder``, cached per process.
+
+    Returns:
+        ``{"device_memory": float, "link": {"h2d", "d2h"} | None, "disk": {"write", "read"},
+        "seconds": float}``.
+    """
+    key = (str(device), str(Path(swap_folder).resolve().parent))
+    with _lock:
+        if key in _cache and not refresh:
+            return _cache[key]
+        t0 = time.perf_counter()
+        out = {
+            "device_memory": round(measure_memory(device), 2),
+            "link": None if device.type == "cpu" else {k: round(v, 2) for k, v in measure_link(device).items()},
+            "disk": {k: round(v, 3) for k, v in measure_disk(swap_folder).items()},
+        }
+        out["seconds"] = round(time.perf_counter() - t0, 3)
+        _cache[key] = out
+        return out

@@ -1,0 +1,187 @@
+"""The VGPU stack: the memory levels a run can use, with real capacities and measured bandwidths.
+
+Level 0 is the compute device's memory, Level 1 host RAM (pinned on accelerators), Level 2 the
+swap files. On a CPU-only machine the compute memory *is* host RAM, so the stack has one host
+level (with its budget) and then the swap level. Capacities come from real free memory minus a
+headroom, or from the user's budgets; bandwidths from :mod:`apt_model.memory.bandwidth`.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+import psutil
+import torch
+
+from apt_model.memory.sizes import format_size, parse_size
+from apt_model.memory.swap import SwapSpace
+
+#: Fraction of free memory left alone by default ("over_budget" paging) and in "tight" mode.
+HEADROOM = {"over_budget": 0.10, "tight": 0.50}
+
+_ENV = {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET", "swap_budget": "VB_SWAP_BUDGET"}
+
+
+@dataclass
+class Level:
+    """One memory level.
+
+    Attributes:
+        index: 0 = compute memory, then down the hierarchy.
+        kind: ``device``, ``host`` or ``nvme``.
+        device: what backs it (``cuda:0``, ``cpu``, ``nvme:<folder>``).
+        capacity: bytes this run may use on the level.
+        gbps: headline bandwidth in GB/s (memory: read+write copy rate; NVMe: the slower of read
+            and write); None when not measured.
+        detail: the measured figures behind it.
+        note: e.g. that the compute and host levels are the same memory.
+    """
+
+    index: int
+    kind: str
+    device: str
+    capacity: int
+    gbps: float | None
+    detail: dict = field(default_factory=dict)
+    note: str = ""
+
+    def __str__(self) -> str:
+        bw = f" @ {self.gbps:.1f}GB/s" if self.gbps is not None else " @ (not measured)"
+        extra = ""
+        if self.kind == "nvme" and self.detail:
+            extra = f" (read {self.detail.get('read', 0):.2f}, write {self.detail.get('write', 0):.2f} GB/s)"
+        note = f" [{self.note}]" if self.note else ""
+        return f"Level {self.index}: {self.device} - {self.capacity / 1e6:.0f}MB{bw}{extra}{note}"
+
+
+def resolve_budget(value, env: str, name: str) -> int | None:
+    """A budget from an explicit value, else its environment variable, else None (parsed)."""
+    if value is None:
+        value = os.environ.get(env) or None
+        name = env if value is not None else name
+    return None if value is None else parse_size(value, name)
+
+
+def _device_free(device: torch.device) -> int:
+    from apt_model.devices.device_backend import DeviceBackend
+
+    free = DeviceBackend(device).free_memory()
+    return int(free) if free is not None else int(psutil.virtual_memory().available)
+
+
+class VGPUStack:
+    """The levels for one device, and the swap space behind them.
+
+    Args:
+        device: the compute device.
+        device_budget / host_budget / swap_budget: bytes (or size strings like ``"512MB"``);
+            None reads ``VB_DEVICE_BUDGET`` / ``VB_HOST_BUDGET`` / ``VB_SWAP_BUDGET``, else uses
+            free memory (or disk) minus ``headroom``.
+        swap_dir: the swap folder's parent (``VB_SWAP_DIR`` or the system temp folder).
+        headroom: fraction of free memory left alone when no budget is given.
+        measure: measure bandwidths now (else the levels show "not measured" until
+            :meth:`measure` is called).
+
+    Raises:
+        ConfigError: a malformed budget, or a swap dir that is missing or not writable.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", device_budget=None, host_budget=None,
+                 swap_dir=None, swap_budget=None, headroom: float = HEADROOM["over_budget"], measure: bool = True):
+        self.device = torch.device(device)
+        self.headroom = headroom
+        self.device_budget = resolve_budget(device_budget, _ENV["device_budget"], "device_budget")
+        self.host_budget = resolve_budget(host_budget, _ENV["host_budget"], "host_budget")
+        self.swap_budget = resolve_budget(swap_budget, _ENV["swap_budget"], "swap_budget")
+        self.swap = SwapSpace(swap_dir, self.swap_budget)
+        self.bandwidths: dict | None = None
+        self.levels: list[Level] = []
+        self._build()
+        if measure:
+            self.measure()
+
+    @property
+    def shared_host(self) -> bool:
+        """True on a CPU-only run: the compute level and the host level are the same memory."""
+        return self.device.type == "cpu"
+
+    @property
+    def compute_budget(self) -> int:
+        """Bytes of training state Level 0 may hold."""
+        return self.levels[0].capacity
+
+    def _build(self) -> None:
+        avail = int(psutil.virtual_memory().available)
+        host_cap = self.host_budget or int(avail * (1 - self.headroom))
+        disk_free = self.swap.free_bytes()
+        swap_cap = self.swap_budget or int(disk_free * (1 - self.headroom))
+        bw = self.bandwidths or {}
+        disk = bw.get("disk") or {}
+        nvme_gbps = min(disk.values()) if disk else None
+        levels = []
+        if self.shared_host:
+            budgets = [b for b in (self.device_budget, self.host_budget) if b]
+            cap = min(budgets) if budgets else int(avail * (1 - self.headroom))
+            levels.append(Level(0, "host", "cpu", cap, bw.get("device_memory"), {},
+                                "host RAM: on a CPU-only run the compute and host levels are the same memory"))
+        else:
+            dev_cap = self.device_budget or int(_device_free(self.device) * (1 - self.headroom))
+            levels.append(Level(0, "device", str(self.device), dev_cap, bw.get("device_memory")))
+            link = bw.get("link") or {}
+            levels.append(Level(1, "host", "host (pinned)", host_cap, min(link.values()) if link else None, dict(link),
+                                "reached over the host<->device link"))
+        levels.append(Level(len(levels), "nvme", f"nvme:{self.swap.folder}", swap_cap, nvme_gbps, dict(disk)))
+        self.levels = levels
+
+    def measure(self, refresh: bool = False) -> dict:
+        """Measure (or re-read from the per-process cache) every level's bandwidth."""
+        from apt_model.memory.bandwidth import measure_bandwidths
+
+        self.bandwidths = measure_bandwidths(self.device, self.swap.folder, refresh=refresh)
+        self._build()
+        return self.bandwidths
+
+    def __str__(self) -> str:
+        return "\n".join(str(level) for level in self.levels)
+
+    def describe(self) -> dict:
+        return {"device": str(self.device), "shared_host": self.shared_host,
+                "levels": [asdict(level) for level in self.levels], "bandwidths": self.bandwidths,
+                "swap_folder": str(self.swap.folder), "stale_folders_removed": [str(p) for p in self.swap.stale_removed]}
+
+    def summary_lines(self) -> list[str]:
+        return [f"{lv.kind:<6} {format_size(lv.capacity):>10}  {lv.device}" for lv in self.levels]
+
+    def close(self) -> None:
+        """Delete the swap folder."""
+        self.swap.close()
+
+
+def create_vgpu_stack(config: dict | None = None) -> VGPUStack:
+    """Build the VGPU stack (seed-era API).
+
+    Args:
+        config: optional dict with ``device`` (default: the ranking policy's choice),
+            ``device_budget``, ``host_budget``, ``swap_dir``, ``swap_budget`` (bytes or strings such
+            as ``"4GiB"``), ``headroom`` (fraction, default 0.1), ``measure`` (default True).
+
+    Returns:
+        A :class:`VGPUStack`; ``print(stack)`` gives one line per level, e.g.
+        ``Level 0: cuda:0 - 71000MB @ 2900.0GB/s``.
+
+    Raises:
+        ConfigError: unknown config keys, malformed sizes, or an unusable swap dir.
+    """
+    from apt_model.errors import ConfigError
+
+    cfg = dict(config or {})
+    allowed = {"device", "device_budget", "host_budget", "swap_dir", "swap_budget", "headroom", "measure"}
+    unknown = set(cfg) - allowed
+    if unknown:
+        raise ConfigError(f"create_vgpu_stack: unknown config keys {sorted(unknown)}; valid keys: {sorted(allowed)}")
+    device = cfg.pop("device", None)
+    if device is None:
+        from apt_model.devices.ranking import select_device
+
+        device = select_device().device
+    return VGPUStack(device, **cfg)

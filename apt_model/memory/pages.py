@@ -1,0 +1,103 @@
+"""Pages: one tensor storage whose bytes can leave the compute device and come back.
+
+A page frees memory the way FSDP does: the tensor object and its metadata (shape, stride, dtype,
+and for parameters the ``nn.Parameter`` identity the optimizer holds) stay; only the storage is
+resized to 0 bytes. Touching a paged-out tensor therefore fails loudly ("out of bounds for
+storage of size 0") instead of computing with stale data. Bringing it back resizes the same
+storage and fills it, so autograd's saved references and the optimizer's references see the
+restored bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+import itertools
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+class Category(str, enum.Enum):
+    """What a page holds; decides its access pattern and paging priority."""
+
+    PARAM = "param"
+    GRAD = "grad"
+    STATE = "state"  # optimizer state (Adam m and v, SGD momentum...)
+
+
+class State(str, enum.Enum):
+    RESIDENT = "resident"  # bytes on the compute device
+    LOADING = "loading"  # storage allocated, read in flight
+    WRITING = "writing"  # resident, a copy to the lower level in flight; freed when done
+    LOWER = "lower"  # only on a lower level
+    ABSENT = "absent"  # no data at all (a gradient that was set to None)
+
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Page:
+    """One paged tensor.
+
+    Attributes:
+        key: unique name of the page (also its swap file's name).
+        category: param, grad or state.
+        tensor_of: returns the live tensor (a gradient or optimizer state can be replaced by
+            torch between steps, so pages look the tensor up instead of holding it).
+        nbytes: size of the tensor's storage in bytes.
+        label: human name (``blocks.0.mlp.0.weight:grad``).
+        state: where the bytes are.
+        dirty: the resident bytes differ from the lower copy (or there is none).
+        pins: users that need the bytes resident right now.
+        keep: never evicted (the placement plan keeps this category resident).
+    """
+
+    category: Category
+    tensor_of: Callable[[], torch.Tensor | None]
+    nbytes: int
+    label: str
+    key: str = field(default_factory=lambda: f"pg{next(_ids)}")
+    state: State = State.RESIDENT
+    dirty: bool = True
+    pins: int = 0
+    keep: bool = False
+    last_use: int = 0
+    future: Future | None = None
+    zero_on_load: bool = False  # a gradient zeroed in place while paged: load as zeros
+    tensor_id: int = 0  # id() of the live tensor, for the fault handler's lookup
+
+    def storage(self) -> torch.UntypedStorage | None:
+        t = self.tensor_of()
+        return None if t is None else t.untyped_storage()
+
+    @property
+    def occupies(self) -> int:
+        """Bytes this page holds on the compute device now."""
+        return self.nbytes if self.state in (State.RESIDENT, State.LOADING, State.WRITING) else 0
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of the storage behind ``t`` (what paging frees)."""
+    return int(t.untyped_storage().nbytes())
+
+
+def cpu_byte_view(storage: torch.UntypedStorage) -> memoryview:
+    """A writable memoryview of a CPU storage's bytes (shares memory; valid while the storage
+    keeps this allocation). Built with ctypes, not ``Tensor.numpy()``: exporting to NumPy marks
+    a storage non-resizable, which would make it impossible to page out afterwards."""
+    n = storage.nbytes()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
+
+
+def free_storage(storage: torch.UntypedStorage) -> None:
+    storage.resize_(0)
+
+
+def alloc_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)

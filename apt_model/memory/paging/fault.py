@@ -1,0 +1,80 @@
+"""The page-fault handler: a paged-out tensor touched outside the paging hooks is loaded first.
+
+The hooks (module forward/backward, the streamed optimizer step, the streamed gradient clipping,
+state_dict) move pages in the common paths. Anything else — user code that logs a gradient norm,
+an EMA update, ``torch.save(model)``, ``copy.deepcopy`` — goes through torch's Python dispatch,
+where this ``TorchFunctionMode`` sees it: each argument that is a paged-out tensor is brought
+back (counted as a fault) and pinned while the op runs. Without it such code would read a
+storage of size 0 and crash the process. Rules that keep it safe:
+
+* an access from outside the hooks may write (directly or through an alias, ``p.data.mul_()``),
+  so such a page is marked dirty and the change is written before the page is freed again;
+* an op whose result aliases a page (``p.data``, ``p.detach()``, a view) keeps that page pinned
+  until the result is garbage-collected — freeing the storage under a live alias would crash;
+* a parameter faulted in during a forward with grad enabled stays resident until the end of the
+  backward, in case autograd saved it.
+"""
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_TB = torch._C.TensorBase
+#: Accesses that read or set metadata only (never the data): no fault for these. ``.data`` is
+#: deliberately absent: it returns an alias through which the data can be changed.
+METADATA_ONLY = frozenset(
+    [getattr(_TB, name).__get__ for name in (
+        "grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "layout", "ndim",
+        "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "nbytes", "itemsize",
+        "_version", "output_nr", "_base", "is_nested",
+    ) if hasattr(_TB, name)]
+    + [_TB.grad.__set__, _TB.requires_grad.__set__]
+    + [getattr(_TB, name) for name in (
+        "size", "dim", "numel", "stride", "is_contiguous", "element_size", "untyped_storage", "data_ptr",
+        "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "get_device",
+        "storage_offset", "is_floating_point", "is_complex", "nelement", "ndimension", "__len__",
+    ) if hasattr(_TB, name)]
+    + [getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook", "__hash__")
+       if hasattr(torch.Tensor, name)]
+)
+
+
+class PageFaultMode(TorchFunctionMode):
+    """Loads paged-out tensors on access. ``handler.enter(pages) -> held`` loads and pins them for
+    the op; ``handler.exit(held, output)`` lets them go (keeping pages that ``output`` aliases)."""
+
+    def __init__(self, lookup: dict, handler):
+        super().__init__()
+        self.lookup = lookup  # id(tensor) -> page (the pager's live map)
+        self.handler = handler
+        self.active = True
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.active and self.lookup and func not in METADATA_ONLY:
+            hit = []
+            for a in args:
+                self._collect(a, hit)
+            for a in kwargs.values():
+                self._collect(a, hit)
+            if hit:
+                held = self.handler.enter(hit)
+                out = None
+                try:
+                    out = func(*args, **kwargs)
+                finally:
+                    self.handler.exit(held, out)
+                return out
+        return func(*args, **kwargs)
+
+    def _collect(self, a, hit: list) -> None:
+        if isinstance(a, torch.Tensor):
+            page = self.lookup.get(id(a))
+            if page is not None:
+                hit.append(page)
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, torch.Tensor):
+                    page = self.lookup.get(id(b))
+                    if page is not None:
+                        hit.append(page)

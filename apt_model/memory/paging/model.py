@@ -1,0 +1,202 @@
+"""Paging one model's parameters and gradients through its own forward and backward.
+
+Units are the modules that directly own paged parameters. For each unit:
+
+* forward pre-hook: its parameters are acquired (loaded if needed, pinned), and the next units
+  in execution order — recorded during the first forward — are prefetched;
+* forward hook: the parameters are released (evictable again); if autograd will come back
+  through this unit, a hook on its outputs' gradients (``register_multi_grad_hook``, "any")
+  marks the start of its backward: the parameters are acquired again and the units before it
+  are prefetched (backward runs the recorded order in reverse);
+* a parameter's post-accumulate-grad hook releases it once its gradient is complete; anything
+  still pinned for backward is released by a callback queued on autograd's engine, which runs
+  when the backward pass ends.
+
+Gradients ("moved down as they are produced"): a tensor hook that runs before
+``AccumulateGrad`` brings a paged-out gradient back so accumulation over several backward passes
+happens in place, exactly as without paging; the post-accumulate-grad hook then (re)binds the
+page to ``param.grad`` and writes it behind. A gradient the user set to None is dropped.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from apt_model.memory.pages import Category, Page, State
+
+
+def _inert(*args, **kwargs):
+    return None
+
+
+class SessionHook:
+    """A hook bound to this process's paging session. Pickling it (``torch.save(model)``,
+    ``copy.deepcopy``) yields a no-op hook: a saved or copied model is a plain model."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_inert_hook, ())
+
+
+def _inert_hook():
+    return _inert
+
+
+class Unit:
+    """A module that owns paged parameters directly."""
+
+    def __init__(self, name: str, module: nn.Module, pages: list[Page]):
+        self.name = name
+        self.module = module
+        self.pages = pages
+        self.position: int | None = None  # in the recorded execution order
+
+
+class PagedModel:
+    """Hooks that page one model's parameters (and gradients) through forward and backward.
+
+    Args:
+        session: the :class:`~apt_model.memory.paging.session.PagingSession`.
+        model: the adopted model.
+        page_params: page the parameters (else they stay resident; only gradients are paged).
+        page_grads: page the gradients.
+        prefetch_units: how many units ahead to prefetch.
+    """
+
+    def __init__(self, session, model: nn.Module, page_params: bool, page_grads: bool, prefetch_units: int = 2):
+        self.session = session
+        self.model = model
+        self.page_params = page_params
+        self.page_grads = page_grads
+        self.prefetch_units = prefetch_units
+        self.units: list[Unit] = []
+        self.order: list[Unit] = []
+        self._recording = True
+        self._seen_this_pass: set[int] = set()
+        self.params: list[nn.Parameter] = []
+        self.names: dict[int, str] = {}
+
+    # ------------------------------------------------------------------ setup
+    def install(self, patches) -> None:
+        pager = self.session.pager
+        seen: dict[int, Page | None] = {}
+        for mname, module in self.model.named_modules():
+            pages = []
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) not in seen:
+                    label = f"{mname}.{pname}" if mname else pname
+                    self.params.append(p)
+                    self.names[id(p)] = label
+                    page = None
+                    if self.page_params:
+                        if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
+                            with torch.no_grad():
+                                p.data = p.data.clone()
+                        page = pager.register(Category.PARAM, (lambda p=p: p), label)
+                        self.session.param_pages[id(p)] = page
+                    seen[id(p)] = page
+                if seen[id(p)] is not None:
+                    pages.append(seen[id(p)])
+            if pages:
+                unit = Unit(mname, module, pages)
+                self.units.append(unit)
+                patches.add_handle(module.register_forward_pre_hook(SessionHook(lambda m, a, u=unit: self._pre(u))),
+                                   f"paging pre-hook {mname}")
+                patches.add_handle(module.register_forward_hook(SessionHook(lambda m, a, o, u=unit: self._post(u, o)),
+                                                                always_call=True), f"paging hook {mname}")
+        patches.add_handle(self.model.register_forward_pre_hook(SessionHook(lambda m, a: self._root_pre())),
+                           "paging root pre-hook")
+        patches.add_handle(self.model.register_forward_hook(SessionHook(lambda m, a, o: self._root_post()), always_call=True),
+                           "paging root hook")
+        for p in self.params:
+            if not p.requires_grad:
+                continue
+            if self.page_grads:
+                patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
+                                   f"grad pre-hook {self.names[id(p)]}")
+            patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),
+                               f"post-accumulate hook {self.names[id(p)]}")
+        # evict everything now: the model's state leaves memory at adoption
+        pager.evict_now(self.session.param_pages[id(p)] for p in self.params if id(p) in self.session.param_pages)
+        pager.flush()
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre(self) -> None:
+        self._seen_this_pass = set()
+        self.session.resume_faults()  # in case a state_dict() call raised half-way
+        if not self.session.forward_depth:
+            self.session.release_backward_pins()  # a forward without backward in between: let them go
+        self.session.forward_depth += 1
+
+    def _root_post(self) -> None:
+        self.session.forward_depth = max(0, self.session.forward_depth - 1)
+        if self._recording and self.order:
+            self._recording = False
+            for i, u in enumerate(self.order):
+                u.position = i
+
+    def _pre(self, unit: Unit) -> None:
+        if self._recording and id(unit) not in self._seen_this_pass:
+            self.order.append(unit)
+        self._seen_this_pass.add(id(unit))
+        self.session.pager.acquire(unit.pages)
+        self._prefetch(unit, +1)
+
+    def _post(self, unit: Unit, output) -> None:
+        self.session.pager.release(unit.pages)
+        if torch.is_grad_enabled() and any(p.requires_grad for p in unit.module.parameters(recurse=False)):
+            outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
+                register_multi_grad_hook(outs, lambda grads, u=unit: self._backward_start(u), mode="any")
+
+    def _prefetch(self, unit: Unit, direction: int) -> None:
+        if unit.position is None or not self.order:
+            return
+        ahead = []
+        i = unit.position
+        for k in range(1, self.prefetch_units + 1):
+            j = i + direction * k
+            if 0 <= j < len(self.order):
+                ahead.extend(self.order[j].pages)
+        if ahead:
+            self.session.pager.prefetch(ahead)
+
+    # ------------------------------------------------------------------ backward
+    def _backward_start(self, unit: Unit) -> None:
+        self.session.pin_for_backward(unit.pages)
+        self._prefetch(unit, -1)
+
+    def _before_accumulate(self, p: nn.Parameter) -> None:
+        self.session.before_grad_accumulate(p, self.names[id(p)])
+        return None
+
+    def _after_accumulate(self, p: nn.Parameter) -> None:
+        page = self.session.param_pages.get(id(p))
+        if page is not None:
+            self.session.unpin_for_backward(page)
+        if self.page_grads:
+            self.session.after_grad_accumulate(p, self.names[id(p)])
+
+    # ------------------------------------------------------------------ report
+    def describe(self) -> dict:
+        return {
+            "units": len(self.units),
+            "largest_unit_bytes": max((sum(pg.nbytes for pg in u.pages) for u in self.units), default=0),
+            "order_recorded": not self._recording,
+            "paged_parameters": sum(1 for p in self.params if id(p) in self.session.param_pages),
+            "paged_gradients": self.page_grads,
+        }
+
+    def resident_state(self) -> dict:
+        states = {}
+        for p in self.params:
+            page = self.session.param_pages.get(id(p))
+            states[self.names[id(p)]] = page.state.value if page else State.RESIDENT.value
+        return states

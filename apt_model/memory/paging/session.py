@@ -1,0 +1,252 @@
+"""One paging session: the pager, the swap space, and every hook that pages training state.
+
+Created by the switch when an adopted model's training state does not fit the compute level's
+budget (see :mod:`apt_model.memory.placement`). Everything it installs goes through the switch's
+:class:`~apt_model.switch.patches.PatchSet`; closing it (``disable()``) brings every page back
+into memory, removes the hooks and deletes the swap folder.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+import torch.nn as nn
+
+from apt_model.log import get_logger
+from apt_model.memory.pager import Pager
+from apt_model.memory.pages import Category, Page, State
+from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
+from apt_model.memory.paging.fault import PageFaultMode
+from apt_model.memory.paging.model import PagedModel, SessionHook
+from apt_model.memory.paging.optimizer import OptimizerPaging
+from apt_model.memory.swap import SwapSpace
+
+log = get_logger(__name__)
+
+
+class PagingSession:
+    """Pages parameters, gradients and optimizer states of adopted models.
+
+    Args:
+        budget: bytes of training state the compute level may hold (level 0).
+        swap: the swap space (level below).
+        patches: the switch's undo stack.
+        page_states: whether optimizer states are paged (decided by the placement plan).
+    """
+
+    def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True):
+        self.pager = Pager(budget, swap)
+        self.swap = swap
+        self.patches = patches
+        self.models: list[PagedModel] = []
+        self.param_pages: dict[int, Page] = {}
+        self.grad_pages: dict[int, Page] = {}
+        self.params: dict[int, nn.Parameter] = {}
+        self.labels: dict[int, str] = {}
+        self.optimizers = OptimizerPaging(self, page_states)
+        self._bw_pinned: dict[int, Page] = {}
+        self._callback_queued = False
+        self.forward_depth = 0  # > 0 while a paged model's forward runs
+        self._lock = threading.RLock()
+        self.mode = PageFaultMode(self.pager.by_tensor, self)
+        self.mode.__enter__()
+        self._install_global()
+        patches.add_undo(self.close, "paging session")
+
+    # ------------------------------------------------------------------ setup
+    def _install_global(self) -> None:
+        import torch.nn.utils as nn_utils
+        import torch.nn.utils.clip_grad as clip_mod
+
+        self.optimizers.install(self.patches)
+        norm = make_clip_grad_norm(clip_mod.clip_grad_norm_, self.grad_page, self._acquire_one, self._release_one)
+        value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
+        for mod in (nn_utils, clip_mod):
+            self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
+            self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
+
+    def page_model(self, model: nn.Module, page_params: bool, page_grads: bool) -> PagedModel:
+        """Start paging ``model``'s parameters and/or gradients (optimizer states are paged when
+        its optimizer first steps)."""
+        pm = PagedModel(self, model, page_params, page_grads)
+        pm.install(self.patches)
+        for p in pm.params:
+            self.params[id(p)] = p
+            self.labels[id(p)] = pm.names[id(p)]
+        self.models.append(pm)
+        # state_dict() detaches every parameter; for paged ones the post-hook swaps in materialized
+        # copies, so the fault handler stays out of the way meanwhile (no load, no dirty mark).
+        # torch tags the hook object itself, which a bound method does not allow: wrap it
+        self.patches.add_handle(model.register_state_dict_pre_hook(SessionHook(lambda *a: self._pause_faults())),
+                                "paging state_dict pre-hook")
+        self.patches.add_handle(model.register_state_dict_post_hook(SessionHook(lambda *a: self._state_dict_hook(*a))),
+                                "paging state_dict hook")
+        for unit in pm.units:
+            self.patches.add_handle(unit.module.register_load_state_dict_pre_hook(
+                SessionHook(lambda *a, u=unit: self.pager.acquire(u.pages, for_write=True))),
+                f"paging load pre-hook {unit.name}")
+            self.patches.add_handle(unit.module.register_load_state_dict_post_hook(
+                SessionHook(lambda m, keys, u=unit: self.pager.release(u.pages, evict=True))),
+                f"paging load post-hook {unit.name}")
+        return pm
+
+    def param_label(self, p: torch.Tensor) -> str:
+        return self.labels.get(id(p), f"param@{id(p):x}")
+
+    def grad_page(self, p: torch.Tensor) -> Page | None:
+        page = self.grad_pages.get(id(p))
+        return page if page is not None and page.state is not State.ABSENT else None
+
+    def _acquire_one(self, page: Page, for_write: bool) -> None:
+        self.pager.acquire([page], for_write=for_write)
+
+    def _release_one(self, page: Page) -> None:
+        self.pager.release([page], evict=page.category is not Category.PARAM)
+
+    # ------------------------------------------------------------------ backward bookkeeping
+    def pin_for_backward(self, pages: list[Page]) -> None:
+        with self._lock:
+            fresh = [p for p in pages if id(p) not in self._bw_pinned]
+            if fresh:
+                self.pager.acquire(fresh)
+                for p in fresh:
+                    self._bw_pinned[id(p)] = p
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def unpin_for_backward(self, page: Page) -> None:
+        with self._lock:
+            if self._bw_pinned.pop(id(page), None) is not None:
+                self.pager.release([page])
+
+    def release_backward_pins(self) -> None:
+        with self._lock:
+            pages = list(self._bw_pinned.values())
+            self._bw_pinned.clear()
+            if pages:
+                self.pager.release(pages)
+
+    def _end_of_backward(self) -> None:
+        self._callback_queued = False
+        self.release_backward_pins()
+
+    # ------------------------------------------------------------------ gradients
+    def before_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
+        page = self.grad_pages.get(id(p))
+        if page is None:
+            return
+        if p.grad is None:
+            if page.state is not State.ABSENT:
+                self.pager.drop(page)  # the user set it to None: that gradient is gone
+            return
+        if page.state is State.ABSENT:
+            return
+        self.pager.acquire([page], for_write=True)  # accumulate in place into the restored bytes
+
+    def after_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
+        g = p.grad
+        if g is None:
+            return
+        page = self.grad_pages.get(id(p))
+        if page is None:
+            page = self.pager.register(Category.GRAD, (lambda p=p: p.grad), f"{label}:grad")
+            self.grad_pages[id(p)] = page
+            self.pager.evict_now([page])  # moved down as it is produced
+            return
+        was_pinned = page.pins > 0
+        if page.tensor_id != id(g) or page.state is State.ABSENT:
+            self.pager.rebind(page)
+            if page.state is State.ABSENT:
+                self.pager.revive(page)
+        page.dirty = True
+        if was_pinned:
+            self.pager.release([page], evict=True)
+        else:
+            self.pager.evict_now([page])
+
+    # ------------------------------------------------------------------ faults
+    def enter(self, pages: list[Page]) -> list[tuple[Page, bool]]:
+        """Fault handler, before an op: load and pin the pages nobody pinned; returns them."""
+        held = []
+        with torch._C.DisableTorchFunction():
+            for page in dict.fromkeys(pages):
+                if page.pins > 0 or page.state is State.ABSENT or page.tensor_of() is None:
+                    continue
+                loaded = page.state is not State.RESIDENT
+                if loaded:
+                    self.pager.stats.faults += 1
+                self.pager.acquire([page], for_write=True)  # unknown access: it may write through an alias
+                held.append((page, loaded))
+        return held
+
+    def exit(self, held: list[tuple[Page, bool]], output) -> None:
+        """Fault handler, after the op: keep pages the output aliases; release the rest."""
+        if not held:
+            return
+        from torch.utils._pytree import tree_leaves
+
+        with torch._C.DisableTorchFunction():
+            by_ptr = {}
+            for page, _ in held:
+                st = page.storage()
+                if st is not None and st.nbytes():
+                    by_ptr[st.data_ptr()] = page
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    page = by_ptr.get(t.untyped_storage().data_ptr())
+                    if page is not None:
+                        self.pager.acquire([page])
+                        weakref.finalize(t, self._release_alias, page)
+            for page, loaded in held:
+                if loaded and self.forward_depth and torch.is_grad_enabled() and page.category is Category.PARAM:
+                    self._bw_pinned.setdefault(id(page), page)  # autograd may have saved it: keep it to the end of backward
+                else:
+                    self.pager.release([page])
+
+    def _release_alias(self, page: Page) -> None:
+        if not self.pager._closed:
+            self.pager.release([page])
+
+    # ------------------------------------------------------------------ state_dict
+    def _pause_faults(self) -> None:
+        self.mode.active = False
+
+    def resume_faults(self) -> None:
+        self.mode.active = True
+
+    def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        try:
+            with torch._C.DisableTorchFunction():
+                for name, p in module.named_parameters(remove_duplicate=False):
+                    page = self.param_pages.get(id(p))
+                    key = prefix + name
+                    if page is not None and key in state_dict:
+                        # a copy even when resident: an alias would die with the page's next eviction
+                        state_dict[key] = self.pager.materialize(page)
+        finally:
+            self.resume_faults()
+        return None
+
+    # ------------------------------------------------------------------ teardown and report
+    def close(self) -> None:
+        """Bring every page back into memory, stop faulting, delete the swap folder."""
+        self.mode.active = False
+        try:
+            stack = torch.overrides._get_current_function_mode_stack()
+            if stack and stack[-1] is self.mode:
+                self.mode.__exit__(None, None, None)
+        except Exception:  # noqa: BLE001 - never let teardown fail the user's program
+            log.debug("could not pop the page-fault mode", exc_info=True)
+        self.release_backward_pins()
+        self.pager.close()
+
+    def report(self) -> dict:
+        return {
+            "pager": self.pager.report(),
+            "swap": {"folder": str(self.swap.folder), "bytes_on_disk": self.swap.bytes_on_disk,
+                     "written": self.pager.io.write_stats.to_dict(), "read": self.pager.io.read_stats.to_dict()},
+            "models": [m.describe() for m in self.models],
+            "optimizer_steps": self.optimizers.steps,
+        }

@@ -1,0 +1,153 @@
+"""The NVMe level: swap folders, verified files, faults, cleanup."""
+import errno
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from apt_model.errors import ConfigError
+from apt_model.memory import swap as swap_mod
+from apt_model.memory.swap import SwapCorruptionError, SwapFullError, SwapSpace, clean_stale_folders
+from conftest import clean_env
+
+
+@pytest.fixture(params=["direct", "buffered"])
+def space(request, tmp_path):
+    s = SwapSpace(tmp_path)
+    if request.param == "buffered":
+        s.direct = False
+    elif not s.direct:
+        pytest.skip("this filesystem has no O_DIRECT")
+    yield s
+    s.close()
+
+
+def test_round_trip_of_odd_sizes(space):
+    for n in (1, 4095, 4096, 4097, 9 * 2**20 + 3):
+        data = os.urandom(n)
+        rec = space.write(f"k{n}", memoryview(data))
+        assert rec.path.stat().st_size == n and rec.nbytes == n
+        out = bytearray(n)
+        space.read_into(f"k{n}", memoryview(out))
+        assert bytes(out) == data
+    assert space.bytes_on_disk == sum((1, 4095, 4096, 4097, 9 * 2**20 + 3))
+
+
+def test_rewrite_in_place_and_remove(space):
+    space.write("a", memoryview(b"x" * 5000))
+    space.write("a", memoryview(b"y" * 3000))
+    out = bytearray(3000)
+    space.read_into("a", memoryview(out))
+    assert bytes(out) == b"y" * 3000 and space.bytes_on_disk == 3000
+    path = space._records["a"].path
+    space.remove("a")
+    assert not path.exists() and space.bytes_on_disk == 0 and not space.has("a")
+
+
+def test_altered_truncated_and_missing_files_are_refused(space):
+    data = os.urandom(10_000)
+    rec = space.write("p", memoryview(data))
+    with open(rec.path, "r+b") as f:  # flip one byte
+        f.seek(1234)
+        b = f.read(1)
+        f.seek(1234)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(SwapCorruptionError, match=r"was altered: checksum .* not loaded"):
+        space.read_into("p", memoryview(bytearray(10_000)))
+    space.write("p", memoryview(data))
+    os.truncate(rec.path, 9_000)
+    with pytest.raises(SwapCorruptionError, match="truncated or altered: 9000 bytes, expected 10000"):
+        space.read_into("p", memoryview(bytearray(10_000)))
+    space.write("p", memoryview(data))
+    os.unlink(rec.path)
+    with pytest.raises(SwapCorruptionError, match="is missing"):
+        space.read_into("p", memoryview(bytearray(10_000)))
+
+
+def test_budget_and_disk_full_name_the_folder_and_bytes(tmp_path, monkeypatch):
+    s = SwapSpace(tmp_path, budget=8000)
+    s.write("a", memoryview(b"1" * 5000))
+    with pytest.raises(SwapFullError, match=r"swap budget exceeded .* writing 5000 bytes would put 10000 bytes"):
+        s.write("b", memoryview(b"2" * 5000))
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(swap_mod.os, "pwrite", full)
+    data = bytearray(b"3" * 1000)
+    with pytest.raises(SwapFullError) as info:
+        s.write("c", memoryview(data))
+    assert str(s.folder) in str(info.value) and "needs 1000 bytes" in str(info.value)
+    assert data == bytearray(b"3" * 1000) and not s.has("c") and s.bytes_on_disk == 5000
+    s.close()
+
+
+def test_bad_swap_dirs_are_clear_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        SwapSpace(tmp_path / "nope")
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is not a folder"):
+        SwapSpace(f)
+    with pytest.raises(ConfigError, match="is not writable"):
+        SwapSpace("/proc")
+
+
+def test_two_spaces_never_share_a_folder_and_close_removes_it(tmp_path):
+    a, b = SwapSpace(tmp_path), SwapSpace(tmp_path)
+    assert a.folder != b.folder and a.folder.is_dir() and b.folder.is_dir()
+    a.write("k", memoryview(b"z" * 10))
+    a.close()
+    assert not a.folder.exists() and b.folder.exists()
+    b.close()
+
+
+def test_stale_folders_of_dead_processes_are_cleaned_and_live_ones_kept(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"vb-{dead.pid}-{int(time.time()) - 100}-abcd1234"
+    stale.mkdir()
+    (stale / "pg1.bin").write_bytes(b"old")
+    live = SwapSpace(tmp_path)  # this process: alive
+    other = tmp_path / "not-ours"
+    other.mkdir()
+    assert not stale.exists() and stale in live.stale_removed
+    assert clean_stale_folders(tmp_path) == []  # the live folder (this process) is kept
+    assert live.folder.exists() and other.exists()
+    live.close()
+
+
+@pytest.mark.parametrize("ending", ["normal", "exception"])
+def test_swap_folder_is_removed_at_exit(tmp_path, ending):
+    code = textwrap.dedent(f"""
+        from apt_model.memory.swap import SwapSpace
+        s = SwapSpace({str(tmp_path)!r})
+        s.write("k", memoryview(b"q" * 4096))
+        print("FOLDER", s.folder, flush=True)
+        if {ending!r} == "exception":
+            raise RuntimeError("boom")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
+    folder = proc.stdout.split("FOLDER ", 1)[1].strip()
+    assert (proc.returncode != 0) == (ending == "exception")
+    assert not os.path.exists(folder)
+
+
+def test_a_killed_process_leaves_a_folder_that_the_next_one_cleans(tmp_path):
+    code = textwrap.dedent(f"""
+        import os, signal
+        from apt_model.memory.swap import SwapSpace
+        s = SwapSpace({str(tmp_path)!r})
+        s.write("k", memoryview(b"q" * 4096))
+        print("FOLDER", s.folder, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=clean_env(), timeout=120)
+    folder = proc.stdout.split("FOLDER ", 1)[1].strip()
+    assert os.path.isdir(folder)  # SIGKILL: no chance to clean up
+    nxt = SwapSpace(tmp_path)
+    assert not os.path.exists(folder) and any(str(p) == folder for p in nxt.stale_removed)
+    nxt.close()

@@ -215,3 +215,11 @@ def test_print_stats_and_report(capsys):
     assert {"version", "config", "device", "capabilities", "models", "decisions", "stats"} <= set(rep)
     assert rep["device"]["selection"]["device"] == "cpu"
     assert [d["feature"] for d in rep["decisions"]][:2] == ["mode", "device"]
+
+
+def test_probing_directly_while_enabled_does_not_adopt_the_probe_block():
+    from apt_model.devices.capabilities import get_speed
+
+    vb.enable("balanced", banner=False)
+    get_speed("cpu", 96)  # runs a transformer block under the switch's global hook
+    assert vb.get_stats()["adopted_models"] == 0

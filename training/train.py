@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--device", default=None, help="device (e.g. cpu, cuda:0, npu:1); default: the ranking policy's choice")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--device-budget", default=None, help="level-0 budget for training state, e.g. 256MB (paging beyond it)")
+    p.add_argument("--host-budget", default=None, help="host-level budget, e.g. 8GiB")
+    p.add_argument("--swap-dir", default=None, help="folder for swap files (default: VB_SWAP_DIR or the temp folder)")
+    p.add_argument("--paging", default=None, choices=("off", "over_budget", "tight", "always"),
+                   help="override the mode's paging request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="folder for checkpoint.pt and report.json")
     p.add_argument("--quiet", action="store_true", help="no banner or progress bar")
@@ -118,8 +123,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.vb_mode != "off":
         mode = "performance" if args.vb_mode == "speed" else args.vb_mode
         already = vb.is_enabled() and vb.get_config()["mode"] == mode and args.device is None
+        memory = {k: v for k, v in (("device_budget", args.device_budget), ("host_budget", args.host_budget),
+                                     ("swap_dir", args.swap_dir), ("paging", args.paging)) if v is not None}
+        already = already and not memory
         if not already:  # the launcher or ENABLE_VIRTUAL_BLACKWELL may have enabled it already
-            vb.enable(mode, device=args.device, banner=not args.quiet)
+            vb.enable(mode, device=args.device, banner=not args.quiet, **memory)
         device = vb.device()
     else:
         vb.disable()  # plain PyTorch, even if the environment enabled the switch

@@ -75,7 +75,7 @@ class Speed:
         return asdict(self)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
 _support: dict[str, Support] = {}
 _speed: dict[tuple, Speed] = {}
 

@@ -265,9 +265,11 @@ def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int
 def representative_block(width: int, device: torch.device) -> nn.Module:
     """A pre-norm transformer block (attention through SDPA, GELU MLP 4x) of the given width."""
     heads = max(1, width // 64)
-    return nn.TransformerEncoderLayer(
+    block = nn.TransformerEncoderLayer(
         width, heads, 4 * width, dropout=0.0, activation="gelu", batch_first=True, norm_first=True, device=device
     )
+    block._vb_internal = True  # a probe, not a user model: the switch must not adopt it
+    return block
 
 
 def probe_autocast_speed(device: torch.device, width: int, seq: int, batch: int,

@@ -33,7 +33,7 @@ from apt_model.memory.swap import SwapSpace
 
 log = get_logger(__name__)
 
-_TRIM_EVERY = 32 * 2**20  # return freed heap memory to the OS after this many bytes were freed
+_TRIM_EVERY = 8 * 2**20  # return freed heap memory to the OS after this many bytes were freed
 
 
 class LevelStats:
@@ -171,6 +171,31 @@ class Pager:
             raise
         self._set(page, State.RESIDENT)
         page.dirty = False
+        self._apply_scales(page)
+
+    @staticmethod
+    def _apply_scales(page: Page) -> None:
+        """Apply the multiplications the lower copy still owes (in order, with the same op)."""
+        if not page.scales:
+            return
+        t = page.tensor_of()
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for factor, foreach in page.scales:
+                if foreach:
+                    torch._foreach_mul_([t], factor)
+                else:
+                    t.mul_(factor)
+        # still clean: the lower copy plus ``page.scales`` is the current value
+
+    def defer_scale(self, page: Page, factor: torch.Tensor, foreach: bool) -> bool:
+        """Multiply a paged-out page by ``factor`` lazily (on its next load). Returns False if the
+        page is resident (the caller multiplies it in place instead)."""
+        with self._lock:
+            if page.state is not State.LOWER:
+                return False
+            page.scales.append((factor, foreach))
+            page.cached_norm = None
+            return True
 
     def _evict(self, page: Page) -> None:
         storage = page.storage()
@@ -204,6 +229,7 @@ class Pager:
         except BaseException:
             self._set(page, State.RESIDENT)  # the data is still in memory: nothing lost
             raise
+        page.scales = []  # the new lower copy already has every scaling applied
         if page.pins > 0:
             self._set(page, State.RESIDENT)
             page.dirty = False
@@ -272,6 +298,7 @@ class Pager:
                 p.pins += 1
                 if for_write:
                     p.dirty = True
+                    p.cached_norm = None
                 self._touch(p)
             self._note_resident()
 
@@ -320,7 +347,7 @@ class Pager:
                 self._finish_load(page)
             self.swap.remove(page.key)
             self._set(page, State.ABSENT)
-            page.dirty, page.zero_on_load = False, False
+            page.dirty, page.zero_on_load, page.scales, page.cached_norm = False, False, [], None
 
     def revive(self, page: Page) -> None:
         """An ABSENT page's tensor exists again (a new gradient): it is resident and dirty."""
@@ -329,13 +356,19 @@ class Pager:
             page.dirty = True
 
     def flush(self) -> None:
-        """Wait for every background read and write to finish."""
+        """Wait for every background read and write to finish, and give freed memory back to the OS."""
         with self._lock:
             for p in list(self.pages.values()):
                 if p.state is State.LOADING:
                     self._finish_load(p)
                 elif p.state is State.WRITING:
                     self._finish_write(p, wait=True)
+            self.trim()
+
+    def trim(self) -> None:
+        """Return freed heap memory to the OS now (``malloc_trim``)."""
+        release_free_memory()
+        self._freed_since_trim = 0
 
     def materialize(self, page: Page) -> torch.Tensor:
         """A new CPU tensor with the page's current data (the page stays where it is)."""
@@ -350,6 +383,12 @@ class Pager:
                 out.zero_()
             else:
                 self.swap.read_into(page.key, cpu_byte_view(out.untyped_storage()))
+                with torch.no_grad(), torch._C.DisableTorchFunction():
+                    for factor, foreach in page.scales:
+                        if foreach:
+                            torch._foreach_mul_([out], factor)
+                        else:
+                            out.mul_(factor)
             return out
 
     def close(self) -> None:

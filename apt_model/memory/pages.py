@@ -68,6 +68,11 @@ class Page:
     future: Future | None = None
     zero_on_load: bool = False  # a gradient zeroed in place while paged: load as zeros
     tensor_id: int = 0  # id() of the live tensor, for the fault handler's lookup
+    #: Multiplications still owed by the lower copy, applied in order on load: ``(factor, foreach)``.
+    #: Gradient clipping defers its scaling of paged gradients this way (see paging/clip.py).
+    scales: list = field(default_factory=list)
+    #: ``torch._foreach_norm([t], 2.0)[0]`` of the current data, or None when unknown/stale.
+    cached_norm: torch.Tensor | None = None
 
     def storage(self) -> torch.UntypedStorage | None:
         t = self.tensor_of()

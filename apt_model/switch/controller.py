@@ -411,6 +411,10 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = "") -> bool:
         if module in st.seen:
             return False
         dev = model_device(module)
+        if getattr(module, "_vb_internal", False):  # one of our probes, with everything inside it
+            for m in module.modules():
+                st.seen.add(m)
+            return False
         if dev is None:  # parameterless (a loss, an activation): nothing to adopt
             st.seen.add(module)
             return False

@@ -7,6 +7,14 @@ bit-for-bit the same computation as torch 2.x's: per-gradient norms from ``torch
 torch's order, stacked and reduced with ``torch.linalg.vector_norm``, then each gradient
 multiplied by ``clamp(max_norm / (total + 1e-6), max=1)``. Gradients that are not paged go the
 same way, so mixed lists are handled. A list with no paged gradient is handed to torch itself.
+
+Two shortcuts keep clipping off the disk entirely in the usual case, without changing a bit:
+
+* the 2-norm of a paged gradient is computed (with the same ``_foreach_norm`` call) when the
+  gradient is written out after backward, and reused if the data has not changed since;
+* the scaling of a paged-out gradient is deferred: the factor is queued on the page and applied
+  with the same ``_foreach_mul_`` / ``mul_`` when the gradient is next loaded (by the optimizer
+  step, typically), so the gradient is not read and rewritten just to be scaled.
 """
 from __future__ import annotations
 
@@ -29,13 +37,15 @@ def _use_foreach(foreach, tensors, device) -> bool:
     return False
 
 
-def make_clip_grad_norm(original: Callable, page_of: Callable, acquire: Callable, release: Callable) -> Callable:
+def make_clip_grad_norm(original: Callable, page_of: Callable, acquire: Callable, release: Callable,
+                        defer_scale: Callable) -> Callable:
     """Build a drop-in ``clip_grad_norm_``.
 
     Args:
         original: torch's function (used when no gradient in the call is paged).
         page_of: ``param -> Page | None`` for a parameter's gradient page.
         acquire / release: ``(page, for_write) -> None`` / ``(page) -> None`` bring a page in and let it go.
+        defer_scale: ``(page, factor, foreach) -> bool`` queues a scaling on a paged-out page.
     """
 
     @torch.no_grad()
@@ -62,9 +72,11 @@ def make_clip_grad_norm(original: Callable, page_of: Callable, acquire: Callable
             fe = _use_foreach(foreach, device_grads, device)
             for g in device_grads:
                 page = pages[id(owner[id(g)])]
+                if page is not None and fe and norm_type == 2.0 and page.cached_norm is not None:
+                    norms.append(page.cached_norm)  # computed by the same call when the gradient was written
+                    continue
                 if page is not None:
                     acquire(page, False)
-                    g = owner[id(g)].grad
                 try:
                     norms.append(torch._foreach_norm([g], norm_type)[0] if fe else torch.linalg.vector_norm(g, norm_type))
                 finally:
@@ -84,6 +96,8 @@ def make_clip_grad_norm(original: Callable, page_of: Callable, acquire: Callable
             for g in device_grads:
                 p = owner[id(g)]
                 page = pages[id(p)]
+                if page is not None and defer_scale(page, c, fe):
+                    continue  # applied when the gradient is next loaded
                 if page is not None:
                     acquire(page, True)
                 try:

@@ -189,6 +189,7 @@ class OptimizerPaging:
                     pager.release(write, evict=bool(self.page_states))
                     pager.evict_now(new)
             self.steps += 1
+            pager.trim()  # the step's temporaries and freed chunks go back to the OS
         finally:
             self._in_step = False
 

@@ -60,7 +60,8 @@ class PagingSession:
         import torch.nn.utils.clip_grad as clip_mod
 
         self.optimizers.install(self.patches)
-        norm = make_clip_grad_norm(clip_mod.clip_grad_norm_, self.grad_page, self._acquire_one, self._release_one)
+        norm = make_clip_grad_norm(clip_mod.clip_grad_norm_, self.grad_page, self._acquire_one, self._release_one,
+                                   self.pager.defer_scale)
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
         for mod in (nn_utils, clip_mod):
             self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
@@ -150,9 +151,11 @@ class PagingSession:
         if g is None:
             return
         page = self.grad_pages.get(id(p))
+        norm = self._norm(g)
         if page is None:
             page = self.pager.register(Category.GRAD, (lambda p=p: p.grad), f"{label}:grad")
             self.grad_pages[id(p)] = page
+            page.cached_norm = norm
             self.pager.evict_now([page])  # moved down as it is produced
             return
         was_pinned = page.pins > 0
@@ -162,9 +165,15 @@ class PagingSession:
                 self.pager.revive(page)
         page.dirty = True
         if was_pinned:
-            self.pager.release([page], evict=True)
-        else:
-            self.pager.evict_now([page])
+            self.pager.release([page], evict=False)
+        page.cached_norm = norm  # set after release: the page is unpinned, its data final for now
+        self.pager.evict_now([page])
+
+    @staticmethod
+    def _norm(g: torch.Tensor) -> torch.Tensor:
+        """The 2-norm ``clip_grad_norm_`` would compute for ``g`` (same call, so the same bits)."""
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            return torch._foreach_norm([g], 2.0)[0]
 
     # ------------------------------------------------------------------ faults
     def enter(self, pages: list[Page]) -> list[tuple[Page, bool]]:

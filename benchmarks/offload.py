@@ -1,0 +1,188 @@
+#!/usr/bin/env python
+"""Out-of-core training: a GPT whose training state is >= 4x the host budget, paged to NVMe.
+
+Two worker processes train the same GPT on the same stdlib text: one in memory (the switch off),
+one with the switch paging its parameters, gradients and AdamW states under ``--budget``. After
+warm-up they take turns (never at the same time), alternating who goes first, for ``--rounds``
+rounds of ``--steps-per-round`` steps. Reported per side: median step time; for the paged side
+also the bytes read and written per step (from the pager's counters), the disk bandwidth measured
+in the same run, the I/O floor (read bytes / read GB/s + written bytes / write GB/s: the time the
+disk alone needs), and the ratio of the step time to that floor (target <= 1.5).
+
+    python benchmarks/offload.py --threads 2 --json bench-results/offload.json
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from measure import machine_info, summarize, write_json  # noqa: E402
+
+
+def worker(conn, paged: bool, args) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    import apt_model.optimization.vb_global as vb
+    from apt_model.core.system import set_seed
+    from apt_model.data.text import ByteCorpus, load_text_bytes
+    from apt_model.memory.placement import model_state_sizes
+    from apt_model.models.gpt import GPT, GPTConfig
+
+    set_seed(0)
+    if paged:
+        vb.enable("balanced", paging=args.paging, device_budget=args.budget, swap_dir=args.swap_dir,
+                  mixed_precision="off", banner=False)
+    corpus = ByteCorpus(load_text_bytes(None, 2_000_000))
+    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                          attn_implementation="sdpa")).to("cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(0)
+    p_bytes, t_bytes = model_state_sizes(model)
+
+    def io_counters():
+        if not paged:
+            return (0, 0, 0.0)
+        lv = vb.get_stats()["levels"]
+        return lv[-1]["bytes_out"], lv[-1]["bytes_in"], lv[0]["stall_s"]  # read, written, stall
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        x, y = corpus.batch("train", args.batch_size, args.seq_len, gen)
+        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss.item()
+        return time.perf_counter() - t0
+
+    for _ in range(args.warmup):
+        step()
+    info = {"params_bytes": p_bytes, "state_bytes": p_bytes + t_bytes + 2 * t_bytes}
+    if paged:
+        rep = vb.get_report()
+        info["plan"] = rep["models"][0]["features"]["paging"]
+        info["bandwidths"] = rep["memory"]["stack"]["bandwidths"]
+        info["levels"] = [f"Level {lv['index']}: {lv['device']} - {lv['capacity'] / 1e6:.0f}MB @ {lv['gbps']}GB/s"
+                          for lv in rep["memory"]["stack"]["levels"]]
+    conn.send(("ready", info))
+    while True:
+        msg = conn.recv()
+        if msg == "stop":
+            break
+        before = io_counters()
+        times = [step() for _ in range(msg)]
+        after = io_counters()
+        conn.send((times, [a - b for a, b in zip(after, before)]))
+    if paged:
+        from apt_model.memory.bandwidth import measure_bandwidths
+        from apt_model.switch.controller import _state
+
+        conn.send({"disk_after": measure_bandwidths(torch.device("cpu"), _state.stack.swap.folder, refresh=True)["disk"],
+                   "levels": vb.get_stats()["levels"]})
+        vb.disable()
+    else:
+        conn.send({})
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--budget", default="100MB", help="level-0 (host) budget for training state")
+    p.add_argument("--paging", default="over_budget", choices=("over_budget", "always", "tight"))
+    p.add_argument("--swap-dir", default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps-per-round", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.swap_dir is None:
+        args.swap_dir = tempfile.gettempdir()
+
+    ctx = mp.get_context("spawn")
+    sides, infos = {}, {}
+    for name, paged in (("in_memory", False), ("paged", True)):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=worker, args=(child, paged, args), daemon=True)
+        proc.start()
+        tag, info = parent.recv()
+        assert tag == "ready"
+        sides[name], infos[name] = (parent, proc), info
+    times = {n: [] for n in sides}
+    io = []
+    order = list(sides)
+    for r in range(args.rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            parent, _ = sides[name]
+            parent.send(args.steps_per_round)
+            t, delta = parent.recv()
+            times[name].extend(t)
+            if name == "paged":
+                io.append(delta)
+    finals = {}
+    for name, (parent, proc) in sides.items():
+        parent.send("stop")
+        finals[name] = parent.recv()
+        proc.join(timeout=60)
+
+    steps = args.rounds * args.steps_per_round
+    read_b = sum(d[0] for d in io) / steps
+    write_b = sum(d[1] for d in io) / steps
+    stall = sum(d[2] for d in io) / steps
+    disk = infos["paged"]["bandwidths"]["disk"]
+    disk_after = finals["paged"]["disk_after"]
+    floor = read_b / (disk["read"] * 1e9) + write_b / (disk["write"] * 1e9)
+    mem, pag = summarize(times["in_memory"]), summarize(times["paged"])
+    result = {
+        "benchmark": "offload",
+        "machine": machine_info(args.threads, "cpu"),
+        "config": vars(args),
+        "state_bytes": infos["paged"]["state_bytes"],
+        "state_over_budget": None,
+        "levels": infos["paged"]["levels"],
+        "plan": infos["paged"]["plan"],
+        "in_memory": mem,
+        "paged": pag,
+        "read_bytes_per_step": read_b,
+        "write_bytes_per_step": write_b,
+        "stall_s_per_step": stall,
+        "disk_gbps_before": disk,
+        "disk_gbps_after": disk_after,
+        "io_floor_s": floor,
+        "ratio_to_io_floor": pag["median"] / floor if floor else None,
+        "slowdown_vs_in_memory": pag["median"] / mem["median"],
+    }
+    from apt_model.memory.sizes import parse_size
+
+    result["state_over_budget"] = result["state_bytes"] / parse_size(args.budget)
+    print(f"offload — GPT d={args.d_model} x{args.layers}, batch {args.batch_size}x{args.seq_len}, {args.threads} threads; "
+          f"training state {result['state_bytes'] / 1e6:.0f}MB = {result['state_over_budget']:.1f}x the {args.budget} budget")
+    for line in infos["paged"]["levels"]:
+        print("  " + line)
+    print(f"  plan: {result['plan']['reason']}")
+    print(f"  in-memory step  {1e3 * mem['median']:8.1f} ms (p25 {1e3 * mem['p25']:.1f}, p75 {1e3 * mem['p75']:.1f})")
+    print(f"  paged step      {1e3 * pag['median']:8.1f} ms (p25 {1e3 * pag['p25']:.1f}, p75 {1e3 * pag['p75']:.1f}); "
+          f"stalled {1e3 * stall:.0f} ms/step waiting for I/O")
+    print(f"  per step: read {read_b / 1e6:.1f}MB, wrote {write_b / 1e6:.1f}MB; disk read {disk['read']:.2f} GB/s, "
+          f"write {disk['write']:.2f} GB/s (re-measured after: {disk_after['read']:.2f} / {disk_after['write']:.2f})")
+    print(f"  I/O floor {1e3 * floor:.1f} ms; paged / floor = {result['ratio_to_io_floor']:.2f} (target <= 1.5); "
+          f"paged / in-memory = {result['slowdown_vs_in_memory']:.2f}")
+    write_json(result, args.json)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -383,3 +383,50 @@ def test_peak_rss_stays_within_the_host_budget(tmp_path):
     assert state_bytes > 4 * parse_size(budget)  # the state really does not fit
     assert peak[0] - baseline <= allowed, (peak[0] - baseline) / 2**20
     assert vb.get_stats()["levels"][0]["misses"] > 0
+
+
+@pytest.mark.parametrize("host_budget", [256 * 1024, 64 * 2**20])
+def test_three_level_path_device_host_nvme_is_bitwise_identical(tmp_path, host_budget):
+    """The accelerator path (device -> host pool -> NVMe), run with the CPU standing in for the
+    device: pages leave "device" memory into the host pool; a small pool spills to the swap files."""
+    from apt_model.memory.paging.session import PagingSession
+    from apt_model.memory.swap import SwapSpace
+    from apt_model.switch.patches import PatchSet
+
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = train(ref_m, ref_opt, 8, accum=2, clip=0.5)
+
+    m = model()
+    opt = make_opt(m, "adamw")
+    patches = PatchSet()
+    session = PagingSession(4096, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget, host_level=True)
+    try:
+        session.page_model(m, page_params=True, page_grads=True)
+        got = train(m, opt, 8, accum=2, clip=0.5)
+        host = session.report()["host_level"]
+        state = snapshot(m, opt)
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    assert host["bytes_in"] > 0 and host["hits"] > 0
+    if host_budget < 2**20:
+        assert host["spills_to_disk"] > 0 and host["disk"]["read"]["bytes"] > 0  # level 2 really used
+    else:
+        assert host["spills_to_disk"] == 0 and host["disk"]["bytes_on_disk"] == 0  # it all fit on the host
+
+
+def test_pinned_pool_reuses_and_coalesces():
+    from apt_model.memory.stores import PinnedPool
+
+    pool = PinnedPool(64 * 1024, pin=False, slab_bytes=32 * 1024)
+    a, b, c = pool.alloc(5000), pool.alloc(4096), pool.alloc(10_000)
+    assert (a.nbytes, b.nbytes, c.nbytes) == (8192, 4096, 12288) and len(pool.slabs) == 1
+    pool.release(a)
+    pool.release(b)
+    d = pool.alloc(12_000)  # fits the coalesced hole where a and b were
+    assert (d.slab, d.offset) == (a.slab, 0)
+    big = pool.alloc(30_000)
+    assert big is not None and len(pool.slabs) == 2
+    assert pool.alloc(40_000) is None  # over the 64 KiB budget

@@ -11,9 +11,10 @@ Policy:
 * **Prefetch.** Loads can start ahead of use on the reader thread; ``acquire`` waits for them.
 * **Writes never race compute.** Acquiring a page whose write is in flight waits for the write.
 
-This module runs the CPU case, where the compute level *is* host RAM and the level below is the
-swap files. Memory freed by eviction is returned to the OS (``malloc_trim``) so the budget shows
-in the process's RSS, not only in our books.
+The level below is a store (:mod:`apt_model.memory.stores`): the swap files directly on a
+CPU-only run (where the compute level *is* host RAM), or host RAM with its own budget and the swap
+files under it on an accelerator. Memory freed by eviction on the CPU is returned to the OS
+(``malloc_trim``) so the budget shows in the process's RSS, not only in our books.
 """
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ import torch
 from apt_model.log import get_logger
 from apt_model.memory.host import release_free_memory
 from apt_model.memory.io_engine import IOEngine
-from apt_model.memory.pages import Category, Page, State, alloc_storage, cpu_byte_view, free_storage
+from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage
+from apt_model.memory.stores import DiskStore, byte_view
 from apt_model.memory.swap import SwapSpace
 
 log = get_logger(__name__)
@@ -56,18 +58,24 @@ class LevelStats:
 
 
 class Pager:
-    """Keeps registered pages within ``budget`` bytes on the compute level (CPU).
+    """Keeps registered pages within ``budget`` bytes on the compute level.
 
     Args:
         budget: bytes the resident pages may take.
-        swap: the swap space pages are written to.
+        swap: the swap space (the bottom level).
         io: background I/O engine (one is created if None).
+        store: the level right below (default: the swap files, for a CPU compute level); pass a
+            :class:`~apt_model.memory.stores.HostStore` for an accelerator.
+        device: the compute device (default: CPU).
     """
 
-    def __init__(self, budget: int, swap: SwapSpace, io: IOEngine | None = None):
+    def __init__(self, budget: int, swap: SwapSpace, io: IOEngine | None = None, store=None,
+                 device: torch.device | str = "cpu"):
         self.budget = int(budget)
         self.swap = swap
         self.io = io or IOEngine()
+        self.store = store if store is not None else DiskStore(swap, self.io)
+        self.device = torch.device(device)
         self.pages: dict[str, Page] = {}
         self.by_tensor: dict[int, Page] = {}  # id(live tensor) -> page, for fault handling
         self.stats = LevelStats()
@@ -100,8 +108,8 @@ class Pager:
     def register(self, category: Category, tensor_of, label: str, keep: bool = False) -> Page:
         """Start managing a resident tensor (returned by ``tensor_of()``). It has no lower copy yet."""
         t = tensor_of()
-        if t is None or t.device.type != "cpu":
-            raise ValueError(f"page {label}: the CPU pager manages CPU tensors, got {None if t is None else t.device}")
+        if t is None or t.device.type != self.device.type:
+            raise ValueError(f"page {label}: this pager manages {self.device.type} tensors, got {None if t is None else t.device}")
         with self._lock:
             page = Page(category, tensor_of, int(t.untyped_storage().nbytes()), label, keep=keep, tensor_id=id(t))
             self._resident += page.occupies
@@ -132,7 +140,7 @@ class Pager:
             if page.state in (State.LOWER, State.LOADING, State.WRITING):
                 self.acquire([page])
                 page.pins -= 1
-            self.swap.remove(page.key)
+            self.store.remove(page)
             if self.pages.pop(page.key, None) is not None:
                 self._resident -= page.occupies
             if self.by_tensor.get(page.tensor_id) is page:
@@ -151,12 +159,11 @@ class Pager:
         storage = page.storage()
         alloc_storage(storage, page.nbytes)
         if page.zero_on_load:
-            cpu_byte_view(storage)[:] = bytes(page.nbytes)
+            byte_view(storage).zero_()
             self._set(page, State.RESIDENT)
             page.dirty, page.zero_on_load, page.future = True, False, None
             return
-        view = cpu_byte_view(storage)
-        page.future = self.io.submit_read(page.nbytes, lambda: self.swap.read_into(page.key, view))
+        page.future = self.store.start_read(page, storage)
         self._set(page, State.LOADING)
         self.stats.loads += 1
         self.stats.bytes_in += page.nbytes
@@ -165,7 +172,9 @@ class Pager:
         fut, page.future = page.future, None
         try:
             self._wait(fut)
+            self.store.finish_read(page, page.storage())
         except BaseException:
+            self.store.abort_read(page)
             free_storage(page.storage())
             self._set(page, State.LOWER)
             raise
@@ -199,9 +208,8 @@ class Pager:
 
     def _evict(self, page: Page) -> None:
         storage = page.storage()
-        if page.dirty or not self.swap.has(page.key):
-            view = cpu_byte_view(storage)
-            page.future = self.io.submit_write(page.nbytes, lambda: self.swap.write(page.key, view))
+        if page.dirty or not self.store.has(page):
+            page.future = self.store.start_write(page, storage)
             self._set(page, State.WRITING)
         else:
             self._free(page)
@@ -212,7 +220,7 @@ class Pager:
         page.dirty = False
         self.stats.bytes_out += page.nbytes
         self._freed_since_trim += page.nbytes
-        if self._freed_since_trim >= _TRIM_EVERY:
+        if self.device.type == "cpu" and self._freed_since_trim >= _TRIM_EVERY:
             release_free_memory()
             self._freed_since_trim = 0
 
@@ -245,8 +253,9 @@ class Pager:
                     self._finish_write(page, wait=False)
 
     # ------------------------------------------------------------------ policy
-    def make_room(self, nbytes: int, protect: Iterable[Page] = ()) -> None:
-        """Evict until ``nbytes`` more fit in the budget (as far as unpinned pages allow)."""
+    def make_room(self, nbytes: int, protect: Iterable[Page] = (), wait: bool = True) -> None:
+        """Evict until ``nbytes`` more fit in the budget (as far as unpinned pages allow). With
+        ``wait=False`` the writes of evicted dirty pages are started but not waited for."""
         with self._lock:
             self.reap()
             protected = {id(p) for p in protect}
@@ -261,6 +270,8 @@ class Pager:
                     break
                 self._evict(victim)
                 need -= victim.nbytes
+            if not wait:
+                return
             # evicted dirty pages still hold memory until their writes land: wait for enough of them
             for page in sorted((p for p in self.pages.values() if p.state is State.WRITING), key=lambda p: p.last_use):
                 if self.resident_bytes + nbytes <= self.budget:
@@ -323,7 +334,7 @@ class Pager:
                 return
             need = sum(p.nbytes for p in todo)
             if self.resident_bytes + need > self.budget:
-                self.make_room(need, protect=todo)
+                self.make_room(need, protect=todo, wait=False)  # a prefetch never blocks the training thread
             for p in todo:
                 if self.resident_bytes + p.nbytes > self.budget and self.resident_bytes > 0:
                     break
@@ -345,7 +356,7 @@ class Pager:
                 self._finish_write(page, wait=True)
             if page.state is State.LOADING:
                 self._finish_load(page)
-            self.swap.remove(page.key)
+            self.store.remove(page)
             self._set(page, State.ABSENT)
             page.dirty, page.zero_on_load, page.scales, page.cached_norm = False, False, [], None
 
@@ -377,12 +388,13 @@ class Pager:
             if page.state in (State.RESIDENT, State.WRITING, State.LOADING):
                 if page.state is State.LOADING:
                     self._finish_load(page)
-                return t.detach().clone()
+                with torch._C.DisableTorchFunction():
+                    return t.detach().to("cpu", copy=True)
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
             if page.zero_on_load:
                 out.zero_()
             else:
-                self.swap.read_into(page.key, cpu_byte_view(out.untyped_storage()))
+                self.store.read_to_cpu(page, out)
                 with torch.no_grad(), torch._C.DisableTorchFunction():
                     for factor, foreach in page.scales:
                         if foreach:
@@ -405,8 +417,7 @@ class Pager:
             self.by_tensor.clear()
             self._resident = 0
             self._closed = True
-        self.io.close()
-        self.swap.close()
+        self.store.close()
 
     def report(self) -> dict:
         by_cat: dict[str, dict] = {}

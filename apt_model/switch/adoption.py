@@ -263,10 +263,6 @@ class Adopter:
         if req == "off" or self.stack is None:
             self._decide(rec, "paging", req, "off", "paging=off")
             return
-        if dev.type != "cpu":
-            self._decide(rec, "paging", req, "off",
-                         f"paging of state on {dev.type} devices is not built in this version (CPU runs page to NVMe)")
-            return
         budget = self.stack.compute_budget
         plan = plan_placement(model, budget, None, force=req == "always")
         if not plan.paged:
@@ -278,7 +274,9 @@ class Adopter:
         if self.session is None:
             from apt_model.memory.paging.session import PagingSession
 
-            self.session = PagingSession(budget, self.stack.swap, self.patches, page_states=plan.page_states)
+            host = None if self.stack.shared_host else self.stack.levels[1].capacity
+            self.session = PagingSession(budget, self.stack.swap, self.patches, page_states=plan.page_states,
+                                         device=dev, host_budget=host)
         self.session.optimizers.page_states |= plan.page_states
         self.session.page_model(model, plan.page_params, plan.page_grads)
         self._decide(rec, "paging", req, "paged", plan.reason,

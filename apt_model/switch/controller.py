@@ -237,6 +237,10 @@ def _level_stats() -> list[dict] | None:
             row.update(resident_bytes=pr["resident_bytes"], peak_resident=pr["peak_resident"], bytes_in=pr["bytes_in"],
                        bytes_out=pr["bytes_out"], hits=pr["hits"], misses=pr["misses"], faults=pr["faults"],
                        stall_s=pr["stall_s"], over_budget_bytes=pr["over_budget_bytes"])
+        if session is not None and level.kind == "host" and level.index > 0:
+            hs = session.pager.store.stats() if session.pager.store.level_kind == "host" else {}
+            row.update(resident_bytes=hs.get("resident_bytes"), bytes_in=hs.get("bytes_in"), bytes_out=hs.get("bytes_out"),
+                       hits=hs.get("hits"), misses=hs.get("misses"), spills_to_disk=hs.get("spills_to_disk"))
         if session is not None and level.kind == "nvme":
             io = session.pager.io
             row.update(resident_bytes=session.swap.bytes_on_disk, bytes_in=io.write_stats.bytes,

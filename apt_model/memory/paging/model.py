@@ -157,14 +157,22 @@ class PagedModel:
                 register_multi_grad_hook(outs, lambda grads, u=unit: self._backward_start(u), mode="any")
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
+        """Start loading the units that run next (forward: later ones; backward: earlier ones), up
+        to a quarter of the budget and at least ``prefetch_units`` units."""
         if unit.position is None or not self.order:
             return
-        ahead = []
-        i = unit.position
-        for k in range(1, self.prefetch_units + 1):
-            j = i + direction * k
-            if 0 <= j < len(self.order):
-                ahead.extend(self.order[j].pages)
+        ahead, nbytes = [], 0
+        limit = self.session.pager.budget // 4
+        j = unit.position + direction
+        k = 0
+        while 0 <= j < len(self.order) and (k < self.prefetch_units or nbytes < limit):
+            pages = self.order[j].pages
+            nbytes += sum(pg.nbytes for pg in pages)
+            if k >= self.prefetch_units and nbytes > limit:
+                break
+            ahead.extend(pages)
+            j += direction
+            k += 1
         if ahead:
             self.session.pager.prefetch(ahead)
 

@@ -49,6 +49,7 @@ class OptimizerPaging:
         self._stash: dict[int, list] = {}
         self._in_step = False
         self.steps = 0
+        self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
 
     def install(self, patches) -> None:
         patches.add_handle(register_optimizer_step_pre_hook(self._pre), "optimizer step pre-hook")
@@ -86,8 +87,8 @@ class OptimizerPaging:
         pages = self.state_pages.setdefault(id(p), {})
         new = []
         for k, v in opt.state.get(p, {}).items():
-            if not isinstance(v, torch.Tensor) or v.numel() < 2 or v.device.type != "cpu":
-                continue  # scalars such as Adam's 'step' stay resident
+            if not isinstance(v, torch.Tensor) or v.numel() < 2 or v.device != p.device:
+                continue  # scalars such as Adam's 'step' (kept on the CPU) stay resident
             page = pages.get(k)
             if page is None or page.tensor_of() is not v:
                 if page is not None:
@@ -164,6 +165,8 @@ class OptimizerPaging:
                         w, r = self._pages_of(p)
                         write += w
                         read += r
+                    if gi == 0 and ci == 0:
+                        self.first_chunk = write + read
                     pager.acquire(write, for_write=True)
                     pager.acquire(read)
                     if ci + 1 < len(chunks):

@@ -35,8 +35,19 @@ class PagingSession:
         page_states: whether optimizer states are paged (decided by the placement plan).
     """
 
-    def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True):
-        self.pager = Pager(budget, swap)
+    def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True,
+                 device: torch.device | str = "cpu", host_budget: int | None = None, host_level: bool | None = None):
+        device = torch.device(device)
+        store = None
+        if host_level if host_level is not None else device.type != "cpu":
+            from apt_model.memory.io_engine import IOEngine
+            from apt_model.memory.stores import DiskStore, HostStore
+
+            io = IOEngine()
+            store = HostStore(device, host_budget or budget, DiskStore(swap, io))
+            self.pager = Pager(budget, swap, io=io, store=store, device=device)
+        else:
+            self.pager = Pager(budget, swap, device=device)
         self.swap = swap
         self.patches = patches
         self.models: list[PagedModel] = []
@@ -132,6 +143,8 @@ class PagingSession:
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self.release_backward_pins()
+        if self.optimizers.first_chunk:  # the optimizer step usually comes next: start its reads
+            self.pager.prefetch(self.optimizers.first_chunk)
 
     # ------------------------------------------------------------------ gradients
     def before_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
@@ -203,7 +216,7 @@ class PagingSession:
                 if st is not None and st.nbytes():
                     by_ptr[st.data_ptr()] = page
             for t in tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                if isinstance(t, torch.Tensor) and t.device.type == self.pager.device.type:
                     page = by_ptr.get(t.untyped_storage().data_ptr())
                     if page is not None:
                         self.pager.acquire([page])
@@ -252,8 +265,10 @@ class PagingSession:
         self.pager.close()
 
     def report(self) -> dict:
+        store = self.pager.store
         return {
             "pager": self.pager.report(),
+            "host_level": store.stats() if store.level_kind == "host" else None,
             "swap": {"folder": str(self.swap.folder), "bytes_on_disk": self.swap.bytes_on_disk,
                      "written": self.pager.io.write_stats.to_dict(), "read": self.pager.io.read_stats.to_dict()},
             "models": [m.describe() for m in self.models],

@@ -30,6 +30,14 @@ def collect_info(device: str | None = None, probe: bool = True) -> dict:
     caps = None
     if probe:
         caps = {"support": get_support(sel.device).to_dict(), "speed": get_speed(sel.device).to_dict()}
+        from apt_model.memory.levels import VGPUStack
+
+        stack = VGPUStack(sel.device, measure=True)  # capacities and measured bandwidths per level
+        try:
+            tiers["levels"] = stack.describe()["levels"]
+            tiers["stack"] = str(stack).splitlines()
+        finally:
+            stack.close()
     return {
         "candidates": [c.to_dict() for c in cands],
         "selected": sel.to_dict(),
@@ -52,6 +60,9 @@ def format_info(info: dict) -> str:
     out.append(f"\nSelected: {s['device']} ({s['kind']}) — {s['reason']}")
     out.append(f"Communication backend: {s['dist_backend'] or 'none'}")
     m = info["memory"]
+    if m.get("stack"):
+        out.append("\nVGPU stack (capacity for this run, measured bandwidth)")
+        out.extend(f"  {line}" for line in m["stack"])
     out.append("\nMemory tiers")
     dev = m["device"]
     if dev["kind"] == "cpu":

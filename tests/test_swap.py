@@ -44,7 +44,9 @@ def test_rewrite_in_place_and_remove(space):
     assert bytes(out) == b"y" * 3000 and space.bytes_on_disk == 3000
     path = space._records["a"].path
     space.remove("a")
-    assert not path.exists() and space.bytes_on_disk == 0 and not space.has("a")
+    assert path.stat().st_size == 0 and space.bytes_on_disk == 0 and not space.has("a")
+    with pytest.raises(SwapCorruptionError, match="no swap record"):
+        space.read_into("a", memoryview(bytearray(3000)))
 
 
 def test_altered_truncated_and_missing_files_are_refused(space):

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import torch
 
-from apt_model.memory.swap import _fadvise_dontneed
 
 _cache: dict[tuple, dict] = {}
 _lock = threading.Lock()
@@ -74,41 +73,32 @@ def measure_link(device: torch.device, mb: int = 64) -> dict:
     return {"h2d": n / _median_time(h2d) / 1e9, "d2h": n / _median_time(d2h) / 1e9}
 
 
-def measure_disk(folder: str | os.PathLike, mb: int = 64) -> dict:
-    """Write (with fdatasync) and cold-read bandwidth of ``folder``'s disk in GB/s."""
-    n = mb * 2**20
-    data = os.urandom(1 << 20) * mb
-    path = Path(folder) / f".bandwidth-probe-{os.getpid()}"
-    buf = bytearray(n)
+def measure_disk(folder: str | os.PathLike, mb: int = 64, threads: int = 2) -> dict:
+    """Write and cold-read bandwidth of ``folder``'s disk in GB/s, measured the way the swap level
+    moves data: 4 MiB files through :class:`~apt_model.memory.swap.SwapSpace` (O_DIRECT where
+    supported, checksums included), ``threads`` requests in flight per direction."""
+    from concurrent.futures import ThreadPoolExecutor
 
-    def write():
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, data)
-            os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
-            _fadvise_dontneed(fd)
-        finally:
-            os.close(fd)
+    from apt_model.memory.swap import SwapSpace
 
-    def read():
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            _fadvise_dontneed(fd)
-            off = 0
-            while off < n:
-                off += os.preadv(fd, [memoryview(buf)[off:]], off)
-        finally:
-            os.close(fd)
-
+    page = 4 << 20
+    n = max(1, (mb << 20) // page)
+    space = SwapSpace(folder)
+    data = memoryview(bytearray(os.urandom(page)))
+    outs = [memoryview(bytearray(page)) for _ in range(n)]
     try:
-        w = _median_time(write, reps=2)
-        r = _median_time(read, reps=2)
+        with ThreadPoolExecutor(threads) as ex:
+            def write():
+                list(ex.map(lambda i: space.write(f"bw{i}", data), range(n)))
+
+            def read():
+                list(ex.map(lambda i: space.read_into(f"bw{i}", outs[i]), range(n)))
+
+            w = _median_time(write, reps=2)
+            r = _median_time(read, reps=2)
     finally:
-        try:
-            path.unlink()
-        except OSError:
-            pass
-    return {"write": n / w / 1e9, "read": n / r / 1e9}
+        space.close()
+    return {"write": n * page / w / 1e9, "read": n * page / r / 1e9}
 
 
 def measure_bandwidths(device: torch.device, swap_folder: str | os.PathLike, refresh: bool = False) -> dict:

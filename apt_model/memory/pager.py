@@ -35,7 +35,7 @@ from apt_model.memory.swap import SwapSpace
 
 log = get_logger(__name__)
 
-_TRIM_EVERY = 8 * 2**20  # return freed heap memory to the OS after this many bytes were freed
+_TRIM_EVERY = 64 * 2**20  # return freed heap memory to the OS after this many bytes were freed
 
 
 class LevelStats:

@@ -339,13 +339,16 @@ class SwapSpace:
         return key in self._records
 
     def remove(self, key: str) -> None:
-        """Delete page ``key``'s file (no error if absent)."""
+        """Forget page ``key``'s copy (no error if absent). The file itself stays, truncated to
+        nothing, for the page's next write: a gradient dropped by ``zero_grad`` every step would
+        otherwise cost an unlink and a create (two journal commits) per step; the whole folder is
+        deleted by :meth:`close`."""
         with self._lock:
             rec = self._records.pop(key, None)
             if rec is not None:
                 self.bytes_on_disk -= rec.nbytes
         if rec is not None:
             try:
-                os.unlink(rec.path)
+                os.truncate(rec.path, 0)
             except OSError:
                 pass

@@ -31,7 +31,8 @@ setup(
         "crc32c>=2.3",
     ],
     extras_require={
-        "test": ["pytest>=8", "transformers>=4.45"],
+        # torchao: the FP4 interop reference (tests only; it does not pull or replace torch)
+        "test": ["pytest>=8", "transformers>=4.45", "torchao==0.18.0"],
         "hf": ["transformers>=4.45"],
         "plot": ["matplotlib>=3.7"],
     },

@@ -18,6 +18,7 @@ from apt_model.attention.routing import find_attention_targets, route_to_sdpa
 from apt_model.devices.capabilities import Speed, Support, get_speed, get_support
 from apt_model.precision.autocast import attach_autocast
 from apt_model.precision.trial import SpeedTrial
+from apt_model.quantization.policy import apply_fp4_policy
 from apt_model.switch.config import VBConfig
 from apt_model.switch.modes import FEATURES
 from apt_model.switch.patches import PatchSet
@@ -114,6 +115,7 @@ class Adopter:
         speed = self._speed(dev, rec.width) if need_probe and self._wants_speed() else None
         self._attention(model, rec, support, speed)
         self._precision(model, rec, dev, support, speed)
+        apply_fp4_policy(model, rec, self.config, support, self.patches, self._decide)  # before paging: it shrinks frozen weights
         self._paging(model, rec, dev)
         self._not_built(rec)
         return rec

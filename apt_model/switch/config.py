@@ -28,6 +28,7 @@ SETTINGS = {
     "swap_budget": None,  # bytes the swap level may hold (VB_SWAP_BUDGET)
     "verbose": False,  # print the decisions as they are made
     "banner": True,  # print the one-line-per-feature banner at enable()
+    "fp4_policy": None,  # which layers FP4 converts: None (defaults) or a dict of FP4Policy fields
 }
 
 
@@ -82,7 +83,29 @@ def _validate_setting(name: str, value, source: str):
         raise ConfigError(f"{source}: {name}={value!r} must be True or False")
     if name == "prefer" and value is not None and not isinstance(value, (str, tuple, list)):
         raise ConfigError(f"{source}: prefer={value!r} must be a device kind or a sequence of kinds")
+    if name == "fp4_policy" and value is not None:
+        from apt_model.quantization.policy import FP4Policy
+
+        value = FP4Policy.coerce(value).to_dict()  # validated now, kept JSON-safe for the report
     return value
+
+
+def _resolve_use_fp4(mode: str, overrides: dict) -> dict:
+    """``use_fp4=True`` -> ``fp4`` = the mode's request (``storage`` where the mode has ``off``);
+    ``use_fp4=False`` -> ``fp4="off"``. Raises ConfigError when it contradicts an explicit ``fp4``."""
+    if "use_fp4" not in overrides:
+        return overrides
+    overrides = dict(overrides)
+    flag = overrides.pop("use_fp4")
+    if not isinstance(flag, bool):
+        raise ConfigError(f"enable(): use_fp4={flag!r} must be True or False")
+    mode_value = MODE_TABLE[mode]["fp4"]
+    value = (mode_value if mode_value != "off" else "storage") if flag else "off"
+    if "fp4" in overrides and validate_feature_value("fp4", overrides["fp4"], "enable()") != value:
+        raise ConfigError(f"enable(): use_fp4={flag} means fp4={value!r} in mode {mode!r}, "
+                          f"but fp4={overrides['fp4']!r} was also given")
+    overrides["fp4"] = value
+    return overrides
 
 
 def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
@@ -93,6 +116,7 @@ def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
             or an invalid value.
     """
     mode = validate_mode(mode)
+    overrides = _resolve_use_fp4(mode, overrides or {})
     cfg = VBConfig(mode=mode)
     for name, value in MODE_TABLE[mode].items():
         cfg.features[name] = value

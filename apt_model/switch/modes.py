@@ -33,8 +33,9 @@ FEATURES: dict[str, FeatureSpec] = {
                     "route attention through fused SDPA where it runs and is not slower", "VB_ATTENTION"),
         FeatureSpec("mixed_precision", ("auto", "bf16", "fp16", "off"), True,
                     "autocast where the probe says the device is faster (auto picks bf16 only)", "VB_MIXED_PRECISION"),
-        FeatureSpec("fp4", ("off", "native", "storage", "all"), False,
-                    "FP4 weights: native FP4 GEMM where hardware has it, FP4 storage of frozen weights", "VB_FP4"),
+        FeatureSpec("fp4", ("off", "native", "storage", "all"), True,
+                    "FP4 weights: storage = frozen nn.Linear weights kept in FP4 (dequantized per call); "
+                    "native = FP4 matmul where the probe finds FP4 units (else unchanged); all = both", "VB_FP4"),
         FeatureSpec("activation_checkpointing", (False, True), False,
                     "recompute activations of chosen blocks in backward", "VB_CHECKPOINTING"),
         FeatureSpec("activation_offload", (False, True), False,

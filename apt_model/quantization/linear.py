@@ -1,0 +1,301 @@
+"""FP4 linear layers: frozen FP4 weight storage (emulated or native compute) and FP4 QAT.
+
+Three uses:
+
+1. **Frozen weight storage** — :class:`FP4Linear`. The weight lives packed (MXFP4: 4.25 bits per
+   weight, NVFP4: 4.5) in buffers; each call dequantizes it to the compute dtype (the input's, or
+   autocast's) and multiplies. Gradients flow to the input — adapters stacked on the layer train —
+   never to the frozen weight. Backward dequantizes again instead of keeping the dequantized weight
+   alive between forward and backward, so the layer's memory stays at its packed size.
+2. **Quantization-aware training** — :class:`FP4QATLinear`, an ``nn.Linear`` whose fp32 master
+   weight stays a trainable Parameter (the same object, so an optimizer built earlier keeps
+   training it); the forward uses the fake-quantized weight ``dequantize(quantize(W))`` and the
+   backward passes the gradient straight through to ``W`` (straight-through estimator).
+3. **Native FP4 matrix products** — :class:`FP4Linear` with ``compute="native"`` (or ``"auto"``):
+   the activation is quantized to the weight's format on the fly and ``torch._scaled_mm`` runs on
+   FP4 matrix units — only where the capability probe says they exist (NVIDIA sm_100+, AMD gfx950).
+   Its backward uses the dequantized weight. :attr:`FP4Linear.compute_used` says which path ran.
+
+``state_dict()`` of an :class:`FP4Linear` holds ``weight_data`` (uint8 codes), ``weight_scales``
+(uint8 scale bits), ``weight_tensor_scale`` (fp32, NVFP4 only), ``bias``, and ``_extra_state``
+(format, scale rule, shape, dtype: plain Python values, so ``torch.load(weights_only=True)`` reads
+it). Loading it into an :class:`FP4Linear` restores the exact bytes; loading a plain ``nn.Linear``
+state dict (a ``weight`` key) quantizes that weight.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apt_model.log import get_logger
+from apt_model.quantization.mxfp4 import check_scale_rule
+from apt_model.quantization.native import native_fp4_matmul, native_support, shape_problem
+from apt_model.quantization.tensor import FORMATS, FP4Tensor, check_format, quantize
+
+log = get_logger(__name__)
+
+COMPUTE_CHOICES = ("emulated", "native", "auto")
+_STATE_VERSION = 1
+
+
+def _check_compute(compute: str) -> str:
+    if compute not in COMPUTE_CHOICES:
+        raise ValueError(f"compute={compute!r} is not valid; valid: {', '.join(COMPUTE_CHOICES)}")
+    return compute
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear layer computes in: autocast's where it is on, else the input's."""
+    dev = x.device.type
+    if torch.amp.is_autocast_available(dev) and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype if x.is_floating_point() else torch.float32
+
+
+class _FrozenFP4Linear(torch.autograd.Function):
+    """``y = x W^T + b`` with a packed, frozen ``W``: no gradient for ``W``; backward re-dequantizes it."""
+
+    @staticmethod
+    def forward(ctx, x, bias, weight: FP4Tensor, native: bool):
+        if native:
+            lead = x.shape[:-1]
+            y = native_fp4_matmul(x.reshape(-1, x.shape[-1]), weight, out_dtype=x.dtype)
+            y = y.reshape(*lead, -1)
+            if bias is not None:
+                y = y + bias
+        else:
+            y = F.linear(x, weight.dequantize(x.dtype), bias)
+        ctx.weight = weight
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out @ ctx.weight.dequantize(grad_out.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[1]:
+            grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0)
+        return grad_x, grad_bias, None, None
+
+
+class FP4Linear(nn.Module):
+    """A linear layer whose frozen weight is stored in FP4 (MXFP4 or NVFP4).
+
+    Args:
+        in_features, out_features: as ``nn.Linear``.
+        bias: whether the layer has a bias (kept in full precision).
+        format: ``"nvfp4"`` (blocks of 16, 4.5 bits per weight) or ``"mxfp4"`` (blocks of 32, 4.25).
+        scale_rule: MXFP4 scale rule, ``"floor"`` or ``"rceil"``.
+        compute: ``"emulated"`` (dequantize, then an ordinary matmul), ``"native"`` (FP4 matrix
+            units; raises where the capability probe says the device has none) or ``"auto"``
+            (native where the probe says yes, else emulated).
+        weight_dtype: the dtype the weight had (``weight`` returns this dtype).
+        device: where the buffers are created.
+
+    Input ``(..., in_features)``; output ``(..., out_features)`` in the compute dtype (the input's,
+    or autocast's).
+
+    Raises:
+        ValueError: bad format, scale rule or compute choice.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
+                 scale_rule: str = "floor", compute: str = "emulated", weight_dtype: torch.dtype = torch.float32,
+                 device=None):
+        super().__init__()
+        self.format = check_format(format)
+        self.scale_rule = check_scale_rule(scale_rule) if self.format == "mxfp4" else None
+        self.compute = _check_compute(compute)
+        self.in_features, self.out_features = int(in_features), int(out_features)
+        self.weight_dtype = weight_dtype
+        block = FORMATS[self.format]
+        padded = -(-self.in_features // block) * block
+        self.register_buffer("weight_data", torch.zeros(out_features, padded // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("weight_scales", torch.zeros(out_features, padded // block, dtype=torch.uint8, device=device))
+        ts = torch.zeros((), dtype=torch.float32, device=device) if self.format == "nvfp4" else None
+        self.register_buffer("weight_tensor_scale", ts)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+        self.compute_used: tuple[str, str] | None = None  # (path, why) of the last call
+        self._native_cache: dict[str, tuple[bool, str]] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", scale_rule: str = "floor",
+                    compute: str = "emulated") -> FP4Linear:
+        """An FP4Linear holding ``linear``'s weight in FP4 and the **same** bias Parameter object.
+
+        ``linear`` is left untouched (its weight still holds its memory: see
+        :func:`apt_model.quantization.policy.release_parameter` to free it).
+        """
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, bias=False, format=format, scale_rule=scale_rule,
+                    compute=compute, weight_dtype=w.dtype, device="meta")
+        layer.set_weight(w)
+        layer.bias = linear.bias
+        return layer
+
+    def set_weight(self, weight: torch.Tensor) -> None:
+        """Quantize ``weight`` ``(out_features, in_features)`` into this layer's buffers (replacing them)."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(f"weight shape {tuple(weight.shape)} does not match "
+                             f"({self.out_features}, {self.in_features})")
+        q = quantize(weight.detach(), self.format, self.scale_rule or "floor")
+        self.weight_data = q.data
+        self.weight_scales = q.scales
+        self.weight_tensor_scale = q.tensor_scale
+        self.weight_dtype = weight.dtype
+
+    # ------------------------------------------------------------------ views
+    @property
+    def fp4_weight(self) -> FP4Tensor:
+        """The packed weight as an :class:`FP4Tensor` (views of the buffers, no copy)."""
+        return FP4Tensor(self.weight_data, self.weight_scales, self.weight_tensor_scale,
+                         (self.out_features, self.in_features), self.weight_dtype, self.format, self.scale_rule)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantized weight in :attr:`weight_dtype` (a new tensor on every access, no gradient)."""
+        return self.fp4_weight.dequantize(self.weight_dtype)
+
+    def weight_nbytes(self) -> int:
+        """Bytes of the packed weight (codes, scales, tensor scale)."""
+        return self.fp4_weight.nbytes
+
+    def extra_repr(self) -> str:
+        rule = f", scale_rule={self.scale_rule}" if self.scale_rule else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"format={self.format}{rule}, compute={self.compute}")
+
+    # ------------------------------------------------------------------ compute
+    def _native_for(self, device: torch.device) -> tuple[bool, str]:
+        key = str(device)
+        if key not in self._native_cache:
+            self._native_cache[key] = native_support(device)
+        return self._native_cache[key]
+
+    def _choose(self, x: torch.Tensor, rows: int) -> tuple[bool, str]:
+        if self.compute == "emulated":
+            return False, "compute=emulated"
+        ok, why = self._native_for(x.device)
+        if not ok:
+            if self.compute == "native":
+                raise RuntimeError(f"FP4Linear(compute='native') on {x.device}: {why}; use compute='auto' or 'emulated'")
+            return False, why
+        problem = shape_problem(self.format, rows, self.out_features, self.weight_data.shape[1] * 2, x.device)
+        if problem:
+            return False, problem
+        return True, why
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = _compute_dtype(x)
+        rows = x.numel() // max(1, x.shape[-1])
+        native, why = self._choose(x, rows)
+        self.compute_used = ("native" if native else "emulated", why)
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        dev = x.device.type
+        no_autocast = torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) \
+            else contextlib.nullcontext()
+        with no_autocast:  # the dtype is chosen above; the matmul runs in it
+            return _FrozenFP4Linear.apply(x.to(dtype), bias, self.fp4_weight, native)
+
+    # ------------------------------------------------------------------ dtype moves and state
+    def _apply(self, fn, recurse=True):
+        """Keep the NVFP4 tensor scale in fp32 when the module is cast (``model.half()``)."""
+        ts = self.weight_tensor_scale
+        out = super()._apply(fn, recurse)
+        if ts is not None and self.weight_tensor_scale.dtype != torch.float32:
+            self.weight_tensor_scale = ts.to(self.weight_tensor_scale.device)
+        return out
+
+    def get_extra_state(self) -> dict:
+        return {"version": _STATE_VERSION, "format": self.format, "scale_rule": self.scale_rule,
+                "in_features": self.in_features, "out_features": self.out_features,
+                "weight_dtype": str(self.weight_dtype).replace("torch.", "")}
+
+    def set_extra_state(self, state: dict) -> None:
+        dtype = getattr(torch, state.get("weight_dtype", "float32"), torch.float32)
+        self.weight_dtype = dtype
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        extra = state_dict.get(prefix + "_extra_state")
+        if isinstance(extra, dict):
+            theirs = (extra.get("format"), extra.get("scale_rule"), extra.get("in_features"), extra.get("out_features"))
+            ours = (self.format, self.scale_rule, self.in_features, self.out_features)
+            if theirs != ours:
+                error_msgs.append(f"{prefix or 'FP4Linear'}: the state dict holds format/scale_rule/in/out "
+                                  f"{theirs}, this layer is {ours}; build the layer with the same settings")
+                return
+        plain = prefix + "weight"
+        if plain in state_dict and prefix + "weight_data" not in state_dict:  # an nn.Linear state dict
+            w = state_dict.pop(plain)
+            q = quantize(w.to(self.weight_data.device), self.format, self.scale_rule or "floor")
+            state_dict[prefix + "weight_data"] = q.data
+            state_dict[prefix + "weight_scales"] = q.scales
+            if q.tensor_scale is not None:
+                state_dict[prefix + "weight_tensor_scale"] = q.tensor_scale
+            state_dict.setdefault(prefix + "_extra_state", {**self.get_extra_state(),
+                                                           "weight_dtype": str(w.dtype).replace("torch.", "")})
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+
+
+class _FakeQuantizeSTE(torch.autograd.Function):
+    """Forward: the FP4 round trip of ``w``. Backward: the gradient unchanged (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, w, fmt: str, rule: str):
+        return quantize(w, fmt, rule).dequantize(w.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def fake_quantize_ste(w: torch.Tensor, format: str = "nvfp4", scale_rule: str = "floor") -> torch.Tensor:
+    """FP4 fake quantization with a straight-through gradient: value ``dequantize(quantize(w))``, d/dw = 1."""
+    return _FakeQuantizeSTE.apply(w, check_format(format), check_scale_rule(scale_rule))
+
+
+class FP4QATLinear(nn.Linear):
+    """``nn.Linear`` trained with FP4 fake-quantized weights (quantization-aware training).
+
+    The weight is an ordinary fp32 (master) Parameter; each forward quantizes it to ``format`` and
+    back, and the straight-through estimator hands the gradient to the master weight unchanged. Its
+    ``state_dict`` is exactly ``nn.Linear``'s, so a QAT checkpoint loads into a plain ``nn.Linear``
+    (and, quantized, into an :class:`FP4Linear` for deployment).
+
+    Raises:
+        ValueError: bad format or scale rule.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
+                 scale_rule: str = "floor", device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.format = check_format(format)
+        self.scale_rule = check_scale_rule(scale_rule)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str = "nvfp4", scale_rule: str = "floor") -> FP4QATLinear:
+        """A QAT layer sharing ``linear``'s weight and bias **Parameter objects** (no copy, no detach)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight = linear.weight
+        layer.bias = linear.bias
+        layer.format = check_format(format)
+        layer.scale_rule = check_scale_rule(scale_rule)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, fake_quantize_ste(self.weight, self.format, self.scale_rule), self.bias)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, format={self.format}, scale_rule={self.scale_rule}"

@@ -1,0 +1,338 @@
+"""Which layers go to FP4, and the switch's FP4 step (``fp4`` toggle) — undone exactly by ``disable()``.
+
+The policy (:class:`FP4Policy`) converts frozen ``nn.Linear`` layers and skips, with a reason each:
+
+* embeddings (FP4 storage covers ``nn.Linear``; a lookup reads a few rows, there is nothing to gain);
+* the output head — a layer named ``lm_head``/``head``/``output``/``classifier``/... — because its
+  error goes straight into the logits (``skip_output_head=False`` or an ``include`` pattern
+  overrides);
+* layers with fewer than ``min_weights`` weights (default 16,384: a 128 x 128 layer): the bytes saved
+  are small next to the per-call dequantization;
+* layers whose names match a ``skip`` pattern (``fnmatch`` on the qualified name, e.g. ``"*.attn.*"``);
+* always, whatever ``include`` says: trainable weights (storage is for frozen weights; use
+  :class:`~apt_model.quantization.linear.FP4QATLinear` to train through FP4), weights shared with
+  another module (tied embeddings), ``nn.Linear`` subclasses and layers inside
+  ``nn.MultiheadAttention`` (their owners read ``.weight`` directly), layers carrying hooks (a
+  replacement would drop them), and the adopted model itself.
+
+``include`` patterns force conversion past the head, size and ``skip`` rules.
+
+In the switch (``vb.enable("memory")`` or ``fp4=...``/``use_fp4=True``):
+
+* ``storage`` / ``all``: eligible frozen layers become :class:`~apt_model.quantization.linear.FP4Linear`;
+  compute is emulated (dequantize to the compute dtype), and for ``all`` native where the capability
+  probe says the device has FP4 matrix units;
+* ``native`` (performance mode): only where the probe says native FP4 runs — elsewhere nothing
+  changes, because dequantizing on every call would make the script slower.
+
+Each converted layer's fp32 weight is released (:func:`~apt_model.quantization.memory.release_parameter`):
+the Parameter object survives (an optimizer built earlier still holds it) but its memory is freed.
+``disable()`` puts every original ``nn.Linear`` back, with the same Parameter objects; their values
+are the FP4-rounded weights, because the originals were freed (that is the point of the mode).
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+
+from apt_model.errors import ConfigError
+from apt_model.log import get_logger
+from apt_model.quantization.linear import FP4Linear, FP4QATLinear
+from apt_model.quantization.memory import release_parameter
+from apt_model.quantization.mxfp4 import check_scale_rule
+from apt_model.quantization.native import native_support
+from apt_model.quantization.tensor import FORMATS, check_format
+
+log = get_logger(__name__)
+
+HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_proj", "classifier", "score", "logits",
+              "fc_out", "decoder")
+USES = ("storage", "qat")
+
+
+@dataclass(frozen=True)
+class FP4Policy:
+    """Which layers FP4 conversion touches (see the module docstring for the rules).
+
+    Attributes:
+        format: ``"nvfp4"`` (default: better quality, 4.5 bits) or ``"mxfp4"`` (4.25 bits).
+        scale_rule: MXFP4 scale rule, ``"floor"`` or ``"rceil"``.
+        min_weights: layers with fewer weights are skipped.
+        skip_output_head: skip layers named like an output head (``head_names``).
+        head_names: last name components that mark an output head.
+        skip: ``fnmatch`` patterns of qualified module names never converted.
+        include: patterns converted even when the head, size or ``skip`` rules would skip them.
+    """
+
+    format: str = "nvfp4"
+    scale_rule: str = "floor"
+    min_weights: int = 16384
+    skip_output_head: bool = True
+    head_names: tuple = HEAD_NAMES
+    skip: tuple = ()
+    include: tuple = ()
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "format", check_format(self.format))
+            object.__setattr__(self, "scale_rule", check_scale_rule(self.scale_rule))
+        except ValueError as err:
+            raise ConfigError(f"fp4_policy: {err}") from None
+        if not isinstance(self.min_weights, int) or isinstance(self.min_weights, bool) or self.min_weights < 0:
+            raise ConfigError(f"fp4_policy: min_weights={self.min_weights!r} must be an integer >= 0")
+        if not isinstance(self.skip_output_head, bool):
+            raise ConfigError(f"fp4_policy: skip_output_head={self.skip_output_head!r} must be True or False")
+        for name in ("head_names", "skip", "include"):
+            value = getattr(self, name)
+            value = (value,) if isinstance(value, str) else tuple(value)
+            if not all(isinstance(v, str) for v in value):
+                raise ConfigError(f"fp4_policy: {name}={value!r} must be strings")
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def coerce(cls, value) -> FP4Policy:
+        """An FP4Policy from None (the defaults), a dict of fields, or an FP4Policy.
+
+        Raises:
+            ConfigError: unknown field names (the message lists the valid ones) or invalid values.
+        """
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            valid = [f.name for f in fields(cls)]
+            unknown = [k for k in value if k not in valid]
+            if unknown:
+                raise ConfigError(f"fp4_policy: unknown field(s) {', '.join(map(repr, unknown))}; valid: {', '.join(valid)}")
+            return cls(**value)
+        raise ConfigError(f"fp4_policy={value!r} must be None, a dict or an FP4Policy")
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+@dataclass
+class Candidate:
+    """One layer the policy looked at: where it is, and whether (and why) it converts."""
+
+    name: str
+    parent: nn.Module | None = field(repr=False)
+    attr: str
+    module: nn.Module = field(repr=False)
+    convert: bool
+    reason: str
+
+    def summary(self) -> dict:
+        w = getattr(self.module, "weight", None)
+        return {"name": self.name, "type": type(self.module).__name__,
+                "shape": list(w.shape) if isinstance(w, torch.Tensor) else None, "reason": self.reason}
+
+
+def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
+    """Parameter storages referenced from more than one module name (tied weights)."""
+    owners: dict[int, list[str]] = {}
+    for mname, m in model.named_modules(remove_duplicate=False):
+        for pname, p in m.named_parameters(recurse=False):
+            if p is None or p.device.type == "meta" or p.untyped_storage().nbytes() == 0:
+                continue
+            owners.setdefault(p.untyped_storage().data_ptr(), []).append(f"{mname}.{pname}" if mname else pname)
+    return {k: v for k, v in owners.items() if len(set(v)) > 1}
+
+
+def _match(name: str, patterns: tuple) -> str | None:
+    return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
+
+
+def _has_hooks(m: nn.Module) -> bool:
+    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
+                or getattr(m, "_backward_pre_hooks", None))
+
+
+def _judge(name: str, parent, m: nn.Module, policy: FP4Policy, use: str, shared: dict) -> tuple[bool, str]:
+    if isinstance(m, nn.Embedding):
+        return False, "embedding: FP4 storage covers nn.Linear; a lookup reads a few rows, nothing to gain"
+    if type(m) is not nn.Linear:
+        return False, f"nn.Linear subclass: {type(m).__name__} may read .weight itself"
+    if parent is None:
+        return False, "the model itself: an adopted nn.Linear cannot be replaced in place"
+    if isinstance(parent, nn.MultiheadAttention):
+        return False, "inside nn.MultiheadAttention: it reads .weight directly"
+    w = m.weight
+    if not w.is_floating_point() or w.device.type == "meta":
+        return False, f"not a materialized floating weight: {w.dtype} on {w.device}"
+    if use == "storage" and w.requires_grad:
+        return False, "trainable weight: FP4 storage is for frozen weights (FP4QATLinear trains through FP4)"
+    tied = shared.get(w.untyped_storage().data_ptr())
+    if tied:
+        return False, f"tied weight: shared with {', '.join(t for t in tied if not t.startswith(name + '.'))}"
+    if _has_hooks(m):
+        return False, "hooks: the layer has hooks that a replacement would drop"
+    forced = _match(name, policy.include)
+    if forced:
+        return True, f"included: policy pattern {forced!r}"
+    excluded = _match(name, policy.skip)
+    if excluded:
+        return False, f"skip pattern: {excluded!r}"
+    if policy.skip_output_head and name.rsplit(".", 1)[-1] in policy.head_names:
+        return False, "output head: its FP4 error goes straight into the logits"
+    if w.numel() < policy.min_weights:
+        return False, f"small: {w.numel()} weights, below min_weights={policy.min_weights}"
+    return True, f"{'frozen' if use == 'storage' else 'linear'} layer: {w.numel()} weights"
+
+
+def plan_fp4(model: nn.Module, policy: FP4Policy | dict | None = None, use: str = "storage") -> list[Candidate]:
+    """Every ``nn.Linear``-like layer and embedding of ``model`` with the policy's verdict and reason.
+
+    Raises:
+        ValueError: ``use`` is not ``"storage"`` or ``"qat"``.
+    """
+    if use not in USES:
+        raise ValueError(f"use={use!r} is not valid; valid: {', '.join(USES)}")
+    policy = FP4Policy.coerce(policy)
+    shared = _shared_parameters(model)
+    parents = {id(child): (m, attr) for m in model.modules() for attr, child in m.named_children()}
+    out = []
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.Linear, nn.Embedding)) or isinstance(m, FP4QATLinear):
+            continue
+        parent, attr = parents.get(id(m), (None, ""))
+        convert, reason = _judge(name, parent, m, policy, use, shared)
+        out.append(Candidate(name or type(m).__name__, parent, attr, m, convert, reason))
+    return out
+
+
+def convert_to_fp4(model: nn.Module, use: str = "storage", policy: FP4Policy | dict | None = None,
+                   compute: str = "emulated", release: bool = True) -> list[Candidate]:
+    """Convert ``model``'s eligible layers in place (outside the switch; nothing to undo).
+
+    Args:
+        model: the model.
+        use: ``"storage"`` (frozen layers -> :class:`FP4Linear`) or ``"qat"`` (linear layers ->
+            :class:`FP4QATLinear`, sharing their Parameter objects).
+        policy: an :class:`FP4Policy`, a dict of its fields, or None for the defaults.
+        compute: for storage: ``"emulated"``, ``"native"`` or ``"auto"`` (see :class:`FP4Linear`).
+        release: for storage: free each converted layer's fp32 weight (:func:`release_parameter`).
+
+    Returns:
+        The plan: every candidate with ``convert`` and ``reason``.
+    """
+    policy = FP4Policy.coerce(policy)
+    plan = plan_fp4(model, policy, use)
+    for c in plan:
+        if not c.convert:
+            continue
+        if use == "qat":
+            new = FP4QATLinear.from_linear(c.module, policy.format, policy.scale_rule)
+        else:
+            new = FP4Linear.from_linear(c.module, policy.format, policy.scale_rule, compute=compute)
+            if release:
+                release_parameter(c.module.weight)
+        setattr(c.parent, c.attr, new)
+    return plan
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return str(n)
+
+
+def _skip_summary(skipped: list[Candidate]) -> str:
+    counts: dict[str, list[str]] = {}
+    for c in skipped:
+        counts.setdefault(c.reason.split(":")[0], []).append(c.name)
+    parts = []
+    for why, names in counts.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{len(names)} ({why}: {shown})")
+    return "; ".join(parts)
+
+
+def apply_fp4_policy(model: nn.Module, rec, config, support, patches, decide) -> None:
+    """The switch's FP4 step for one adopted model: convert, record, and register the undo.
+
+    Args:
+        model: the adopted model.
+        rec: its :class:`~apt_model.switch.adoption.ModelRecord` (``rec.features["fp4"]`` gets the
+            layers converted and skipped, the bytes, and the compute path).
+        config: the switch's :class:`~apt_model.switch.config.VBConfig` (``fp4`` and ``fp4_policy``).
+        support: the device's probed :class:`~apt_model.devices.capabilities.Support`, or None (then
+            it is probed here only if native FP4 could matter).
+        patches: the switch's :class:`~apt_model.switch.patches.PatchSet`.
+        decide: ``decide(rec, feature, requested, chosen, reason, tried=None)``.
+    """
+    req = config.fp4
+    if req == "off":
+        decide(rec, "fp4", req, "off", "fp4=off")
+        return
+    policy = FP4Policy.coerce(config.settings.get("fp4_policy"))
+    dev = torch.device(rec.device)
+    if support is not None and dev.type == "cuda":
+        native_ok = bool(support.fp4_matmul.get("supported"))
+        native_why = str(support.fp4_matmul.get("reason", ""))
+    else:
+        native_ok, native_why = native_support(dev)
+    tried = [f"native FP4 matmul on {dev}: {'yes' if native_ok else 'no'} ({native_why})"]
+    if req == "native" and not native_ok:
+        decide(rec, "fp4", req, "off", f"native FP4 matmul is not available on {dev} ({native_why}); without it "
+               "FP4 weights would be dequantized on every call, which is slower, so performance mode leaves "
+               "the layers as they are", tried)
+        return
+    plan = plan_fp4(model, policy, "storage")
+    convert = [c for c in plan if c.convert]
+    skipped = [c for c in plan if not c.convert]
+    if not convert:
+        why = "no layer to convert: " + (_skip_summary(skipped) if skipped else "the model has no nn.Linear layers")
+        decide(rec, "fp4", req, "off", why, tried)
+        rec.features["fp4"]["skipped"] = [c.summary() for c in skipped]
+        return
+    compute = "auto" if native_ok and req in ("native", "all") else "emulated"
+    layers, before, after, not_freed = [], 0, 0, []
+    for c in convert:
+        old = c.module
+        new = FP4Linear.from_linear(old, policy.format, policy.scale_rule, compute=compute)
+        released = release_parameter(old.weight)
+        setattr(c.parent, c.attr, new)
+        patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear")
+        before += released["bytes"]
+        after += new.weight_nbytes()
+        if released["freed"] is False:
+            not_freed.append(c.name)
+        layers.append({**c.summary(), "format": policy.format, "bytes_before": released["bytes"],
+                       "bytes_after": new.weight_nbytes(), "freed": released["freed"]})
+    fmt = policy.format.upper() + (f" ({policy.scale_rule.upper()})" if policy.format == "mxfp4" else "")
+    path = ("native FP4 matmul where the layer's sizes fit the kernel" if compute == "auto"
+            else "emulated: dequantized to the compute dtype on every call")
+    reason = (f"stored {len(convert)} frozen nn.Linear layer(s) in {fmt}: {_fmt_bytes(before)} -> "
+              f"{_fmt_bytes(after)} (saved {_fmt_bytes(before - after)}); compute: {path}")
+    if not_freed:
+        reason += (f"; {len(not_freed)} weight(s) still referenced elsewhere, so their memory is not freed yet: "
+                   f"{', '.join(not_freed[:3])}")
+    if skipped:
+        reason += f"; skipped {len(skipped)}: {_skip_summary(skipped)}"
+    reason += "; disable() restores nn.Linear with the FP4-rounded weights"
+    chosen = "storage+native" if compute == "auto" else "storage"
+    decide(rec, "fp4", req, chosen, reason, tried)
+    rec.features["fp4"].update({
+        "format": policy.format, "scale_rule": policy.scale_rule if policy.format == "mxfp4" else None,
+        "compute": "native where it fits" if compute == "auto" else "emulated", "compute_reason": native_why,
+        "converted": layers, "skipped": [c.summary() for c in skipped],
+        "bytes_before": before, "bytes_after": after, "bytes_saved": before - after,
+    })
+    log.info("fp4: %s", reason)
+
+
+def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
+    def undo():
+        if getattr(parent, attr, None) is new:
+            setattr(parent, attr, old)
+        if old.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back
+            old.weight.data = new.weight.to(old.weight.dtype)
+    return undo

@@ -1,0 +1,160 @@
+"""FP4 in the switch: the conversion policy, memory mode, use_fp4, the report, and exact undo."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.errors import ConfigError
+from apt_model.models.gpt import GPT, GPTConfig
+from apt_model.quantization import FP4Linear, FP4Policy, add_lora, fake_quantize, plan_fp4
+
+
+def frozen_gpt(seed=0):
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(seq_len=32, d_model=128, n_layers=2, n_heads=4))
+    model.requires_grad_(False)
+    return model
+
+
+def verdicts(model, policy=None):
+    return {c.name: (c.convert, c.reason) for c in plan_fp4(model, policy)}
+
+
+def test_policy_skips_embeddings_tied_head_small_and_trainable_layers():
+    model = frozen_gpt()
+    model.blocks[1].mlp[0].requires_grad_(True)
+    v = verdicts(model)
+    assert v["tok_emb"][0] is False and v["tok_emb"][1].startswith("embedding")
+    assert v["head"][0] is False and "tied weight" in v["head"][1] and "tok_emb.weight" in v["head"][1]
+    assert v["blocks.0.attn.qkv"] == (True, "frozen layer: 49152 weights")
+    assert v["blocks.0.attn.proj"][0] is True  # 128 x 128 = 16384, the default minimum
+    assert v["blocks.1.mlp.0"][0] is False and v["blocks.1.mlp.0"][1].startswith("trainable weight")
+    small = verdicts(model, {"min_weights": 20000})
+    assert small["blocks.0.attn.proj"] == (False, "small: 16384 weights, below min_weights=20000")
+
+
+def test_policy_overrides_and_structural_skips():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = nn.MultiheadAttention(128, 4, batch_first=True)
+            self.lm_head = nn.Linear(128, 512)
+            self.hooked = nn.Linear(128, 512)
+            self.hooked.register_forward_hook(lambda *a: None)
+            self.a = nn.Linear(128, 512)
+            self.b = nn.Linear(128, 512)
+
+    m = M().requires_grad_(False)
+    v = verdicts(m)
+    assert v["mha.out_proj"][0] is False  # a subclass of nn.Linear that MHA reads directly
+    assert v["lm_head"] == (False, "output head: its FP4 error goes straight into the logits")
+    assert v["hooked"][0] is False and v["hooked"][1].startswith("hooks")
+    assert v["a"][0] and v["b"][0]
+    v = verdicts(m, {"include": ["lm_head", "hooked"], "skip": ["b"]})
+    assert v["lm_head"] == (True, "included: policy pattern 'lm_head'")
+    assert v["hooked"][0] is False  # include cannot override a structural reason
+    assert v["b"] == (False, "skip pattern: 'b'")
+    assert verdicts(m, {"skip_output_head": False})["lm_head"][0] is True
+
+
+def test_policy_validation_names_the_valid_values():
+    with pytest.raises(ConfigError, match="valid: format, scale_rule, min_weights"):
+        FP4Policy.coerce({"fromat": "nvfp4"})
+    with pytest.raises(ConfigError, match="valid: mxfp4, nvfp4"):
+        FP4Policy(format="int4")
+    with pytest.raises(ConfigError, match="min_weights=-1"):
+        FP4Policy(min_weights=-1)
+    with pytest.raises(ConfigError, match="fp4_policy"):
+        vb.enable("memory", fp4_policy={"min_weight": 3}, banner=False)
+    assert not vb.is_enabled()
+
+
+def test_use_fp4_alias():
+    assert vb.enable("balanced", use_fp4=True, banner=False).fp4 == "storage"
+    assert vb.enable("performance", use_fp4=True, banner=False).fp4 == "native"
+    assert vb.enable("memory", use_fp4=False, banner=False).fp4 == "off"
+    assert vb.enable("full", use_fp4=True, banner=False).fp4 == "all"
+    assert vb.get_config()["features"]["fp4"]["status"] == "requested"  # built in this version
+    with pytest.raises(ConfigError, match="use_fp4=True means fp4='storage'"):
+        vb.enable("balanced", use_fp4=True, fp4="off", banner=False)
+    with pytest.raises(ConfigError, match="use_fp4='yes' must be True or False"):
+        vb.enable("balanced", use_fp4="yes", banner=False)
+
+
+def test_memory_mode_stores_frozen_linears_in_fp4_and_disable_restores_them(capsys):
+    model = frozen_gpt()
+    add_lora(model, targets=("*.attn.qkv", "*.mlp.0"), rank=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # built before enabling: holds the frozen weights too
+    originals = {n: m for n, m in model.named_modules() if type(m) is nn.Linear}
+    values = {n: m.weight.detach().clone() for n, m in originals.items()}
+    vb.enable("memory", device="cpu", mixed_precision="off", attention="off", banner=False)
+    model.to("cpu")
+    assert isinstance(model.blocks[0].attn.qkv.base, FP4Linear)  # under the adapter
+    assert isinstance(model.blocks[0].attn.proj, FP4Linear)
+    assert model.head.weight is model.tok_emb.weight  # the tied head is untouched
+    rec = vb.get_report()["models"][0]["features"]["fp4"]
+    assert rec["chosen"] == "storage" and rec["format"] == "nvfp4" and rec["compute"] == "emulated"
+    assert len(rec["converted"]) == 8 and rec["bytes_saved"] > 0.8 * rec["bytes_before"]
+    assert "stored 8 frozen nn.Linear layer(s) in NVFP4" in rec["reason"]
+    assert "cpu has no native FP4 matmul" in rec["compute_reason"]
+    assert {s["name"] for s in rec["skipped"]} == {"tok_emb", "pos_emb", "head"}
+    assert all(originals[n].weight.numel() == 0 for n in originals if n != "head")  # fp32 memory released
+    # training goes on: only the adapters learn, through the FP4 base
+    x = torch.randint(0, 256, (4, 32))
+    lora = [p for p in model.parameters() if p.requires_grad]
+    snap = [p.detach().clone() for p in lora]
+    for _ in range(3):
+        loss = F.cross_entropy(model(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert all(not torch.equal(a, p) for a, p in zip(snap, lora))
+    y_on = model(x)
+    vb.disable()
+    for n, m in model.named_modules():
+        if n in originals:
+            assert m is originals[n]  # the same nn.Linear objects are back
+    for n, m in originals.items():
+        expected = values[n] if n == "head" else fake_quantize(values[n], "nvfp4")  # FP4-rounded values
+        assert torch.equal(m.weight, expected), n
+    assert torch.equal(model(x), y_on)  # identical outputs before and after disable
+
+
+def test_performance_mode_on_cpu_changes_nothing_and_never_tries_native(monkeypatch):
+    def boom(*a, **k):
+        raise AssertionError("_scaled_mm must not be called on cpu")
+
+    monkeypatch.setattr(torch, "_scaled_mm", boom)
+    model = frozen_gpt()
+    vb.enable("performance", device="cpu", mixed_precision="off", attention="off", banner=False)
+    model.to("cpu")
+    rec = vb.get_report()["models"][0]["features"]["fp4"]
+    assert rec["requested"] == "native" and rec["chosen"] == "off"
+    assert "native FP4 matmul is not available on cpu" in rec["reason"]
+    assert not any(isinstance(m, FP4Linear) for m in model.modules())
+
+
+def test_nothing_to_convert_is_reported_with_reasons():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=1, n_heads=2))  # everything trainable
+    vb.enable("memory", device="cpu", mixed_precision="off", attention="off", banner=False)
+    model.to("cpu")
+    rec = vb.get_report()["models"][0]["features"]["fp4"]
+    assert rec["chosen"] == "off" and rec["reason"].startswith("no layer to convert")
+    assert "trainable weight" in rec["reason"]
+
+
+def test_environment_and_policy_setting_reach_the_conversion(monkeypatch):
+    monkeypatch.setenv("VB_FP4", "storage")
+    model = frozen_gpt()
+    cfg = vb.enable("balanced", device="cpu", mixed_precision="off", attention="off", banner=False,
+                    fp4_policy={"format": "mxfp4", "scale_rule": "rceil", "skip": ["*.mlp.*"]})
+    assert cfg.fp4 == "storage" and vb.get_config()["features"]["fp4"]["source"] == "environment:VB_FP4"
+    assert vb.get_config()["settings"]["fp4_policy"]["value"]["format"] == "mxfp4"
+    model.to("cpu")
+    rec = vb.get_report()["models"][0]["features"]["fp4"]
+    assert rec["format"] == "mxfp4" and rec["scale_rule"] == "rceil" and len(rec["converted"]) == 4
+    assert isinstance(model.blocks[0].attn.qkv, FP4Linear) and model.blocks[0].attn.qkv.scale_rule == "rceil"
+    assert type(model.blocks[0].mlp[0]) is nn.Linear
+    assert "MXFP4 (RCEIL)" in rec["reason"]

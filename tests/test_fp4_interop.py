@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apt_model.quantization import quantize
+from apt_model.quantization import blockwise, quantize
 from apt_model.quantization.mxfp4 import e8m0_exponents
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -21,6 +21,13 @@ fp4_cases = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fp4_cases)
 
 FORMATS = [("mxfp4", "floor"), ("mxfp4", "rceil"), ("nvfp4", None)]
+
+
+@pytest.fixture(params=["compiled", "pytorch"])
+def codec(request, monkeypatch):
+    """Run a test on the compiled CPU codec (where it builds) and on the pure-PyTorch block loop."""
+    monkeypatch.setattr(blockwise, "PREFER_COMPILED", request.param == "compiled")
+    return request.param
 
 
 def _key(fmt, rule):
@@ -49,7 +56,7 @@ def test_golden_file_is_small_and_pinned():
 
 @pytest.mark.parametrize("fmt, rule", FORMATS)
 @pytest.mark.parametrize("case", ["gauss", "magnitudes", "three_d", "mx_ties", "nv_ties", "special_mx"])
-def test_golden_vectors_match_torchao(case, fmt, rule):
+def test_golden_vectors_match_torchao(case, fmt, rule, codec):
     c = _golden()["cases"][case]
     key = _key(fmt, rule)
     if f"{key}/data" not in c:
@@ -95,7 +102,7 @@ def _random_inputs():
 
 
 @pytest.mark.parametrize("fmt, rule", FORMATS)
-def test_random_tensors_match_torchao_bit_for_bit(fmt, rule):
+def test_random_tensors_match_torchao_bit_for_bit(fmt, rule, codec):
     mx = _torchao()
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale

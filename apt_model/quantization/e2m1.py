@@ -71,8 +71,9 @@ def reference_codes(values: torch.Tensor) -> torch.Tensor:
     return (code | (sign.to(torch.int64) << 3)).to(torch.uint8).reshape(values.shape)
 
 
-def _encode_table(device: torch.device) -> torch.Tensor:
-    """65,536 codes indexed by ``(top 16 bits of the fp32 pattern, signed) + 32768`` (cached per device)."""
+def encode_table(device: torch.device) -> torch.Tensor:
+    """The encoding table: uint8 codes of the 65,536 round-to-odd top halves, indexed by
+    ``(top 16 bits of the fp32 pattern, as a signed number) + 32768`` (built once per device)."""
     key = str(device)
     table = _encode_tables.get(key)
     if table is None:
@@ -85,8 +86,9 @@ def _encode_table(device: torch.device) -> torch.Tensor:
     return table
 
 
-def _decode_pair_table(device: torch.device) -> torch.Tensor:
-    """For every byte, its two decoded elements as one int64 holding two fp32 patterns (low nibble first)."""
+def decode_pair_table(device: torch.device) -> torch.Tensor:
+    """For every byte, its two decoded elements (low nibble first) as one int64 holding two fp32
+    patterns; ``.view(torch.float32)`` gives the 512 floats (built once per device)."""
     key = (str(device), torch.float32)
     table = _decode_tables.get(key)
     if table is None:
@@ -142,7 +144,7 @@ def encode_e2m1(values: torch.Tensor, out: torch.Tensor | None = None,
     work.bitwise_or_(bits)
     work.bitwise_right_shift_(shift)  # top 16 bits with the sticky bit folded in, sign-extended
     work.add_(offset)
-    table = _encode_table(values.device)
+    table = encode_table(values.device)
     if out is None:
         return table.index_select(0, work).reshape(values.shape)
     torch.index_select(table, 0, work, out=out.reshape(-1))
@@ -201,7 +203,7 @@ def decode_packed(packed: torch.Tensor, out: torch.Tensor | None = None) -> torc
         float32 tensor ``(..., 2n)``.
     """
     idx = packed.reshape(-1).to(torch.int32)
-    table = _decode_pair_table(packed.device)
+    table = decode_pair_table(packed.device)
     shape = (*packed.shape[:-1], packed.shape[-1] * 2)
     if out is None:
         return table.index_select(0, idx).view(torch.float32).reshape(shape)

@@ -22,7 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from apt_model.quantization.blockwise import block_amax, decode_blocks, encode_blocks
+from apt_model.quantization.blockwise import block_amax, decode_blocks, encode_scaled_blocks
 from apt_model.quantization.mxfp4 import (MXFP4_BLOCK, check_scale_rule, e8m0_element_reciprocals,
                                           e8m0_exponents, e8m0_values)
 from apt_model.quantization.nvfp4 import (NVFP4_BLOCK, nvfp4_block_multipliers, nvfp4_block_scales,
@@ -220,8 +220,8 @@ def quantize(x: torch.Tensor, format: str = "mxfp4", scale_rule: str = "floor",
     x = _check_input(x)
     block = FORMATS[fmt]
     blocks = _as_blocks(x, block)
-    amax = block_amax(blocks)
     lead = tuple(x.shape[:-1])
+    amax = block_amax(blocks)
     ts = None
     rule = None
     if fmt == "mxfp4":
@@ -229,19 +229,17 @@ def quantize(x: torch.Tensor, format: str = "mxfp4", scale_rule: str = "floor",
         scales = e8m0_exponents(amax, rule)
         factors = e8m0_element_reciprocals(scales, rule)
     else:
+        top = amax.max() if amax.numel() else torch.zeros((), device=x.device)  # max |x|, NaN if any
+        if not torch.isfinite(top):
+            raise _nonfinite_error(x)
         if tensor_scale is None:
-            top = amax.max() if amax.numel() else torch.zeros((), device=x.device)
-            if not torch.isfinite(top):
-                raise _nonfinite_error(x)
             ts = nvfp4_tensor_scale(top)
         else:
             ts = torch.as_tensor(tensor_scale, dtype=torch.float32, device=x.device).reshape(())
             if not (torch.isfinite(ts) and ts >= 0):
                 raise ValueError(f"tensor_scale={float(ts)} must be finite and >= 0")
-            if amax.numel() and not torch.isfinite(amax.max()):
-                raise _nonfinite_error(x)
         scales, factors = nvfp4_block_scales(amax, ts)
-    data = encode_blocks(blocks, factors)
+    data = encode_scaled_blocks(blocks, factors)
     padded = math.ceil(x.shape[-1] / block) * block
     return FP4Tensor(data.reshape(*lead, padded // 2), scales.reshape(*lead, padded // block),
                      ts, x.shape, x.dtype, fmt, rule)

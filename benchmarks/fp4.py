@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 from measure import machine_info, summarize, write_json  # noqa: E402
 
-from apt_model.quantization import quantize, sqnr_db  # noqa: E402
+from apt_model.quantization import ckernel, quantize, sqnr_db  # noqa: E402
 
 CASES = (("mxfp4", "floor"), ("mxfp4", "rceil"), ("nvfp4", None))
 
@@ -128,7 +128,8 @@ def speed(args) -> dict:
         "benchmark": "fp4 speed", "machine": machine_info(torch.get_num_threads(), str(device) if device.type != "cpu" else None),
         "tensor": {"shape": [args.size, args.size], "dtype": "float32", "bytes": x.numel() * 4},
         "reps": args.reps, "load_average": {"start": load_start, "end": os.getloadavg()},
-        "torchao": _torchao_version(), "rows": rows,
+        "torchao": _torchao_version(), "codec": ckernel.status() if device.type == "cpu" else "pytorch ops",
+        "rows": rows,
     }
     if device.type != "cpu":
         result["device_copy_gb_per_s"] = round(copy_bandwidth(x), 1)
@@ -148,6 +149,9 @@ def print_speed(result: dict) -> None:
     print(f"FP4 on {result['tensor']['shape']} fp32 ({result['tensor']['bytes'] / 2**20:.0f} MiB), "
           f"{m['cpu']} / {m.get('device_name') or 'cpu'}, {m['torch_threads']} threads, torchao {result['torchao']}, "
           f"load {result['load_average']['start'][0]:.2f} -> {result['load_average']['end'][0]:.2f}")
+    codec = result["codec"]
+    print("codec: " + (("compiled C" if codec["compiled"] else "PyTorch ops") + f" ({codec['reason']})"
+                       if isinstance(codec, dict) else codec))
     print(f"{'case':<13} {'SQNR dB':>8} {'quant GB/s':>11} {'torchao':>8} {'x':>6} {'dequant GB/s':>13} "
           f"{'torchao':>8} {'x':>6}  bit-identical")
     for r in result["rows"]:

@@ -21,7 +21,7 @@ from apt_model.quantization.e2m1 import decode_packed, decode_pair_table, encode
 
 #: Elements per chunk: CPU chunks fit in L2 with their intermediates; accelerators take big ones.
 CHUNK_ELEMENTS = {"cpu": 1 << 18}
-_ACCEL_CHUNK_ELEMENTS = 1 << 26
+_ACCEL_CHUNK_ELEMENTS = 1 << 24  # 16M elements: about 250 MB of temporaries
 _ABS_MASK: dict[str, torch.Tensor] = {}
 #: Use the compiled CPU codec (:mod:`~apt_model.quantization.ckernel`) where it is available; the
 #: tests switch this off to compare the two paths bit for bit.

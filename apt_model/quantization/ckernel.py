@@ -249,25 +249,32 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 def _split(n_blocks: int) -> list[tuple[int, int]]:
+    """Block ranges: 4 per thread (so a thread on a core another process is using takes fewer),
+    each at least ``_MIN_BLOCKS_PER_THREAD`` blocks; one range when there is one thread."""
     if n_blocks == 0:
         return []
-    parts = max(1, min(torch.get_num_threads(), n_blocks // _MIN_BLOCKS_PER_THREAD))
+    threads = torch.get_num_threads()
+    parts = 1 if threads == 1 else max(1, min(4 * threads, n_blocks // _MIN_BLOCKS_PER_THREAD))
     step = -(-n_blocks // parts)
     return [(s, min(s + step, n_blocks)) for s in range(0, n_blocks, step)]
 
 
 def _run(calls) -> None:
-    """Run ``calls`` (zero-argument callables) on the codec's thread pool (inline when there is one)."""
+    """Run ``calls`` (zero-argument callables) on ``torch.get_num_threads()`` pool threads, which take
+    them in turn (inline when there is one call or one thread)."""
     global _pool, _pool_size, _pool_pid
-    if len(calls) <= 1:
+    workers = min(len(calls), torch.get_num_threads())
+    if workers <= 1:
         for c in calls:
             c()
         return
     with _lock:
         # a forked child inherits the pool object but not its threads: start a new one there
-        if _pool is None or _pool_size < len(calls) or _pool_pid != os.getpid():
-            _pool = ThreadPoolExecutor(max_workers=len(calls), thread_name_prefix="apt-fp4")
-            _pool_size, _pool_pid = len(calls), os.getpid()
+        if _pool is None or _pool_size != workers or _pool_pid != os.getpid():
+            if _pool is not None and _pool_pid == os.getpid():
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="apt-fp4")
+            _pool_size, _pool_pid = workers, os.getpid()
         pool = _pool
     for f in [pool.submit(c) for c in calls]:
         f.result()

@@ -197,7 +197,10 @@ class FP4Linear(nn.Module):
         dtype = _compute_dtype(x)
         rows = x.numel() // max(1, x.shape[-1])
         native, why = self._choose(x, rows)
-        self.compute_used = ("native" if native else "emulated", why)
+        used = ("native" if native else "emulated", why)
+        if used != self.compute_used:
+            log.debug("FP4Linear(%d->%d) on %s: %s (%s)", self.in_features, self.out_features, x.device, *used)
+        self.compute_used = used
         bias = self.bias.to(dtype) if self.bias is not None else None
         dev = x.device.type
         no_autocast = torch.autocast(dev, enabled=False) if torch.amp.is_autocast_available(dev) \

@@ -17,11 +17,9 @@ NVFP4 per-tensor scales multiply the result afterwards.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from apt_model.log import get_logger
 from apt_model.quantization.tensor import FP4Tensor, quantize
-
-log = get_logger(__name__)
 
 _TILE_ROWS, _TILE_COLS = 128, 4  # one 512-byte tile of the blocked layout
 
@@ -122,8 +120,15 @@ def native_fp4_matmul(x: torch.Tensor, weight: FP4Tensor, out_dtype: torch.dtype
     if problem:
         raise RuntimeError(problem)
     a = quantize(x, weight.format, weight.scale_rule or "floor")
-    out = torch._scaled_mm(a.as_float4(), weight.as_float4().t(), _operand_scales(a, m),
-                           _operand_scales(weight, n), out_dtype=torch.bfloat16)
+    sa, sb = _operand_scales(a, m), _operand_scales(weight, n)
+    if weight.format == "mxfp4" and hasattr(F, "scaled_mm"):
+        # the recipe-explicit API: 1x32 E8M0 blocks, cuBLAS's blocked layout on CUDA, plain on ROCm
+        swizzle = F.SwizzleType.NO_SWIZZLE if torch.version.hip else F.SwizzleType.SWIZZLE_32_4_4
+        out = F.scaled_mm(a.as_float4(), weight.as_float4().t(), sa, F.ScalingType.BlockWise1x32, sb,
+                          F.ScalingType.BlockWise1x32, swizzle_a=swizzle, swizzle_b=swizzle,
+                          output_dtype=torch.bfloat16)
+    else:  # NVFP4 (1x16 E4M3 blocks, inferred from the scale dtype), or a torch without F.scaled_mm
+        out = torch._scaled_mm(a.as_float4(), weight.as_float4().t(), sa, sb, out_dtype=torch.bfloat16)
     if weight.format == "nvfp4":
         out = out * (a.tensor_scale * weight.tensor_scale).to(out.dtype)
     return out.to(out_dtype)

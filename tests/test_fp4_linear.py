@@ -92,17 +92,13 @@ def test_process_memory_really_drops_even_with_an_optimizer_holding_the_weight()
     optimizer built before still holds the Parameter: the fp32 storage is released. (glibc keeps
     freed small blocks in its heap; malloc_trim hands them back so RSS shows what tensors hold.)"""
     code = """
-import ctypes, gc, psutil, torch, torch.nn as nn
+import gc, torch, torch.nn as nn
+from apt_model.memory.host import process_rss, release_free_memory
 from apt_model.quantization import convert_to_fp4, quantize
 quantize(torch.randn(64, 64), "nvfp4")  # one-time costs (tables, code paths) before measuring
-proc = psutil.Process()
-try:
-    trim = ctypes.CDLL("libc.so.6").malloc_trim
-except OSError:
-    trim = lambda pad: None
 def rss():
-    gc.collect(); trim(0)
-    return proc.memory_info().rss
+    gc.collect(); release_free_memory()
+    return process_rss()
 model = nn.Sequential(nn.Linear(4096, 4096, bias=False), nn.Linear(4096, 8))
 model[0].requires_grad_(False)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -10,14 +10,14 @@ weight storage, FP4 quantization-aware training, native FP4 matmul where the har
   :class:`FP4QATLinear` (quantization-aware training);
 * :mod:`~apt_model.quantization.native` — ``torch._scaled_mm`` on FP4 units, scale swizzling;
 * :mod:`~apt_model.quantization.adapters` — low-rank adapters on frozen (FP4) layers;
-* :mod:`~apt_model.quantization.memory` — module bytes, releasing frozen weights;
+* :mod:`~apt_model.quantization.footprint` — module bytes, releasing frozen weights;
 * :mod:`~apt_model.quantization.policy` — which layers convert, and the switch's FP4 step.
 
 See ``docs/fp4.md``.
 """
 from apt_model.quantization.adapters import LoRALinear, add_lora, lora_parameters
 from apt_model.quantization.linear import FP4Linear, FP4QATLinear, fake_quantize_ste
-from apt_model.quantization.memory import module_bytes, release_parameter
+from apt_model.quantization.footprint import module_bytes, release_parameter
 from apt_model.quantization.native import native_support, swizzle_scales, unswizzle_scales
 from apt_model.quantization.policy import FP4Policy, convert_to_fp4, plan_fp4
 from apt_model.quantization.quality import sqnr_db

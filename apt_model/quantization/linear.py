@@ -132,7 +132,7 @@ class FP4Linear(nn.Module):
         """An FP4Linear holding ``linear``'s weight in FP4 and the **same** bias Parameter object.
 
         ``linear`` is left untouched (its weight still holds its memory: see
-        :func:`apt_model.quantization.policy.release_parameter` to free it).
+        :func:`apt_model.quantization.footprint.release_parameter` to free it).
         """
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, bias=False, format=format, scale_rule=scale_rule,

@@ -25,7 +25,7 @@ In the switch (``vb.enable("memory")`` or ``fp4=...``/``use_fp4=True``):
 * ``native`` (performance mode): only where the probe says native FP4 runs — elsewhere nothing
   changes, because dequantizing on every call would make the script slower.
 
-Each converted layer's fp32 weight is released (:func:`~apt_model.quantization.memory.release_parameter`):
+Each converted layer's fp32 weight is released (:func:`~apt_model.quantization.footprint.release_parameter`):
 the Parameter object survives (an optimizer built earlier still holds it) but its memory is freed.
 ``disable()`` puts every original ``nn.Linear`` back, with the same Parameter objects; their values
 are the FP4-rounded weights, because the originals were freed (that is the point of the mode).
@@ -40,8 +40,10 @@ import torch.nn as nn
 
 from apt_model.errors import ConfigError
 from apt_model.log import get_logger
+from apt_model.memory.host import release_free_memory
+from apt_model.memory.sizes import format_size
 from apt_model.quantization.linear import FP4Linear, FP4QATLinear
-from apt_model.quantization.memory import release_parameter
+from apt_model.quantization.footprint import release_parameter
 from apt_model.quantization.mxfp4 import check_scale_rule
 from apt_model.quantization.native import native_support
 from apt_model.quantization.tensor import FORMATS, check_format
@@ -233,15 +235,9 @@ def convert_to_fp4(model: nn.Module, use: str = "storage", policy: FP4Policy | d
             if release:
                 release_parameter(c.module.weight)
         setattr(c.parent, c.attr, new)
+    if release and use == "storage":
+        release_free_memory()  # hand the freed weights' pages back to the OS (glibc keeps small frees)
     return plan
-
-
-def _fmt_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return str(n)
 
 
 def _skip_summary(skipped: list[Candidate]) -> str:
@@ -307,11 +303,12 @@ def apply_fp4_policy(model: nn.Module, rec, config, support, patches, decide) ->
             not_freed.append(c.name)
         layers.append({**c.summary(), "format": policy.format, "bytes_before": released["bytes"],
                        "bytes_after": new.weight_nbytes(), "freed": released["freed"]})
+    release_free_memory()
     fmt = policy.format.upper() + (f" ({policy.scale_rule.upper()})" if policy.format == "mxfp4" else "")
     path = ("native FP4 matmul where the layer's sizes fit the kernel" if compute == "auto"
             else "emulated: dequantized to the compute dtype on every call")
-    reason = (f"stored {len(convert)} frozen nn.Linear layer(s) in {fmt}: {_fmt_bytes(before)} -> "
-              f"{_fmt_bytes(after)} (saved {_fmt_bytes(before - after)}); compute: {path}")
+    reason = (f"stored {len(convert)} frozen nn.Linear layer(s) in {fmt}: {format_size(before)} -> "
+              f"{format_size(after)} (saved {format_size(before - after)}); compute: {path}")
     if not_freed:
         reason += (f"; {len(not_freed)} weight(s) still referenced elsewhere, so their memory is not freed yet: "
                    f"{', '.join(not_freed[:3])}")

@@ -1,4 +1,4 @@
-"""Where a module's bytes are, and releasing a frozen Parameter's memory without losing the Parameter.
+"""A module's memory footprint, and releasing a frozen Parameter's memory without losing the Parameter.
 
 Replacing a layer does not free its weight by itself: the old Parameter object is still referenced
 by anything that collected ``model.parameters()`` earlier — an optimizer's param groups, a user's

@@ -21,6 +21,18 @@ if sys.platform.startswith("linux"):
         _libc = None
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_mallinfo2 = None
+if _libc is not None and hasattr(_libc, "mallinfo2"):
+    _mallinfo2 = _libc.mallinfo2
+    _mallinfo2.restype = _Mallinfo2
+
+
 def release_free_memory() -> bool:
     """Return freed heap memory to the OS (glibc ``malloc_trim``). Returns whether it could."""
     if _libc is None:
@@ -32,3 +44,13 @@ def release_free_memory() -> bool:
 def process_rss() -> int:
     """Resident set size of this process, in bytes."""
     return int(psutil.Process().memory_info().rss)
+
+
+def heap_in_use() -> int | None:
+    """Bytes the C heap has handed out and not taken back (glibc ``mallinfo2``: in-use arena
+    chunks plus mmapped blocks), or None where unavailable. Unlike RSS it ignores freed memory the
+    allocator keeps, so it shows live data — what the activation benchmark reports besides RSS."""
+    if _mallinfo2 is None:
+        return None
+    info = _mallinfo2()
+    return int(info.uordblks + info.hblkhd)

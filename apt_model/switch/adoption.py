@@ -92,6 +92,9 @@ class Adopter:
         self.patches = patches
         self.stack = stack
         self.session = None  # the paging session, created when a model first needs paging
+        from apt_model.activations.manager import ActivationManager
+
+        self.activations = ActivationManager(config, patches, stack, selected)
         self.records: list[ModelRecord] = []
         self.speeds: dict[str, dict] = {}
         self.supports: dict[str, dict] = {}
@@ -115,6 +118,7 @@ class Adopter:
         speed = self._speed(dev, rec.width) if need_probe and self._wants_speed() else None
         self._attention(model, rec, support, speed)
         self._precision(model, rec, dev, support, speed)
+        self.activations.adopt(model, rec, self._decide)
         apply_fp4_policy(model, rec, self.config, support, self.patches, self._decide)  # before paging: it shrinks frozen weights
         self._paging(model, rec, dev)
         self._not_built(rec)

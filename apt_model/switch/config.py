@@ -26,6 +26,9 @@ SETTINGS = {
     "host_budget": None,  # host-level bytes (VB_HOST_BUDGET)
     "swap_dir": None,  # where swap folders go (VB_SWAP_DIR; default: the system temp folder)
     "swap_budget": None,  # bytes the swap level may hold (VB_SWAP_BUDGET)
+    "checkpoint_policy": "all",  # which repeated blocks are checkpointed: all, every:K, budget
+    "activation_budget": None,  # bytes of saved activations kept in memory (VB_ACTIVATION_BUDGET); default 1/4 of level 0
+    "offload_min_bytes": 1 << 20,  # saved tensors smaller than this are never offloaded
     "verbose": False,  # print the decisions as they are made
     "banner": True,  # print the one-line-per-feature banner at enable()
     "fp4_policy": None,  # which layers FP4 converts: None (defaults) or a dict of FP4Policy fields
@@ -57,13 +60,25 @@ class VBConfig:
 
 #: Settings that can also come from the environment.
 SETTING_ENV = {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET", "swap_dir": "VB_SWAP_DIR",
-               "swap_budget": "VB_SWAP_BUDGET"}
+               "swap_budget": "VB_SWAP_BUDGET", "activation_budget": "VB_ACTIVATION_BUDGET",
+               "checkpoint_policy": "VB_CHECKPOINT_POLICY"}
+
+#: Short names accepted by enable() for longer option names.
+ALIASES = {"checkpointing": "activation_checkpointing", "offload": "activation_offload"}
 
 
 def _validate_setting(name: str, value, source: str):
     if name == "adopt" and value not in ("auto", "explicit"):
         raise ConfigError(f"{source}: adopt={value!r} is not valid; valid values: auto, explicit")
-    if name in ("device_budget", "host_budget", "swap_budget") and value is not None:
+    if name == "checkpoint_policy":
+        from apt_model.activations.checkpoint import parse_policy
+
+        parse_policy(value)
+    if name == "offload_min_bytes":
+        from apt_model.memory.sizes import parse_size
+
+        value = parse_size(value, f"{source} offload_min_bytes")
+    if name in ("device_budget", "host_budget", "swap_budget", "activation_budget") and value is not None:
         from apt_model.memory.sizes import parse_size
 
         parse_size(value, f"{source} {name}")
@@ -117,6 +132,11 @@ def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
     """
     mode = validate_mode(mode)
     overrides = _resolve_use_fp4(mode, overrides or {})
+    for short, full in ALIASES.items():
+        if short in overrides:
+            if full in overrides:
+                raise ConfigError(f"enable(): {short}= and {full}= name the same option; give one")
+            overrides = {(full if k == short else k): v for k, v in overrides.items()}
     cfg = VBConfig(mode=mode)
     for name, value in MODE_TABLE[mode].items():
         cfg.features[name] = value

@@ -86,7 +86,7 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
             disable()
         st = _state
         stack = None
-        if config.paging != "off":  # the swap folder is checked (and created) now: errors surface at enable
+        if config.paging != "off" or config.activation_offload:  # the swap folder is checked now: errors at enable
             from apt_model.memory.levels import HEADROOM, VGPUStack
 
             stack = VGPUStack(selection.device, config.device_budget, config.host_budget, config.swap_dir,
@@ -271,6 +271,7 @@ def get_report() -> dict:
             "stack": st.stack.describe() if st.stack is not None else None,
             "paging": ad.session.report() if ad and ad.session is not None else None,
         },
+        "activations": ad.activations.report() if ad else None,
         "decisions": st.log.to_list(),
         "stats": get_stats(),
     }

@@ -36,10 +36,12 @@ FEATURES: dict[str, FeatureSpec] = {
         FeatureSpec("fp4", ("off", "native", "storage", "all"), True,
                     "FP4 weights: storage = frozen nn.Linear weights kept in FP4 (dequantized per call); "
                     "native = FP4 matmul where the probe finds FP4 units (else unchanged); all = both", "VB_FP4"),
-        FeatureSpec("activation_checkpointing", (False, True), False,
-                    "recompute activations of chosen blocks in backward", "VB_CHECKPOINTING"),
-        FeatureSpec("activation_offload", (False, True), False,
-                    "move saved activations to the host/NVMe tiers between forward and backward", "VB_ACTIVATION_OFFLOAD"),
+        FeatureSpec("activation_checkpointing", (False, True), True,
+                    "recompute the activations of the model's repeated blocks in backward (checkpoint_policy "
+                    "picks which: all, every:K, budget)", "VB_CHECKPOINTING"),
+        FeatureSpec("activation_offload", (False, True), True,
+                    "saved activations beyond activation_budget leave fast memory between forward and backward "
+                    "(host level, then NVMe) and come back ahead of use", "VB_ACTIVATION_OFFLOAD"),
         FeatureSpec("paging", ("off", "over_budget", "tight", "always"), True,
                     "page parameters, gradients and optimizer states to the levels below when the training "
                     "state exceeds the level-0 budget (tight: budget 50% of free memory; always: page even "

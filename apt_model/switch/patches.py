@@ -58,3 +58,25 @@ class PatchSet:
             except Exception as err:  # noqa: BLE001 - keep undoing the rest
                 failures.append(f"{label}: {type(err).__name__}: {err}")
         return failures
+
+
+def _inert(*args, **kwargs):
+    return None
+
+
+def _inert_hook():
+    return _inert
+
+
+class SessionHook:
+    """A hook bound to this process's switch session. Pickling it (``torch.save(model)``,
+    ``copy.deepcopy``) yields a no-op hook: a saved or copied model is a plain model."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return (_inert_hook, ())

@@ -25,28 +25,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from apt_model.memory.pages import Category, Page, State
-
-
-def _inert(*args, **kwargs):
-    return None
-
-
-class SessionHook:
-    """A hook bound to this process's paging session. Pickling it (``torch.save(model)``,
-    ``copy.deepcopy``) yields a no-op hook: a saved or copied model is a plain model."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __call__(self, *args, **kwargs):
-        return self.fn(*args, **kwargs)
-
-    def __reduce__(self):
-        return (_inert_hook, ())
-
-
-def _inert_hook():
-    return _inert
+from apt_model.switch.patches import SessionHook
 
 
 class Unit:

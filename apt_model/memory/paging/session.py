@@ -18,7 +18,8 @@ from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
-from apt_model.memory.paging.model import PagedModel, SessionHook
+from apt_model.memory.paging.model import PagedModel
+from apt_model.switch.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
 from apt_model.memory.swap import SwapSpace
 

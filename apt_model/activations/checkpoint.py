@@ -1,0 +1,190 @@
+"""Activation checkpointing without editing the model: ``torch.utils.checkpoint`` per block.
+
+Blocks are found, not declared: the repeated layers of a transformer are the children of the
+``nn.ModuleList`` (or ``nn.Sequential``) with at least two children of one class that holds the
+most parameters (``GPT.blocks``, Hugging Face ``transformer.h`` / ``model.layers`` ...).
+
+* Hugging Face models whose layers are ``GradientCheckpointingLayer`` (transformers >= 4.52) are
+  switched with the library's own ``activation_checkpointing_enable`` (``use_reentrant=False``,
+  ``every_n_layers``), which also turns the KV cache off inside checkpointed layers; older ones with
+  ``gradient_checkpointing_enable``. ``disable()`` calls the matching ``..._disable``.
+* Any other model's chosen blocks get an instance-level ``forward`` that runs the class's forward
+  through ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`` when
+  the block is training with grad enabled (plain forward otherwise). Non-reentrant checkpointing
+  stashes and restores the RNG state, so dropout draws the same masks in the recomputation and
+  gradients are bit-identical to the uncheckpointed run.
+
+Policies: ``all`` blocks; ``every:K`` (blocks 0, K, 2K, ...); ``budget`` — the first training
+forward runs unchanged while the bytes each block saves for backward are counted (saved-tensor
+hooks), then the fewest blocks whose recomputation brings the total under the activation budget
+are checkpointed from the next step on.
+"""
+from __future__ import annotations
+
+import re
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from apt_model.errors import ConfigError
+
+_EVERY = re.compile(r"^every:(\d+)$")
+
+
+def parse_policy(policy: str) -> tuple[str, int]:
+    """``"all"`` -> ("all", 1); ``"every:3"`` -> ("every", 3); ``"budget"`` -> ("budget", 0).
+
+    Raises:
+        ConfigError: for anything else (naming the valid forms).
+    """
+    p = str(policy).strip().lower()
+    if p in ("all", "budget"):
+        return p, 1 if p == "all" else 0
+    m = _EVERY.match(p)
+    if m and int(m.group(1)) >= 1:
+        return "every", int(m.group(1))
+    raise ConfigError(f"checkpoint_policy={policy!r} is not valid; use 'all', 'every:K' (K >= 1) or 'budget'")
+
+
+@dataclass
+class Blocks:
+    """The repeated layers of a model."""
+
+    name: str
+    modules: list = field(default_factory=list)
+
+    @property
+    def kind(self) -> str:
+        return type(self.modules[0]).__name__ if self.modules else "-"
+
+
+def find_blocks(model: nn.Module) -> Blocks | None:
+    """The repeated blocks (see the module docstring), or None when the model has none."""
+    best, best_params = None, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = list(mod.children())
+        if len(kids) < 2:
+            continue
+        cls, count = Counter(type(k) for k in kids).most_common(1)[0]
+        if count < 2:
+            continue
+        layers = [k for k in kids if type(k) is cls]
+        n = sum(p.numel() for k in layers for p in k.parameters())
+        if n > best_params:
+            best, best_params = Blocks(name, layers), n
+    return best
+
+
+def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
+    """The Hugging Face model that can switch checkpointing itself, or None."""
+    for mod in model.modules():
+        if getattr(mod, "supports_gradient_checkpointing", False) and (
+            hasattr(mod, "activation_checkpointing_enable") or hasattr(mod, "gradient_checkpointing_enable")):
+            return mod
+    return None
+
+
+class CheckpointedForward:
+    """A block's forward run through ``torch.utils.checkpoint`` (non-reentrant) while training.
+
+    Pickling it (``torch.save(model)``, ``copy.deepcopy``) yields the plain bound forward: a saved
+    or copied model is a plain model.
+    """
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.forward = types.MethodType(type(module).forward, module)
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        if self.module.training and torch.is_grad_enabled():
+            self.calls += 1
+            return checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        return self.forward(*args, **kwargs)
+
+    def __reduce__(self):
+        return (types.MethodType, (type(self.module).forward, self.module))
+
+
+def choose_blocks(n: int, policy: str, k: int) -> list[int]:
+    """Indices of the blocks a fixed policy checkpoints (``all`` or ``every:K``)."""
+    if policy == "all":
+        return list(range(n))
+    return list(range(0, n, k))
+
+
+def blocks_for_budget(per_block: list[int], inputs: list[int], outside: int, budget: int) -> list[int]:
+    """The fewest blocks to checkpoint so that the bytes saved for backward fit ``budget``.
+
+    Checkpointing block i saves ``per_block[i] - inputs[i]`` bytes (its input is kept for the
+    recomputation). Blocks with the largest saving go first. Returns all blocks if even that
+    does not fit.
+    """
+    total = outside + sum(per_block)
+    order = sorted(range(len(per_block)), key=lambda i: per_block[i] - inputs[i], reverse=True)
+    chosen = []
+    for i in order:
+        if total <= budget:
+            break
+        chosen.append(i)
+        total -= per_block[i] - inputs[i]
+    return sorted(chosen)
+
+
+def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patches) -> str:
+    """Checkpoint ``blocks.modules[i]`` for ``i`` in ``indices``; returns how (``hf`` or ``wrapped``)."""
+    hf = _hf_checkpointing(model)
+    GradientCheckpointingLayer = None
+    if hf is not None:  # a Hugging Face model: transformers is imported already; never import it otherwise
+        try:
+            from transformers.modeling_layers import GradientCheckpointingLayer
+        except Exception:  # noqa: BLE001 - an older transformers without per-layer checkpointing
+            GradientCheckpointingLayer = None
+    if hf is not None and GradientCheckpointingLayer is not None and isinstance(blocks.modules[0], GradientCheckpointingLayer):
+        enable = getattr(hf, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            patches.add_undo(hf.activation_checkpointing_disable, "hf activation checkpointing")
+        else:
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            patches.add_undo(hf.gradient_checkpointing_disable, "hf gradient checkpointing")
+        keep = set(indices)
+        for i, layer in enumerate(blocks.modules):
+            layer.gradient_checkpointing = i in keep
+        return "hf"
+    for i in indices:
+        block = blocks.modules[i]
+        patches.set_attr(block, "forward", CheckpointedForward(block), label=f"checkpoint {blocks.name}.{i}")
+    return "wrapped"
+
+
+class BlockMeter:
+    """Counts the bytes each block saves for backward during one forward (for the budget policy)."""
+
+    def __init__(self, blocks: Blocks):
+        self.blocks = blocks
+        self.per_block = [0] * len(blocks.modules)
+        self.inputs = [0] * len(blocks.modules)
+        self.outside = 0
+        self.current: int | None = None
+        self.done = False
+
+    def pre(self, i: int, args: tuple) -> None:
+        self.current = i
+        self.inputs[i] = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+
+    def post(self) -> None:
+        self.current = None
+
+    def count(self, t: torch.Tensor) -> None:
+        n = t.numel() * t.element_size() if not isinstance(t, nn.Parameter) else 0
+        if self.current is None:
+            self.outside += n
+        else:
+            self.per_block[self.current] += n

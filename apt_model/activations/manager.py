@@ -1,0 +1,195 @@
+"""The switch's activation features for adopted models: checkpointing and offload.
+
+One :class:`ActivationManager` per switch session. For each adopted model it
+
+* checkpoints the model's repeated blocks by the configured policy (:mod:`.checkpoint`);
+* wraps the model's forward in ``torch.autograd.graph.saved_tensors_hooks`` whose pack and
+  unpack go to the session's :class:`~.offload.ActivationOffloader` (when offload is on), and,
+  for the ``budget`` policy, count the bytes each block saves during the first training forward;
+* records every decision (what was checkpointed and how, what is offloaded where, the measured
+  bytes behind the budget choice) through the adopter's ``decide`` callback.
+
+Everything goes through the switch's :class:`~apt_model.switch.patches.PatchSet`: ``disable()``
+removes the hooks, restores the blocks' forwards (or the Hugging Face checkpointing flags), and
+stops the offloader's I/O threads.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn as nn
+
+from apt_model.activations.checkpoint import (
+    BlockMeter,
+    apply_to_blocks,
+    blocks_for_budget,
+    choose_blocks,
+    find_blocks,
+    parse_policy,
+)
+from apt_model.activations.offload import ActivationOffloader
+from apt_model.memory.sizes import format_size
+from apt_model.switch.patches import SessionHook
+
+
+class _SavedTensorHooks:
+    """Enters/leaves ``saved_tensors_hooks(pack, unpack)`` around one model's forward (re-entrant)."""
+
+    def __init__(self, pack, unpack):
+        self.pack, self.unpack = pack, unpack
+        self._tls = threading.local()
+
+    def enter(self, *_):
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def leave(self, *_):
+        stack = getattr(self._tls, "stack", None)
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+
+class ActivationManager:
+    """Applies ``activation_checkpointing`` / ``activation_offload`` to adopted models.
+
+    Args:
+        config: the switch's resolved configuration.
+        patches: the switch's undo stack.
+        stack: the VGPU stack (its swap space and level-0 capacity), or None when offload is off.
+        device: the compute device.
+    """
+
+    def __init__(self, config, patches, stack, device: torch.device):
+        self.config = config
+        self.patches = patches
+        self.stack = stack
+        self.device = torch.device(device)
+        self.offloader: ActivationOffloader | None = None
+        self.records: list[dict] = []
+
+    def budget(self) -> int | None:
+        """Bytes of saved activations to keep in memory (setting, else a quarter of level 0)."""
+        from apt_model.memory.sizes import parse_size
+
+        if self.config.activation_budget is not None:
+            return parse_size(self.config.activation_budget, "activation_budget")
+        if self.stack is not None:
+            return self.stack.compute_budget // 4
+        return None
+
+    def _offloader(self) -> ActivationOffloader:
+        if self.offloader is None:
+            host = None
+            if self.stack is not None and not self.stack.shared_host:
+                host = self.stack.levels[1].capacity
+            self.offloader = ActivationOffloader(self.budget(), self.stack.swap, self.device,
+                                                 min_bytes=int(self.config.offload_min_bytes), host_budget=host)
+            self.patches.add_undo(self.offloader.close, "activation offloader")
+        return self.offloader
+
+    # ------------------------------------------------------------------ per model
+    def adopt(self, model: nn.Module, rec, decide) -> None:
+        record = {"model": rec.scope, "checkpointed": [], "offload": None}
+        self.records.append(record)
+        self._checkpointing(model, rec, decide, record)
+        self._offload(model, rec, decide, record)
+
+    def _checkpointing(self, model, rec, decide, record) -> None:
+        req = self.config.activation_checkpointing
+        if not req:
+            decide(rec, "activation_checkpointing", req, "off", "activation_checkpointing=off")
+            return
+        blocks = find_blocks(model)
+        if blocks is None:
+            decide(rec, "activation_checkpointing", req, "off",
+                   "no repeated blocks found (an nn.ModuleList/Sequential of >= 2 layers of one class)")
+            return
+        policy, k = parse_policy(self.config.checkpoint_policy)
+        n = len(blocks.modules)
+        if policy == "budget":
+            budget = self.budget()
+            if budget is None:
+                decide(rec, "activation_checkpointing", req, "all", "checkpoint_policy=budget needs activation_budget; "
+                       "checkpointing every block")
+                policy = "all"
+            else:
+                self._measure_then_choose(model, blocks, budget, rec, decide, record)
+                return
+        indices = choose_blocks(n, policy, k)
+        how = apply_to_blocks(model, blocks, indices, self.patches)
+        record["checkpointed"] = [f"{blocks.name}.{i}" for i in indices]
+        decide(rec, "activation_checkpointing", req, f"{len(indices)}/{n} blocks",
+               f"policy {self.config.checkpoint_policy}: {len(indices)} of {n} {blocks.kind} blocks in "
+               f"{blocks.name or 'the model'} recompute their activations in backward "
+               f"({'Hugging Face activation checkpointing' if how == 'hf' else 'torch.utils.checkpoint, non-reentrant'})")
+
+    def _measure_then_choose(self, model, blocks, budget, rec, decide, record) -> None:
+        meter = BlockMeter(blocks)
+        handles = []
+        for i, block in enumerate(blocks.modules):
+            handles.append(block.register_forward_pre_hook(SessionHook(lambda m, a, i=i: meter.pre(i, a))))
+            handles.append(block.register_forward_hook(SessionHook(lambda m, a, o: meter.post()), always_call=True))
+        hooks = _SavedTensorHooks(lambda t: (meter.count(t), t)[1], lambda t: t)
+
+        def root_pre(m, a):
+            if m.training and torch.is_grad_enabled() and not meter.done:
+                hooks.enter()
+
+        def root_post(m, a, o):
+            if not (m.training and torch.is_grad_enabled()) or meter.done:
+                return
+            hooks.leave()
+            meter.done = True
+            for h in handles:
+                h.remove()
+            chosen = blocks_for_budget(meter.per_block, meter.inputs, meter.outside, budget)
+            total = meter.outside + sum(meter.per_block)
+            if chosen:
+                how = apply_to_blocks(model, blocks, chosen, self.patches)
+                record["checkpointed"] = [f"{blocks.name}.{i}" for i in chosen]
+            after = total - sum(meter.per_block[i] - meter.inputs[i] for i in chosen)
+            record["measured"] = {"per_block": meter.per_block, "block_inputs": meter.inputs, "outside": meter.outside,
+                                  "total": total, "after": after, "budget": budget}
+            decide(rec, "activation_checkpointing", True, f"{len(chosen)}/{len(blocks.modules)} blocks",
+                   f"policy budget: the first training forward saved {format_size(total)} for backward "
+                   f"({format_size(max(meter.per_block))} in the largest {blocks.kind}); checkpointing "
+                   f"{len(chosen)} block(s) from the next step brings it to about {format_size(after)} "
+                   f"(budget {format_size(budget)})"
+                   + (f" via {'Hugging Face activation checkpointing' if chosen and how == 'hf' else 'torch.utils.checkpoint'}"
+                      if chosen else ""))
+
+        self.patches.add_handle(model.register_forward_pre_hook(SessionHook(root_pre)), "checkpoint meter pre-hook")
+        self.patches.add_handle(model.register_forward_hook(SessionHook(root_post), always_call=True),
+                                "checkpoint meter hook")
+        for h in handles:
+            self.patches.add_handle(h, "checkpoint meter block hook")
+        decide(rec, "activation_checkpointing", True, "measuring",
+               f"policy budget ({format_size(budget)}): the first training forward measures what each of the "
+               f"{len(blocks.modules)} {blocks.kind} blocks saves, then the fewest blocks that fit are checkpointed")
+
+    def _offload(self, model, rec, decide, record) -> None:
+        req = self.config.activation_offload
+        if not req:
+            decide(rec, "activation_offload", req, "off", "activation_offload=off")
+            return
+        if self.stack is None:
+            decide(rec, "activation_offload", req, "off", "no VGPU stack (swap dir) in this session")
+            return
+        off = self._offloader()
+        hooks = _SavedTensorHooks(off.pack, off.unpack)
+        self.patches.add_handle(model.register_forward_pre_hook(SessionHook(hooks.enter)), "offload pre-hook")
+        self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
+        target = ("the host level (pinned), spilling to the swap files" if off.host is not None
+                  else f"the swap files in {self.stack.swap.folder}")
+        record["offload"] = {"budget": off.budget, "min_bytes": off.min_bytes, "target": target}
+        decide(rec, "activation_offload", req, "on",
+               f"saved activations >= {format_size(off.min_bytes)} (not parameters) beyond {format_size(off.budget)} "
+               f"in memory go to {target}; backward reads them back ahead of use")
+
+    def report(self) -> dict:
+        return {"models": self.records, "offload": self.offloader.stats.to_dict() if self.offloader else None}

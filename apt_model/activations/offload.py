@@ -1,0 +1,330 @@
+"""Activation offload: tensors saved for backward leave fast memory between forward and backward.
+
+Installed with ``torch.autograd.graph.saved_tensors_hooks`` around an adopted model's forward.
+The pack hook returns a :class:`SavedActivation` handle for each eligible saved tensor — identity
+is the handle itself, never a storage address (the first implementation keyed a cache by storage
+address, which the caching allocator reuses, so backward could receive another tensor's data).
+
+* Eligible: a dense tensor on the compute device of at least ``min_bytes`` that is neither a
+  parameter nor a view of one (parameters are the paging's business). Everything else is saved
+  as usual.
+* Up to ``budget`` bytes of handles keep their tensor in memory: the most recent ones, which
+  backward needs first. Older ones are offloaded: on a CPU-only run to the swap files (the level
+  below host RAM), written by the I/O threads; below an accelerator to the host level first
+  (pinned pool), spilling to the swap files when the host budget is full.
+* Backward unpacks in roughly reverse order; unpacking one handle starts reading the ones packed
+  just before it, so they are back in memory when needed.
+* A failed write (disk full, swap folder gone) keeps the tensor in memory and raises the
+  :class:`~apt_model.memory.swap.SwapError` at the next pack or unpack; a failed read raises from
+  backward. A gradient is never computed from missing or altered data.
+
+Memory is freed by dropping the handle's reference: if the user still holds the tensor, nothing
+is freed (and nothing is lost).
+"""
+from __future__ import annotations
+
+import itertools
+import threading
+import weakref
+from concurrent.futures import Future
+
+import torch
+import torch.nn as nn
+
+from apt_model.memory.io_engine import IOEngine
+from apt_model.memory.pages import cpu_byte_view
+from apt_model.memory.stores import PinnedPool, byte_view
+from apt_model.memory.swap import SwapSpace
+
+RESIDENT, WRITING, HOST, DISK = "resident", "writing", "host", "disk"
+
+
+class SavedActivation:
+    """The pack hook's handle for one saved tensor (see the module docstring)."""
+
+    __slots__ = ("seq", "tensor", "nbytes", "shape", "stride", "dtype", "device", "state", "future", "key",
+                 "segment", "version", "__weakref__")
+
+    def __init__(self, seq: int, t: torch.Tensor, key: str):
+        self.seq = seq
+        self.tensor: torch.Tensor | None = t
+        self.nbytes = t.numel() * t.element_size()
+        self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
+        self.version = t._version
+        self.state = RESIDENT
+        self.future: Future | None = None
+        self.key = key
+        self.segment = None
+
+
+class OffloadStats:
+    """Counters of one offloader (bytes, counts, seconds)."""
+
+    def __init__(self):
+        self.packed = 0
+        self.packed_bytes = 0
+        self.kept_small = 0
+        self.offloaded = 0
+        self.offloaded_bytes = 0
+        self.to_disk_bytes = 0
+        self.loaded_bytes = 0
+        self.prefetched = 0
+        self.peak_resident = 0
+        self.stall_s = 0.0
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _modified(h: SavedActivation) -> RuntimeError:
+    return RuntimeError(
+        f"a tensor of shape {tuple(h.shape)} saved for backward was modified in place after it was saved "
+        f"(version {h.version} -> {h.tensor._version}); its gradient cannot be computed from the saved value"
+    )
+
+
+class ActivationOffloader:
+    """Pack/unpack hooks that keep at most ``budget`` bytes of saved activations in memory.
+
+    Args:
+        budget: bytes of eligible saved activations kept on the compute device.
+        swap: the swap space (the bottom level).
+        device: the compute device.
+        min_bytes: smaller saved tensors stay where they are.
+        host_budget: on an accelerator, bytes of the pinned host level (None: no host level, straight
+            to disk — also how a CPU-only run works). ``host_pin`` says whether host slabs are pinned.
+        prefetch_bytes: how many bytes backward reads ahead (default: half the budget).
+    """
+
+    def __init__(self, budget: int, swap: SwapSpace, device: torch.device | str = "cpu", min_bytes: int = 1 << 20,
+                 host_budget: int | None = None, host_pin: bool | None = None, prefetch_bytes: int | None = None):
+        self.budget = int(budget)
+        self.swap = swap
+        self.device = torch.device(device)
+        self.min_bytes = int(min_bytes)
+        self.io = IOEngine(readers=2, writers=2)
+        self.host = (PinnedPool(host_budget, pin=(self.device.type != "cpu") if host_pin is None else host_pin)
+                     if host_budget else None)
+        self.prefetch_bytes = int(prefetch_bytes if prefetch_bytes is not None else max(self.budget // 2, 1))
+        self.stats = OffloadStats()
+        self._seq = itertools.count()
+        self._keys: list[str] = []  # swap-file names free for reuse
+        self._key_ids = itertools.count()
+        self._held: dict[int, int] = {}  # seq -> bytes, for every handle holding its tensor in memory
+        self._evictable: dict[int, weakref.ref] = {}  # resident handles in pack order (oldest first)
+        self._writing: dict[int, SavedActivation] = {}  # writes in flight (the write needs the tensor)
+        self._by_seq: dict[int, weakref.ref] = {}
+        self._on_host: dict[int, SavedActivation] = {}  # host copies, oldest first (spilled first)
+        self.resident_bytes = 0
+        self._lock = threading.RLock()
+        self._error: BaseException | None = None
+        self.closed = False
+
+    # ------------------------------------------------------------------ hooks
+    def eligible(self, t: torch.Tensor) -> bool:
+        """Offloadable: a plain dense row-major tensor on the compute device, not a parameter, >= min_bytes."""
+        if type(t) is not torch.Tensor:
+            return False  # parameters, tensor subclasses (FP4 weights, DTensor...) keep their own semantics
+        if isinstance(t._base, nn.Parameter):
+            return False
+        if t.device.type != self.device.type or t.layout is not torch.strided:
+            return False
+        if t.numel() * t.element_size() < self.min_bytes:
+            return False
+        return t.is_contiguous()  # what goes down is exactly the storage range
+
+    def pack(self, t: torch.Tensor):
+        self._raise_pending()
+        if not self.eligible(t):
+            self.stats.kept_small += 1
+            return t
+        with self._lock:
+            h = SavedActivation(next(self._seq), t, self._new_key())
+            self._hold(h)
+            self._evictable[h.seq] = weakref.ref(h)
+            self._by_seq[h.seq] = weakref.ref(h)
+            weakref.finalize(h, self._forget, h.seq, h.key)
+            self.stats.packed += 1
+            self.stats.packed_bytes += h.nbytes
+            self._offload_to_budget()
+        return h
+
+    def unpack(self, h):
+        if not isinstance(h, SavedActivation):
+            return h
+        self._raise_pending()
+        with self._lock:
+            t = self._load(h)
+            self._prefetch_before(h.seq)
+            return t
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _hold(self, h: SavedActivation) -> None:
+        if h.seq not in self._held:
+            self._held[h.seq] = h.nbytes
+            self.resident_bytes += h.nbytes
+            self.stats.peak_resident = max(self.stats.peak_resident, self.resident_bytes)
+
+    def _unhold(self, seq: int) -> None:
+        self.resident_bytes -= self._held.pop(seq, 0)
+
+    def _new_key(self) -> str:
+        return self._keys.pop() if self._keys else f"act{next(self._key_ids)}"
+
+    def _forget(self, seq: int, key: str) -> None:
+        """The autograd graph dropped a handle: release what it held (memory, host slab, file)."""
+        with self._lock:
+            self._unhold(seq)
+            self._evictable.pop(seq, None)
+            self._writing.pop(seq, None)
+            self._by_seq.pop(seq, None)
+            h = self._on_host.pop(seq, None)
+            if h is not None and h.segment is not None:
+                self.host.release(h.segment)
+            if not self.closed:
+                self.swap.remove(key)
+                self._keys.append(key)
+
+    def _raise_pending(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise err
+
+    def _reap(self) -> None:
+        """Drop the tensors whose copies below have landed (the write threads never free memory)."""
+        for seq, h in list(self._writing.items()):
+            if h.future is not None and h.future.done():
+                fut, h.future = h.future, None
+                del self._writing[seq]
+                try:
+                    fut.result()
+                    if h.tensor._version != h.version:
+                        raise _modified(h)
+                except BaseException as err:  # noqa: BLE001 - keep the data, report at the next hook
+                    h.state = RESIDENT
+                    self._error = err
+                    continue
+                h.state, h.tensor = DISK, None
+                self._unhold(seq)
+
+    def _offload_to_budget(self) -> None:
+        self._reap()
+        over = self.resident_bytes - self.budget
+        for seq in list(self._evictable):
+            if over <= 0:
+                break
+            h = self._evictable.pop(seq)()
+            if h is None or h.state != RESIDENT or h.tensor is None:
+                continue
+            over -= h.nbytes
+            self._offload(h)
+        if self.resident_bytes > 2 * self.budget and self._writing:  # far over: wait for the oldest writes
+            for h in sorted(self._writing.values(), key=lambda x: x.seq):
+                if self.resident_bytes <= self.budget:
+                    break
+                self._wait(h.future)
+                self._reap()
+
+    def _offload(self, h: SavedActivation) -> None:
+        self.stats.offloaded += 1
+        self.stats.offloaded_bytes += h.nbytes
+        if self.host is not None:
+            self._to_host(h)
+            return
+        t = h.tensor
+        view = cpu_byte_view(t.untyped_storage())[t.storage_offset() * t.element_size():][:h.nbytes]
+        h.state = WRITING
+        h.future = self.io.submit_write(h.nbytes, lambda: self.swap.write(h.key, view))
+        self._writing[h.seq] = h
+        self.stats.to_disk_bytes += h.nbytes
+
+    def _to_host(self, h: SavedActivation) -> None:
+        seg = self.host.alloc(h.nbytes)
+        while seg is None and self._spill_host():
+            seg = self.host.alloc(h.nbytes)
+        if seg is None:
+            raise MemoryError(f"the host level ({self.host.budget} bytes) cannot hold a {h.nbytes}-byte activation")
+        t = h.tensor
+        self.host.view(seg, h.nbytes).copy_(byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(),
+                                                      h.nbytes))  # device -> host
+        h.segment, h.state, h.tensor = seg, HOST, None
+        self._unhold(h.seq)
+        self._on_host[h.seq] = h
+
+    def _spill_host(self) -> bool:
+        if not self._on_host:
+            return False
+        h = self._on_host.pop(next(iter(self._on_host)))
+        seg = h.segment
+        mv = cpu_byte_view(self.host.slabs[seg.slab].untyped_storage())[seg.offset:seg.offset + h.nbytes]
+        self.swap.write(h.key, mv)
+        self.stats.to_disk_bytes += h.nbytes
+        self.host.release(seg)
+        h.segment, h.state = None, DISK
+        return True
+
+    def _wait(self, fut: Future) -> None:
+        import time
+
+        t0 = time.perf_counter()
+        fut.result()
+        self.stats.stall_s += time.perf_counter() - t0
+
+    def _start_read(self, h: SavedActivation) -> None:
+        out = torch.empty(h.shape, dtype=h.dtype, device="cpu")
+        view = cpu_byte_view(out.untyped_storage())
+        h.tensor = out
+        self._hold(h)
+        h.future = self.io.submit_read(h.nbytes, lambda: self.swap.read_into(h.key, view))
+
+    def _load(self, h: SavedActivation) -> torch.Tensor:
+        self._reap()
+        if h.state == WRITING:  # still in memory: keep it; the copy below is simply not needed
+            self._wait(h.future)
+            self._writing.pop(h.seq, None)
+            h.future, h.state = None, RESIDENT
+        if h.state == RESIDENT:
+            if h.tensor._version != h.version:
+                raise _modified(h)
+            return h.tensor
+        if h.state == HOST:
+            out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+            byte_view(out.untyped_storage(), 0, h.nbytes).copy_(self.host.view(h.segment, h.nbytes))  # host -> device
+            self.host.release(h.segment)
+            self._on_host.pop(h.seq, None)
+            h.segment, h.tensor, h.state = None, out, RESIDENT
+            self._hold(h)
+            self.stats.loaded_bytes += h.nbytes
+            return out
+        if h.future is None:  # on disk and not prefetched
+            self._start_read(h)
+        try:
+            self._wait(h.future)
+        except BaseException:
+            h.tensor, h.future = None, None
+            self._unhold(h.seq)
+            raise
+        h.future, h.state = None, RESIDENT
+        h.version = h.tensor._version
+        self.stats.loaded_bytes += h.nbytes
+        if h.device.type != "cpu":
+            h.tensor = h.tensor.to(h.device)
+        return h.tensor
+
+    def _prefetch_before(self, seq: int) -> None:
+        ahead = 0
+        s = seq - 1
+        while s >= 0 and ahead < self.prefetch_bytes and seq - s <= 4096:
+            ref = self._by_seq.get(s)
+            h = ref() if ref is not None else None
+            if h is not None and h.state == DISK and h.future is None:
+                self._start_read(h)
+                self.stats.prefetched += 1
+                ahead += h.nbytes
+            s -= 1
+
+    def close(self) -> None:
+        """Stop the I/O threads (handles still alive keep working from memory or raise)."""
+        if not self.closed:
+            self.closed = True
+            self.io.close()

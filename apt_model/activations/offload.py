@@ -222,7 +222,11 @@ class ActivationOffloader:
             for h in sorted(self._writing.values(), key=lambda x: x.seq):
                 if self.resident_bytes <= self.budget:
                     break
-                self._wait(h.future)
+                if h.future is not None:  # an earlier _reap in this loop may have completed it
+                    try:
+                        self._wait(h.future)
+                    except BaseException:  # noqa: BLE001 - _reap records it and keeps the data
+                        pass
                 self._reap()
 
     def _offload(self, h: SavedActivation) -> None:

@@ -53,3 +53,19 @@ def test_kjv_corpus(shared_data, tmp_path):
 def test_default_run_meets_the_acceptance_target(tmp_path):
     rep = load_train().main(["--quiet", "--out", str(tmp_path)])
     assert rep["eval_drop"] >= 0.30
+
+
+@pytest.mark.parametrize("preset,budget,steps", [
+    ("tiny", "512KB", 4),
+    pytest.param("medium", "256MB", 3, marks=pytest.mark.slow),
+])
+def test_out_of_core_training_has_the_in_memory_losses(preset, budget, steps, tmp_path, monkeypatch):
+    monkeypatch.setenv("VB_MIXED_PRECISION", "off")  # autocast's trial is timing-dependent; keep numerics fixed
+    train = load_train()
+    common = ["--model-size", preset, "--steps", str(steps), "--eval-every", str(steps), "--batch-size", "4",
+              "--seq-len", "64", "--max-bytes", "300000", "--quiet", "--swap-dir", str(tmp_path)]
+    mem = train.main(common + ["--paging", "off", "--out", str(tmp_path / "mem")])
+    paged = train.main(common + ["--device-budget", budget, "--out", str(tmp_path / "paged")])
+    assert paged["vb"]["models"][0]["features"]["paging"]["chosen"] == "paged"
+    assert paged["losses"] == mem["losses"] and paged["eval"] == mem["eval"]
+    assert paged["vb"]["stats"]["levels"][-1]["writes"] > 0

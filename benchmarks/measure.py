@@ -52,3 +52,23 @@ def write_json(result: dict, path: str | Path | None) -> None:
         p = Path(path)
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(json.dumps(result, indent=2, default=str), encoding="utf-8")
+
+
+def train_step(model, opt, corpus, gen, batch_size: int, seq_len: int, device="cpu", clip: float | None = 1.0) -> float:
+    """One full training step of a byte-level LM on ``corpus`` (batch, forward, loss, backward,
+    clipping, optimizer step); returns its wall time in seconds (``loss.item()`` included, so the
+    device has finished)."""
+    import time
+
+    import torch.nn.functional as F
+
+    t0 = time.perf_counter()
+    x, y = corpus.batch("train", batch_size, seq_len, gen, device)
+    loss = F.cross_entropy(model(x).reshape(-1, 256).float(), y.reshape(-1))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    loss.item()
+    return time.perf_counter() - t0

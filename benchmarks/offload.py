@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import machine_info, summarize, write_json  # noqa: E402
+from measure import machine_info, summarize, train_step, write_json  # noqa: E402
 
 
 def worker(conn, paged: bool, args) -> None:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     import apt_model.optimization.vb_global as vb
@@ -54,15 +51,7 @@ def worker(conn, paged: bool, args) -> None:
         return lv[-1]["bytes_out"], lv[-1]["bytes_in"], lv[0]["stall_s"]  # read, written, stall
 
     def step() -> float:
-        t0 = time.perf_counter()
-        x, y = corpus.batch("train", args.batch_size, args.seq_len, gen)
-        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        loss.item()
-        return time.perf_counter() - t0
+        return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len)
 
     for _ in range(args.warmup):
         step()

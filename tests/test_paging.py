@@ -12,7 +12,6 @@ import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
 from apt_model.errors import ConfigError
-from apt_model.memory.pages import State
 from apt_model.memory.swap import SwapCorruptionError, SwapFullError
 from apt_model.models.gpt import GPT, GPTConfig
 from conftest import clean_env

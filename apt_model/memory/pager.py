@@ -183,18 +183,19 @@ class Pager:
         self._apply_scales(page)
 
     @staticmethod
-    def _apply_scales(page: Page) -> None:
-        """Apply the multiplications the lower copy still owes (in order, with the same op)."""
+    def _apply_scales(page: Page, t: torch.Tensor | None = None) -> None:
+        """Apply to ``t`` (default: the page's tensor) the multiplications the lower copy still owes,
+        in order and with the same op (``_foreach_mul_`` or ``mul_``) the caller would have used.
+        The page stays clean: the lower copy plus ``page.scales`` is the current value."""
         if not page.scales:
             return
-        t = page.tensor_of()
+        t = page.tensor_of() if t is None else t
         with torch.no_grad(), torch._C.DisableTorchFunction():
             for factor, foreach in page.scales:
                 if foreach:
                     torch._foreach_mul_([t], factor)
                 else:
                     t.mul_(factor)
-        # still clean: the lower copy plus ``page.scales`` is the current value
 
     def defer_scale(self, page: Page, factor: torch.Tensor, foreach: bool) -> bool:
         """Multiply a paged-out page by ``factor`` lazily (on its next load). Returns False if the
@@ -395,12 +396,7 @@ class Pager:
                 out.zero_()
             else:
                 self.store.read_to_cpu(page, out)
-                with torch.no_grad(), torch._C.DisableTorchFunction():
-                    for factor, foreach in page.scales:
-                        if foreach:
-                            torch._foreach_mul_([out], factor)
-                        else:
-                            out.mul_(factor)
+                self._apply_scales(page, out)
             return out
 
     def close(self) -> None:

@@ -46,7 +46,7 @@ from apt_model.quantization.linear import FP4Linear, FP4QATLinear
 from apt_model.quantization.footprint import release_parameter
 from apt_model.quantization.mxfp4 import check_scale_rule
 from apt_model.quantization.native import native_support
-from apt_model.quantization.tensor import FORMATS, check_format
+from apt_model.quantization.tensor import check_format
 
 log = get_logger(__name__)
 

@@ -379,7 +379,6 @@ def _install_patches(st: _State) -> None:
     st.patches.set_attr(nn.Module, "cuda", module_cuda, label="nn.Module.cuda")
     if needs_redirect:
         orig_tensor_to = torch.Tensor.to
-        orig_tensor_cuda = torch.Tensor.cuda
 
         def tensor_to(self, *args, **kwargs):
             args, kwargs = _redirect_args(args, kwargs)

@@ -82,6 +82,7 @@ class Pager:
         self._lock = threading.RLock()
         self._tick = 0
         self._resident = 0
+        self._writing = 0  # bytes of resident pages whose copies below are being written
         self._freed_since_trim = 0
         self._closed = False
 
@@ -93,7 +94,11 @@ class Pager:
 
     def _set(self, page: Page, state: State) -> None:
         before = page.occupies
+        if page.state is State.WRITING:
+            self._writing -= page.nbytes
         page.state = state
+        if state is State.WRITING:
+            self._writing += page.nbytes
         self._resident += page.occupies - before
 
     def _touch(self, page: Page) -> None:
@@ -327,7 +332,12 @@ class Pager:
                 self.make_room(0)
 
     def prefetch(self, pages: Iterable[Page]) -> None:
-        """Start loading ``pages`` in the background if they fit without evicting pinned pages."""
+        """Start loading ``pages`` in the background if they fit without evicting pinned pages.
+
+        A prefetch never blocks the training thread. Pages whose writes are in flight are about to
+        be freed, so a prefetch may use their room early — up to a quarter of the budget: the
+        level can exceed its budget by that much while the write-behind drains.
+        """
         with self._lock:
             self.reap()
             todo = [p for p in pages if p is not None and p.state is State.LOWER]
@@ -335,9 +345,10 @@ class Pager:
                 return
             need = sum(p.nbytes for p in todo)
             if self.resident_bytes + need > self.budget:
-                self.make_room(need, protect=todo, wait=False)  # a prefetch never blocks the training thread
+                self.make_room(need, protect=todo, wait=False)
+            allowance = self.budget + min(self._writing, self.budget // 4)
             for p in todo:
-                if self.resident_bytes + p.nbytes > self.budget and self.resident_bytes > 0:
+                if self.resident_bytes + p.nbytes > allowance and self.resident_bytes > 0:
                     break
                 self._start_load(p)
                 self._touch(p)
@@ -412,6 +423,7 @@ class Pager:
             self.pages.clear()
             self.by_tensor.clear()
             self._resident = 0
+            self._writing = 0
             self._closed = True
         self.store.close()
 

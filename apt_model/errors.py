@@ -19,3 +19,8 @@ class DeviceSelectionError(VBError, RuntimeError):
 
 class FigureUnavailable(VBError, RuntimeError):
     """A memory or device figure cannot be read on this device; the message says why."""
+
+
+class DistributedError(VBError, RuntimeError):
+    """A multi-process setup that cannot work here (a backend with no devices to serve, a model the
+    switch pages being handed to DDP/FSDP/DataParallel); the message says what to do instead."""

@@ -8,6 +8,10 @@
 
 Writes ``checkpoint.pt`` (model, optimizer, scheduler, config, step) and ``report.json``
 (config, device, switch decisions, throughput, losses) to ``--out``.
+
+Under ``torchrun --nproc_per_node=N`` it runs unchanged: the switch initializes the process
+group and trains the model with DDP; each rank draws its own batches (``--batch-size`` is per
+rank), rank 0 writes ``checkpoint.pt`` and ``report.json``, rank r > 0 writes ``report.rank<r>.json``.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ import apt_model.optimization.vb_global as vb
 from apt_model.core.system import get_device, set_seed
 from apt_model.data.text import ByteCorpus, load_text_bytes
 from apt_model.devices.device_backend import DeviceBackend
+from apt_model.distributed import process_rank
 from apt_model.models.gpt import GPT, PRESETS, GPTConfig
 
 VB_MODES = ("off", "performance", "speed", "balanced", "memory", "full")
@@ -119,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     set_seed(args.seed)
+    rank, world = process_rank()  # (0, 1) unless a launcher such as torchrun started several processes
+    args.quiet = args.quiet or rank > 0
     seq_len = args.seq_len or SEQ_DEFAULT[args.model_size]
     if args.vb_mode != "off":
         mode = "performance" if args.vb_mode == "speed" else args.vb_mode
@@ -141,7 +148,7 @@ def main(argv: list[str] | None = None) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args))
     backend = DeviceBackend(device)
-    gen = torch.Generator().manual_seed(args.seed)
+    gen = torch.Generator().manual_seed(args.seed + rank)  # each rank its own batches
 
     evals = [(0, evaluate(model, corpus, args, seq_len, device))]
     losses, step_times = [], []
@@ -177,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     med = statistics.median(steady)
     report = {
         "args": vars(args),
+        "rank": rank, "world_size": world,
         "model": {"kind": args.hf_model or "apt_model.GPT", "parameters": n_params, "seq_len": seq_len,
                   **({"config": model.cfg.to_dict()} if isinstance(model, GPT) else {})},
         "device": {"device": str(device), "kind": backend.kind, "name": backend.get_device_name(),
@@ -193,9 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                "model_config": report["model"], "step": args.steps, "args": vars(args)}, out / "checkpoint.pt")
-    (out / "report.json").write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    if rank == 0:  # under DDP every rank holds the same model: one checkpoint
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+                    "model_config": report["model"], "step": args.steps, "args": vars(args)}, out / "checkpoint.pt")
+    name = "report.json" if rank == 0 else f"report.rank{rank}.json"
+    (out / name).write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
     if not args.quiet:
         print(f"held-out loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f} nats/byte ({100 * report['eval_drop']:.1f}% lower) "
               f"in {train_s:.1f} s; {report['throughput']['tokens_per_s_median']:,.0f} tokens/s on {device}; "

@@ -4,7 +4,8 @@ Device choice, the communication backend and every report go through :func:`sele
 so they can never disagree. The order is the backends' ``priority`` (CUDA/ROCm/DCU > NPU >
 MLU > XPU > MPS > CPU), changed only by an explicit preference (``prefer=("npu",)``,
 ``prefer_npu=True``) or an explicit device (``device=`` argument, then the ``VB_DEVICE``
-environment variable). An explicit device that is not usable is an error that says why — never
+environment variable). Under a launcher (torchrun's ``LOCAL_RANK``), a device chosen without an
+index is this rank's local device (:mod:`apt_model.distributed.binding`). An explicit device that is not usable is an error that says why — never
 a silent fall-back to the CPU.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Iterable
 import torch
 
 from apt_model.devices.detection import Candidate, detect_devices
+from apt_model.distributed.binding import bind_for_launcher
 from apt_model.errors import ConfigError, DeviceSelectionError
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::\s*(\d+))?\s*$")
@@ -117,12 +119,16 @@ def _resolve(spec: str | torch.device, candidates: list[Candidate], label: str, 
     cand = min(usable, key=lambda c: c.priority)
     if cand.device_type == "cpu":
         return Selection(torch.device("cpu"), cand, source, f"{label} asked for the CPU", order)
-    index = 0 if index is None else index
+    note = ""
+    if index is None:  # under a launcher, a kind without an index means this rank's device
+        bound = bind_for_launcher(cand)
+        index, note = bound if bound is not None else (0, "")
     if index >= cand.count:
         raise DeviceSelectionError(
             f"{label}={str(spec)!r}: {cand.kind} has {cand.count} device(s), valid indices 0..{cand.count - 1}"
         )
-    return Selection(torch.device(cand.device_type, index), cand, source, f"{label} asked for {cand.kind}:{index}", order)
+    why = f"{label} asked for {cand.kind}" + (f"; {note}" if note else f":{index}")
+    return Selection(torch.device(cand.device_type, index), cand, source, why, order)
 
 
 def select_device(
@@ -134,12 +140,15 @@ def select_device(
     """Choose the device for this process.
 
     Precedence: ``force_cpu`` > ``device`` argument > ``VB_DEVICE`` environment variable >
-    ranking (``prefer`` first, then priority).
+    ranking (``prefer`` first, then priority). Under a launcher that sets ``LOCAL_RANK``, an
+    accelerator chosen without an index is the rank's local device (see
+    :func:`apt_model.distributed.binding.local_device_index`); an explicit index is kept.
 
     Raises:
-        ConfigError: malformed device string or unknown kind in ``device``/``VB_DEVICE``/``prefer``.
-        DeviceSelectionError: the explicitly requested device is not usable; the message carries
-            the detection reason.
+        ConfigError: malformed device string or unknown kind in ``device``/``VB_DEVICE``/``prefer``,
+            or malformed launcher variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``...).
+        DeviceSelectionError: the explicitly requested device is not usable, or the local rank has
+            no device of its own; the message carries the reason.
     """
     candidates = detect_devices() if candidates is None else candidates
     prefer_t = normalize_prefer(prefer, candidates)
@@ -160,5 +169,8 @@ def select_device(
         why += f" with preference for {', '.join(prefer_t)}"
     if skipped:
         why += f"; ranked higher but not usable: {', '.join(skipped)}"
-    dev = torch.device("cpu") if best.device_type == "cpu" else torch.device(best.device_type, 0)
+    bound = bind_for_launcher(best)
+    if bound is not None:
+        why += f"; {bound[1]}"
+    dev = torch.device("cpu") if best.device_type == "cpu" else torch.device(best.device_type, bound[0] if bound else 0)
     return Selection(dev, best, "ranking", why, order)

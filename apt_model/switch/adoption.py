@@ -95,6 +95,7 @@ class Adopter:
         from apt_model.activations.manager import ActivationManager
 
         self.activations = ActivationManager(config, patches, stack, selected)
+        self.distributed = None  # the DistributedSession (set by the switch): DDP/FSDP/DataParallel policy
         self.records: list[ModelRecord] = []
         self.speeds: dict[str, dict] = {}
         self.supports: dict[str, dict] = {}
@@ -120,7 +121,8 @@ class Adopter:
         self._precision(model, rec, dev, support, speed)
         self.activations.adopt(model, rec, self._decide)
         apply_fp4_policy(model, rec, self.config, support, self.patches, self._decide)  # before paging: it shrinks frozen weights
-        self._paging(model, rec, dev)
+        no_paging = self.distributed.adopt(model, rec, self._decide) if self.distributed is not None else None
+        self._paging(model, rec, dev, no_paging)
         self._not_built(rec)
         return rec
 
@@ -262,12 +264,15 @@ class Adopter:
         self._decide(rec, "mixed_precision", "auto", want if keep else "fp32", why)
         rec.features["mixed_precision"]["trial"] = summary
 
-    def _paging(self, model: nn.Module, rec: ModelRecord, dev: torch.device) -> None:
+    def _paging(self, model: nn.Module, rec: ModelRecord, dev: torch.device, blocked: str | None = None) -> None:
         from apt_model.memory.placement import plan_placement
 
         req = self.config.paging
         if req == "off" or self.stack is None:
             self._decide(rec, "paging", req, "off", "paging=off")
+            return
+        if blocked:  # data parallelism (DDP, FSDP, DataParallel) reads the storage paging frees
+            self._decide(rec, "paging", req, "off", blocked)
             return
         budget = self.stack.compute_budget
         plan = plan_placement(model, budget, None, force=req == "always")

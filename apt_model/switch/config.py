@@ -32,6 +32,8 @@ SETTINGS = {
     "verbose": False,  # print the decisions as they are made
     "banner": True,  # print the one-line-per-feature banner at enable()
     "fp4_policy": None,  # which layers FP4 converts: None (defaults) or a dict of FP4Policy fields
+    "distributed": "auto",  # "auto": under a launcher, process group + rank's device + DDP; "off": leave torch.distributed alone
+    "ddp_options": None,  # DDP keyword arguments for the switch's DDP (find_unused_parameters, bucket_cap_mb, ...)
 }
 
 
@@ -61,7 +63,7 @@ class VBConfig:
 #: Settings that can also come from the environment.
 SETTING_ENV = {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET", "swap_dir": "VB_SWAP_DIR",
                "swap_budget": "VB_SWAP_BUDGET", "activation_budget": "VB_ACTIVATION_BUDGET",
-               "checkpoint_policy": "VB_CHECKPOINT_POLICY"}
+               "checkpoint_policy": "VB_CHECKPOINT_POLICY", "distributed": "VB_DISTRIBUTED"}
 
 #: Short names accepted by enable() for longer option names.
 ALIASES = {"checkpointing": "activation_checkpointing", "offload": "activation_offload"}
@@ -98,6 +100,25 @@ def _validate_setting(name: str, value, source: str):
         raise ConfigError(f"{source}: {name}={value!r} must be True or False")
     if name == "prefer" and value is not None and not isinstance(value, (str, tuple, list)):
         raise ConfigError(f"{source}: prefer={value!r} must be a device kind or a sequence of kinds")
+    if name == "distributed":
+        text = value.strip().lower() if isinstance(value, str) else value
+        if text not in ("auto", "off"):
+            raise ConfigError(f"{source}: distributed={value!r} is not valid; valid values: auto, off")
+        value = text
+    if name == "ddp_options" and value is not None:
+        from apt_model.distributed.ddp import DDP_OPTIONS
+
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: ddp_options={value!r} must be a dict of DDP keyword arguments "
+                              f"({', '.join(DDP_OPTIONS)})")
+        for key, v in value.items():
+            if key not in DDP_OPTIONS:
+                raise ConfigError(f"{source}: ddp_options has unknown key {key!r}; valid keys: {', '.join(DDP_OPTIONS)}")
+            want_bool = DDP_OPTIONS[key] is bool
+            if want_bool != isinstance(v, bool) or not isinstance(v, DDP_OPTIONS[key]) or (not want_bool and v <= 0):
+                raise ConfigError(f"{source}: ddp_options[{key!r}]={v!r} must be "
+                                  f"{'True or False' if want_bool else 'a positive number'}")
+        value = dict(value)
     if name == "fp4_policy" and value is not None:
         from apt_model.quantization.policy import FP4Policy
 

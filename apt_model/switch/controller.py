@@ -25,6 +25,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from apt_model._version import __version__
 from apt_model.devices.ranking import Selection, select_device
+from apt_model.distributed.wrappers import skip_adoption
 from apt_model.errors import DeviceSelectionError
 from apt_model.log import get_logger
 from apt_model.switch.adoption import Adopter, model_device
@@ -45,6 +46,7 @@ class _State:
         self.patches = PatchSet()
         self.adopter: Adopter | None = None
         self.stack = None
+        self.distributed = None  # apt_model.distributed.session.DistributedSession
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.suspended = 0
         self.redirect_target: torch.device | None = None
@@ -81,6 +83,9 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
     source = overrides.pop("_source", "api")
     config = build_config(mode, overrides)
     selection = select_device(prefer=config.prefer, device=config.device)
+    from apt_model.distributed.session import DistributedSession
+
+    distributed = DistributedSession(config, selection)  # reads the launcher variables; changes nothing yet
     with _state.lock:
         if _state.enabled:
             disable()
@@ -89,7 +94,7 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
         if config.paging != "off" or config.activation_offload:  # the swap folder is checked now: errors at enable
             from apt_model.memory.levels import HEADROOM, VGPUStack
 
-            stack = VGPUStack(selection.device, config.device_budget, config.host_budget, config.swap_dir,
+            stack = VGPUStack(selection.device, config.device_budget, config.host_budget, distributed.swap_dir(config.swap_dir),
                               config.swap_budget, headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"],
                               measure=False)
         st.config, st.selection, st.source = config, selection, source
@@ -99,6 +104,7 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
         if stack is not None:
             st.patches.add_undo(stack.close, "VGPU stack swap folder")
         st.adopter = Adopter(config, selection.device, st.log, st.patches, stack)
+        st.distributed = distributed
         st.seen = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at = time.time()
@@ -110,6 +116,8 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
             if not spec.built and value not in (False, "off"):
                 st.log.record("switch", name, value, "off", "not built in this version")
         _install_patches(st)
+        distributed.start(st.log, st.patches)  # the rank's device, process-group and wrapper patches
+        distributed.attach(st.adopter)
         st.enabled = True
     if config.banner:
         from apt_model.switch.banner import format_banner
@@ -272,6 +280,7 @@ def get_report() -> dict:
             "paging": ad.session.report() if ad and ad.session is not None else None,
         },
         "activations": ad.activations.report() if ad else None,
+        "distributed": st.distributed.report() if st.distributed is not None else None,
         "decisions": st.log.to_list(),
         "stats": get_stats(),
     }
@@ -404,6 +413,9 @@ def _global_pre_hook(module: nn.Module, args: tuple):
         hooks = getattr(module, "_vb_autocast", None)
         if hooks is not None:  # the module's own pre-hooks were listed before adoption added ours
             hooks.pre(module, args)
+        dist_hook = getattr(module, "_vb_distributed", None)
+        if dist_hook is not None:  # likewise: DDP must see this first training forward
+            dist_hook.pre(module, args, {})
     return None
 
 
@@ -415,6 +427,8 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = "") -> bool:
         if module in st.seen:
             return False
         dev = model_device(module)
+        if skip_adoption(module, st.seen):  # a DataParallel replica, or a DDP wrapper of an adopted model
+            return False
         if getattr(module, "_vb_internal", False):  # one of our probes, with everything inside it
             for m in module.modules():
                 st.seen.add(m)

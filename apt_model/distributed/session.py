@@ -1,0 +1,373 @@
+"""One switch session's multi-device policy: ties the launcher environment, the process group,
+device binding, DDP wrapping, DataParallel and the paging guards together, and reports them.
+
+The switch calls it at four points (everything else happens through the patches it installs,
+each undone by ``disable()``):
+
+* ``DistributedSession(config, selection)`` in ``enable()``, before anything is changed: reads
+  the launcher environment (a malformed one is a ``ConfigError`` then);
+* :meth:`DistributedSession.swap_dir`: each rank gets its own swap folder;
+* :meth:`DistributedSession.start`: makes the rank's device current, installs the patches,
+  records the decisions;
+* :meth:`DistributedSession.adopt` from ``Adopter.adopt``: per model, whether data parallelism
+  applies (and so whether paging must stay off).
+
+The policy, per adopted model (the ``distributed`` setting is ``auto``):
+
+1. already under a wrapper (DDP, FSDP2, FSDP, DataParallel, DTensor parameters): left to it;
+2. a single process (no launcher, ``WORLD_SIZE=1``, no multi-rank group): nothing to do;
+3. otherwise DDP is attached in place at the model's first training forward
+   (:mod:`apt_model.distributed.ddp`) — unless by then the script wrapped it itself, which is
+   then respected — after initializing the default process group if the script has not
+   (:mod:`apt_model.distributed.process_group`).
+
+Paging (``apt_model.memory``) frees parameter and gradient storage and assumes one process;
+DDP's reducer, FSDP's sharding and DataParallel's replicas read that storage. So a model that
+data parallelism applies to is never paged (its paging decision says why), and handing a model
+the switch already pages to DDP, FSDP2 or DataParallel raises :class:`DistributedError`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from apt_model.distributed.binding import set_current_device
+from apt_model.distributed.data_parallel import check_device_ids, data_parallel_device_type
+from apt_model.distributed.ddp import DistributedModelHook, InPlaceDDP
+from apt_model.distributed.launch import read_launch_env
+from apt_model.distributed.process_group import ProcessGroupManager
+from apt_model.distributed.wrappers import install_guards, wrapper_kind
+from apt_model.errors import DistributedError
+from apt_model.log import get_logger
+
+log = get_logger(__name__)
+
+SCOPE = "distributed"
+
+
+def rank_folder_name(rank: int) -> str:
+    """``rank<R>-<host>``: a rank's swap folder name (the host keeps ranks of jobs on different
+    nodes that share a swap dir apart, so no process removes another node's live files)."""
+    host = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in socket.gethostname()) or "host"
+    return f"rank{rank}-{host}"
+
+
+class DistributedSession:
+    """Multi-device state of one ``enable()`` .. ``disable()`` session.
+
+    Args:
+        config: the switch's :class:`~apt_model.switch.config.VBConfig` (settings ``distributed``
+            and ``ddp_options``).
+        selection: the device selection (already bound to the local rank by the ranking policy).
+
+    Raises:
+        ConfigError: malformed launcher variables (``RANK``, ``WORLD_SIZE``... not integers).
+    """
+
+    def __init__(self, config, selection):
+        self.setting = config.distributed
+        self.options = dict(config.ddp_options or {})
+        self.selection = selection
+        self.env = read_launch_env()
+        self.log = None
+        self.patches = None
+        self.adopter = None
+        self.device_note = None
+        self.guards: list[str] = []
+        self.models: list[dict] = []
+        self.wrappers: list[dict] = []
+        self._script_ddp: weakref.WeakSet = weakref.WeakSet()
+        self._hooks: list[DistributedModelHook] = []
+        self._ddp_owner: dict[int, str] = {}  # id(param) -> scope of the model whose in-place DDP reduces it
+        self.pg = ProcessGroupManager(selection, self.env, self.setting == "auto", self._record)
+
+    # ------------------------------------------------------------------ enable()
+    def swap_dir(self, swap_dir):
+        """The swap dir for this rank: ``<swap dir>/rank<R>-<host>`` under a multi-process launcher
+        (created inside an existing swap dir), else ``swap_dir`` unchanged. A swap dir that does
+        not exist is passed on unchanged, so the memory stack reports it as usual."""
+        if self.env is None or not self.env.multi_process or self.env.rank is None:
+            return swap_dir
+        from apt_model.memory.swap import default_swap_root
+
+        explicit = swap_dir is not None or bool(os.environ.get("VB_SWAP_DIR"))
+        root = Path(swap_dir) if swap_dir is not None else default_swap_root()
+        try:
+            if not explicit:
+                root.mkdir(parents=True, exist_ok=True)  # the default root is created, as the swap level does
+            if not root.is_dir():
+                return swap_dir  # the memory stack reports a missing or bad swap dir as usual
+            folder = root / rank_folder_name(self.env.rank)
+            folder.mkdir(exist_ok=True)
+        except OSError:
+            return swap_dir
+        return str(folder)
+
+    def start(self, log_, patches) -> None:
+        """Record the setup, make the rank's device current, install the patches."""
+        self.log, self.patches = log_, patches
+        self.pg.observe()
+        env, sel = self.env, self.selection
+        if self.setting == "off":
+            self._record("launcher", "off", "untouched", "distributed=off: the switch leaves torch.distributed alone "
+                         "(no process group, no DDP, no backend mapping)")
+        elif env is None and not self.pg.initialized:
+            self._record("launcher", "auto", "single process", "no launcher variables (WORLD_SIZE unset) and no process group")
+        else:
+            what = env.describe() if env is not None else "no launcher variables"
+            if self.pg.initialized:
+                chosen, why = str(self.pg.backend()), f"{what}; {self.pg.reason}"
+            else:
+                ok, why = self.pg.can_initialize()
+                chosen = f"{self.pg.backend()} (at first use)" if ok else "none"
+                if ok:
+                    why += ("; initialized at the first training forward of an adopted model, unless the script "
+                            "initializes it first (its backend is then mapped if needed)")
+                elif env is not None and env.multi_process:
+                    self.pg.refuse(why)
+            self._record("launcher", "auto", chosen, why)
+        if self.setting == "auto":
+            if env is not None and env.multi_process and sel.device.type != "cpu":
+                prev, self.device_note = set_current_device(sel.device)
+                if prev is not None and prev != sel.device.index:
+                    patches.add_undo(lambda p=prev, t=sel.device.type: set_current_device(torch.device(t, p)),
+                                     "current device")
+                self._record("device", str(sel.device), str(sel.device), f"{sel.reason}; {self.device_note}")
+            self.pg.install(patches)
+            patches.add_undo(self.pg.close, "process group created by the switch")
+        self.guards = install_guards(patches, self._on_script_ddp, self._on_data_parallel, self._on_fsdp_params)
+        patches.add_undo(self._remove_hooks, "in-place DDP")
+
+    def attach(self, adopter) -> None:
+        """Let the adopter consult this session (``adopter.distributed``) and this session see the
+        adopter's paging session."""
+        self.adopter = adopter
+        adopter.distributed = self
+
+    # ------------------------------------------------------------------ adoption
+    def data_parallel_world(self) -> tuple[int, str]:
+        """The number of data-parallel ranks models will train over, and why."""
+        if self.pg.initialized:
+            return self.pg.world_size(), f"process group of {self.pg.world_size()} rank(s), backend {self.pg.backend()}"
+        if self.setting == "auto":
+            ok, why = self.pg.can_initialize()
+            if ok:
+                return self.env.world_size, why
+            return 1, why
+        return 1, "distributed=off and no process group"
+
+    def adopt(self, model: nn.Module, rec, decide) -> str | None:
+        """Decide data parallelism for an adopted model; returns the reason paging must stay off
+        for it, or None.
+
+        Args:
+            model: the model being adopted.
+            rec: its :class:`~apt_model.switch.adoption.ModelRecord`.
+            decide: ``decide(rec, feature, requested, chosen, reason)`` (the adopter's recorder).
+        """
+        kind = wrapper_kind(model)
+        if kind is not None:
+            reason = f"under {kind}, applied by the script or a library: left to it, never wrapped again"
+            decide(rec, "distributed", self.setting, kind, reason)
+            self._row(rec, kind, reason)
+            return f"the model is under {kind}, which reads parameter and gradient storage that paging frees"
+        world, why = self.data_parallel_world()
+        if world <= 1:
+            decide(rec, "distributed", self.setting, "single process", why)
+            self._row(rec, "single process", why)
+            return None
+        block = (f"paging is off under data parallelism ({world} ranks): DDP/FSDP read and reduce parameter and "
+                 "gradient storage that paging frees; paging applies to single-process runs")
+        if self.setting == "off":
+            reason = f"distributed=off: the script's own wrapping applies ({why})"
+            decide(rec, "distributed", "off", "as written", reason)
+            self._row(rec, "as written", reason)
+            return block
+        if not any(p.requires_grad for p in model.parameters()):
+            reason = "no trainable parameters: nothing to synchronize"
+            decide(rec, "distributed", "auto", "not wrapped", reason)
+            self._row(rec, "not wrapped", reason)
+            return None
+        hook = DistributedModelHook(self._decide_wrap, rec, lambda r, chosen, reason: decide(r, "distributed", "auto",
+                                                                                                chosen, reason))
+        self.patches.add_handle(model.register_forward_pre_hook(hook.pre, with_kwargs=True), f"distributed pre-hook {rec.scope}")
+        self.patches.add_handle(model.register_forward_hook(hook.post), f"distributed hook {rec.scope}")
+        self.patches.set_attr(model, "_vb_distributed", hook, label=f"{rec.scope}._vb_distributed")
+        self._hooks.append(hook)
+        decide(rec, "distributed", "auto", "DDP at first training forward",
+               f"{why}; DDP is attached in place (same object, state_dict keys and optimizer) at the model's first "
+               "forward with gradients enabled, unless the script wraps it first (DDP, FSDP2, Accelerate), "
+               "which is then respected")
+        self._row(rec, "pending", "DDP at first training forward")
+        return block
+
+    def _decide_wrap(self, hook: DistributedModelHook, module: nn.Module) -> None:
+        """The policy at a model's first training forward (see the module docstring)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        rec = hook.rec
+
+        def leave(chosen, reason):
+            hook.state = "left"
+            hook.record(rec, chosen, reason)
+            self._row(rec, chosen, reason)
+
+        kind = wrapper_kind(module)
+        active = DistributedDataParallel._active_ddp_module  # set while a DDP wrapper's forward runs
+        ours = {id(h.ddp.ddp) for h in self._hooks if h.ddp is not None}
+        if module in self._script_ddp or (active is not None and id(active) not in ours):
+            return leave("DDP", "wrapped in DistributedDataParallel by the script or a library (Accelerate, the "
+                                "Trainer): left to it, not wrapped twice")
+        if kind is not None:
+            return leave(kind, f"under {kind}, applied by the script: left to it, not wrapped twice")
+        params = [p for p in module.parameters() if p.requires_grad]
+        owned = {self._ddp_owner[id(p)] for p in params if id(p) in self._ddp_owner}
+        if params and all(id(p) in self._ddp_owner for p in params):
+            return leave("part of a DDP model", f"its parameters are reduced by the DDP of {', '.join(sorted(owned))}")
+        if not self.pg.ensure(f"first training forward of {rec.scope}"):
+            return leave("single process", self.pg.reason if self.pg.status != "not initialized"
+                         else "the process group has a single rank")
+        import torch.distributed as dist
+
+        ignore = [n for n, p in module.named_parameters() if id(p) in self._ddp_owner]
+        if ignore:
+            self.patches.set_attr(module, "_ddp_params_and_buffers_to_ignore", ignore,
+                                  label=f"{rec.scope}._ddp_params_and_buffers_to_ignore")
+        try:
+            hook.ddp = InPlaceDDP(module, self.options)
+        except Exception as err:
+            raise DistributedError(f"could not attach DDP to {rec.scope} (world size {dist.get_world_size()}, "
+                                   f"backend {dist.get_backend()}): {type(err).__name__}: {err}") from err
+        for p in params:
+            self._ddp_owner.setdefault(id(p), rec.scope)
+        hook.state = "ddp"
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items())) or "DDP defaults"
+        reason = (f"DDP over {dist.get_world_size()} ranks (backend {dist.get_backend()}, rank {dist.get_rank()}): "
+                  f"parameters and buffers broadcast from rank 0 now, gradients averaged across ranks in buckets "
+                  f"during backward; attached in place ({opts})"
+                  + (f"; {len(ignore)} parameter(s) left to {', '.join(sorted(owned))}" if ignore else "")
+                  + "; forwards without gradients run locally")
+        hook.record(rec, "DDP", reason)
+        self._row(rec, "DDP", reason)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+        self._ddp_owner.clear()
+
+    # ------------------------------------------------------------------ guards
+    def _paged(self, params) -> list[str]:
+        session = getattr(self.adopter, "session", None) if self.adopter is not None else None
+        if session is None:
+            return []
+        return [session.param_label(p) for p in params if id(p) in session.params]
+
+    def _refuse_if_paged(self, params, what: str) -> None:
+        paged = self._paged(params)
+        if paged:
+            raise DistributedError(
+                f"{what}: {len(paged)} parameter(s) of this model are paged by the switch ({', '.join(paged[:3])}"
+                f"{', ...' if len(paged) > 3 else ''}): their storage leaves memory between uses, which {what} "
+                "cannot follow. Initialize the process group (or start under torchrun) before moving the model, so "
+                "the switch keeps it resident, or enable the switch with paging='off'")
+
+    def _on_script_ddp(self, module: nn.Module) -> None:
+        self._refuse_if_paged(list(module.parameters()), "DistributedDataParallel")
+        self._script_ddp.add(module)
+        hook = getattr(module, "_vb_distributed", None)
+        if isinstance(hook, DistributedModelHook) and hook.state == "ddp":
+            hook.remove()
+            hook.state = "left"
+            for p in module.parameters():
+                self._ddp_owner.pop(id(p), None)
+            reason = "the script wrapped it in DistributedDataParallel itself: the switch's in-place DDP was removed"
+            hook.record(hook.rec, "DDP", reason)
+            self._row(hook.rec, "DDP", reason)
+        self.wrappers.append({"wrapper": "DDP", "model": type(module).__name__,
+                              "reason": "constructed by the script or a library"})
+
+    def _on_data_parallel(self, module: nn.Module, device_ids, output_device) -> None:
+        self._refuse_if_paged(list(module.parameters()), "DataParallel")
+        dtype = data_parallel_device_type()
+        count, env_name, env_value = 0, None, None
+        if dtype is not None:
+            mod = getattr(torch, dtype, None)
+            count = int(mod.device_count()) if mod is not None and hasattr(mod, "device_count") else 0
+            from apt_model.devices.detection import detect_devices
+
+            cand = next((c for c in detect_devices() if c.device_type == dtype and c.available), None)
+            if cand is not None and cand.backend is not None:
+                env_name, env_value = cand.visible_devices_env, cand.backend.visible_devices()
+        reason = check_device_ids(device_ids, output_device, dtype, count, env_name, env_value)
+        if self.log is not None:
+            self._record("DataParallel", repr(list(device_ids)) if device_ids is not None else "all", dtype or "as is", reason)
+        self.wrappers.append({"wrapper": "DataParallel", "model": type(module).__name__, "device_type": dtype,
+                              "device_ids": [str(d) for d in device_ids] if device_ids is not None else None,
+                              "reason": reason})
+
+    def _on_fsdp_params(self, params) -> None:
+        self._refuse_if_paged(params, "fully_shard (FSDP2)")
+
+    # ------------------------------------------------------------------ report
+    def _record(self, feature, requested, chosen, reason) -> None:
+        if self.log is not None:
+            self.log.record(SCOPE, feature, requested, chosen, reason)
+
+    def _row(self, rec, wrapper: str, reason: str) -> None:
+        for row in self.models:
+            if row["model"] == rec.scope:
+                row.update(wrapper=wrapper, reason=reason)
+                return
+        self.models.append({"model": rec.scope, "wrapper": wrapper, "reason": reason})
+
+    def report(self) -> dict:
+        """The ``distributed`` section of ``vb.get_report()``: rank, world size, backend and why."""
+        pg = self.pg.report()
+        return {
+            "setting": self.setting,
+            "ddp_options": dict(self.options),
+            "launcher": self.env.to_dict() if self.env is not None else None,
+            "rank": pg["rank"],
+            "local_rank": self.env.local_rank if self.env is not None else None,
+            "world_size": pg["world_size"],
+            "backend": pg["backend"],
+            "process_group": pg["status"],
+            "reason": pg["reason"],
+            "device": str(self.selection.device),
+            "device_reason": self.selection.reason,
+            "current_device": self.device_note,
+            "backend_calls": pg["calls"],
+            "models": [dict(r) for r in self.models],
+            "wrappers": [dict(w) for w in self.wrappers],
+            "guards": list(self.guards),
+        }
+
+
+def ensure_process_group() -> bool:
+    """Initialize the default process group the way the switch does, now, if nobody has.
+
+    Under a launcher (``WORLD_SIZE`` > 1 with ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and with the switch on (``distributed="auto"``), the group is initialized
+    with the selected device kind's backend — as the switch otherwise does at the first training
+    forward. Useful before collectives of the script's own (a barrier, an all-reduced metric).
+
+    Returns:
+        Whether a default group with more than one rank exists afterwards.
+
+    Raises:
+        RuntimeError: the switch is off (call ``vb.enable()`` first).
+        whatever ``torch.distributed.init_process_group`` raises.
+    """
+    from apt_model.switch import controller
+
+    st = controller._state
+    dist = getattr(st, "distributed", None)
+    if not st.enabled or dist is None:
+        raise RuntimeError("the switch is off: call vb.enable() before ensure_process_group()")
+    return dist.pg.ensure("call to ensure_process_group()")

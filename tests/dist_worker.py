@@ -1,0 +1,250 @@
+"""One rank of the multi-process tests (started by ``python -m torch.distributed.run`` from
+tests/test_distributed.py). Runs the scenarios named on the command line in order, each with the
+switch on, and writes ``<out>/<scenario>-rank<R>.json`` (losses, final parameters, the
+``distributed`` section of the report).
+
+Every scenario trains the same MLP from the same seed on the same data: step k of rank r uses
+rows ``[k*GLOBAL + r*LOCAL, k*GLOBAL + (r+1)*LOCAL)``, so a single process training on rows
+``[k*GLOBAL, (k+1)*GLOBAL)`` is the reference (see ``reference_run``).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+STEPS, LOCAL, WORLD = 4, 8, 2
+GLOBAL = LOCAL * WORLD
+LR, MOMENTUM = 0.05, 0.9
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(STEPS * GLOBAL, 8, generator=g)
+    y = torch.randn(STEPS * GLOBAL, 4, generator=g)
+    return x, y
+
+
+def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Plain PyTorch, one process, the global batch at every step."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    x, y = make_data()
+    losses = []
+    for k in range(STEPS):
+        sl = slice(k * GLOBAL, (k + 1) * GLOBAL)
+        loss = F.mse_loss(model(x[sl]), y[sl])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _shard(k: int, rank: int):
+    x, y = make_data()
+    sl = slice(k * GLOBAL + rank * LOCAL, k * GLOBAL + (rank + 1) * LOCAL)
+    return x[sl], y[sl]
+
+
+def _train(forward_model, params_model, rank: int, opt=None) -> list[float]:
+    opt = opt or torch.optim.SGD(params_model.parameters(), lr=LR, momentum=MOMENTUM)
+    losses = []
+    for k in range(STEPS):
+        xb, yb = _shard(k, rank)
+        loss = F.mse_loss(forward_model(xb), yb)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _full_params(model: nn.Module) -> dict[str, list]:
+    out = {}
+    for n, p in model.named_parameters():
+        t = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[n] = t.detach().cpu().tolist()
+    return out
+
+
+def scenario_switch_ddp(vb, rank):
+    """The switch initializes the process group and attaches DDP; the script is single-process code."""
+    import torch.distributed as dist
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    model = make_model().to(vb.device())
+    with torch.no_grad():  # an evaluation before training: local, no collective, no wrapping yet
+        model(torch.zeros(2, 8))
+    before = dist.is_initialized()
+    if rank == 0:  # rank-0-only evaluation must not hang
+        with torch.no_grad():
+            model(torch.zeros(2, 8))
+    losses = _train(model, model, rank)
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "initialized_before_training": before,
+           "distributed": rep["distributed"], "model_features": rep["models"][0]["features"],
+           "state_dict_keys": list(model.state_dict()), "class": type(model).__name__}
+    vb.disable()
+    out["initialized_after_disable"] = dist.is_initialized()
+    return out
+
+
+def scenario_nested(vb, rank):
+    """A submodule adopted on its own before the whole model: one DDP, over the whole model."""
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    model = make_model()
+    model[0].to(vb.device())  # adopted first, as a model of its own
+    model.to(vb.device())
+    losses = _train(model, model, rank)
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "models": rep["distributed"]["models"]}
+    vb.disable()
+    return out
+
+
+def scenario_script_ddp(vb, rank):
+    """The script initializes with "nccl" (mapped to the CPU's gloo) and wraps DDP itself."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    dist.init_process_group("nccl")
+    model = make_model().to(vb.device())
+    ddp = DDP(model)
+    losses = _train(ddp, model, rank)
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "backend": dist.get_backend(),
+           "distributed": rep["distributed"], "models": rep["models"],
+           "hook_state": getattr(getattr(model, "_vb_distributed", None), "state", None)}
+    vb.disable()
+    return out
+
+
+def scenario_fsdp2(vb, rank):
+    """FSDP2 applied by the script to an adopted model, under the script's process group."""
+    from torch.distributed.fsdp import fully_shard
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    model = make_model().to(vb.device())
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    losses = _train(model, model, rank)
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "distributed": rep["distributed"],
+           "model_features": rep["models"][0]["features"],
+           "hook_state": getattr(getattr(model, "_vb_distributed", None), "state", None)}
+    vb.disable()
+    return out
+
+
+def scenario_accelerate(vb, rank):
+    """Accelerate's prepare() under the switch: it wraps DDP itself; the switch agrees on the device."""
+    from accelerate import Accelerator
+    from torch.utils.data import DataLoader, TensorDataset
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    acc = Accelerator(cpu=vb.device().type == "cpu")
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    x, y = make_data()
+    loader = DataLoader(TensorDataset(x, y), batch_size=LOCAL, shuffle=False)
+    pmodel, popt, ploader = acc.prepare(model, opt, loader)
+    losses = []
+    for xb, yb in ploader:
+        loss = F.mse_loss(pmodel(xb), yb)
+        popt.zero_grad()
+        acc.backward(loss)
+        popt.step()
+        losses.append(loss.item())
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "accelerate_device": str(acc.device),
+           "vb_device": str(vb.device()), "param_device": str(next(model.parameters()).device),
+           "prepared_class": type(pmodel).__name__, "distributed": rep["distributed"], "models": rep["models"]}
+    vb.disable()
+    return out
+
+
+def register_fake_npu() -> None:
+    """Two Ascend-like devices through PrivateUse1 (as tests/test_privateuse1_npu.py does), and an
+    ``hccl`` backend registered for them (gloo underneath: the fake devices hold no tensors, so the
+    models stay on the CPU while the device layer, ranking and backend mapping see an NPU machine)."""
+    import torch.distributed as dist
+    import torch.utils.backend_registration as br
+
+    class FakeModule(br._DummyBackendModule):
+        def device_count(self):
+            return 2
+
+        def get_device_name(self, index=0):
+            return f"FakeAscend-910B#{index}"
+
+    br._setup_privateuseone_for_python_backend("npu", backend_module=FakeModule())
+    dist.Backend.register_backend("hccl", lambda store, rank, size, timeout: dist.ProcessGroupGloo(store, rank, size, timeout),
+                                  devices=["npu"])
+
+
+def scenario_npu(vb, rank):
+    """On the fake NPU machine: the rank's device is npu:<local rank>; the switch initializes with
+    hccl; a script's init_process_group("nccl") gets hccl; DataParallel ids are checked."""
+    import torch.distributed as dist
+
+    from apt_model.errors import DeviceSelectionError
+
+    out = {}
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    out["vb_device"] = str(vb.device())
+    model = make_model().to("cpu")  # the fake devices cannot hold tensors
+    out["losses"] = _train(model, model, rank)
+    out["params"] = _full_params(model)
+    out["switch_backend"] = dist.get_backend()
+    out["switch_report"] = vb.get_report()["distributed"]
+    vb.disable()
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    dist.init_process_group("nccl")
+    out["script_backend"] = dist.get_backend()
+    dp = nn.DataParallel(nn.Linear(4, 4), device_ids=[0, 1])
+    out["dp"] = [dp.device_ids, str(dp.src_device_obj)]
+    try:
+        nn.DataParallel(nn.Linear(4, 4), device_ids=[0, 2])
+        out["dp_error"] = None
+    except DeviceSelectionError as err:
+        out["dp_error"] = str(err)
+    out["script_report"] = vb.get_report()["distributed"]
+    out["decisions"] = [d for d in vb.get_report()["decisions"] if d["scope"] == "distributed"]
+    vb.disable()
+    return out
+
+
+def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--fake-npu":
+        argv = argv[1:]
+        register_fake_npu()
+    out_dir, names = Path(argv[0]), argv[1:]
+    torch.set_num_threads(1)
+    import apt_model.optimization.vb_global as vb
+    from apt_model.distributed import process_rank
+
+    rank = process_rank()[0]
+    for name in names:
+        result = globals()[f"scenario_{name}"](vb, rank)
+        (out_dir / f"{name}-rank{rank}.json").write_text(json.dumps(result, default=str), encoding="utf-8")
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

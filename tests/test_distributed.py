@@ -1,0 +1,420 @@
+"""Multi-device and multi-process training under the switch (apt_model.distributed).
+
+Pure rules (launcher variables, device binding, backend mapping, DataParallel ids) are tested
+directly; the switch's behaviour in one process in-process; the multi-process paths for real with
+``python -m torch.distributed.run`` (torchrun) on the CPU with gloo, two ranks, small models and a
+timeout — including an Ascend-like machine made of a PrivateUse1 ``npu`` device (see
+tests/dist_worker.py).
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.distributed.backend_mapping import map_backend, own_backend
+from apt_model.distributed.binding import local_device_index
+from apt_model.distributed.data_parallel import check_device_ids
+from apt_model.distributed.launch import read_launch_env
+from apt_model.errors import ConfigError, DeviceSelectionError, DistributedError
+from conftest import ROOT, clean_env
+
+sys.path.insert(0, str(ROOT / "tests"))
+import dist_worker  # noqa: E402
+
+TORCHRUN_TIMEOUT = 240  # seconds; a hung rendezvous fails the test instead of hanging it
+#: Parameters after DDP/FSDP2 training vs one process on the global batch: fp32 all-reduce sums two
+#: partial gradients and divides by 2 where the single process averages 16 samples at once, so
+#: the last bits differ; 4 SGD steps with momentum keep the difference near 1e-8 (measured 1.5e-8).
+PARAM_ATOL = 1e-6
+
+LAUNCH = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
+
+
+def cand(kind, device_type, dist_backend, count=1):
+    """A stand-in for a detected candidate (the fields the distributed rules read)."""
+    return SimpleNamespace(kind=kind, device_type=device_type, dist_backend=dist_backend, count=count,
+                           visible_devices_env=None, backend=None)
+
+
+# ---------------------------------------------------------------------------- launcher variables
+
+
+def test_launch_env_is_read_and_validated():
+    env = read_launch_env(LAUNCH)
+    assert (env.rank, env.local_rank, env.world_size, env.local_world_size) == (1, 1, 2, 2)
+    assert env.complete and env.multi_process and env.launcher == "torchrun"
+    assert env.master == "127.0.0.1:29500" and "rank 1 of 2" in env.describe()
+    assert read_launch_env({}) is None  # no launcher: a single process
+    partial = read_launch_env({"WORLD_SIZE": "2", "RANK": "0"})
+    assert not partial.complete and partial.missing == ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    for bad, needle in (({**LAUNCH, "RANK": "one"}, "RANK='one' is not an integer"),
+                        ({**LAUNCH, "RANK": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+                        ({**LAUNCH, "WORLD_SIZE": "0"}, "WORLD_SIZE='0' must be >= 1"),
+                        ({**LAUNCH, "LOCAL_RANK": "3"}, "LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2"),
+                        ({**LAUNCH, "MASTER_PORT": "70000"}, "not a port number")):
+        with pytest.raises(ConfigError, match=needle):
+            read_launch_env(bad)
+
+
+def test_malformed_launcher_variables_fail_at_enable(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        vb.enable("balanced", banner=False)
+    assert not vb.is_enabled()
+
+
+# ---------------------------------------------------------------------------- device binding
+
+
+def test_each_local_rank_gets_its_own_visible_device():
+    assert local_device_index("cuda", 4, 2, "CUDA_VISIBLE_DEVICES", None)[0] == 2
+    index, why = local_device_index("npu", 2, 1, "ASCEND_RT_VISIBLE_DEVICES", "4,5")
+    assert index == 1 and "ASCEND_RT_VISIBLE_DEVICES='4,5'" in why  # visible index 1 = physical device 5
+    index, why = local_device_index("cuda", 1, 3, "CUDA_VISIBLE_DEVICES", "3", local_world_size=4)
+    assert index == 0 and "NCCL/HCCL refuse" in why  # per-process visibility: each rank sees its own device 0
+    with pytest.raises(DeviceSelectionError, match=r"LOCAL_RANK=2 needs a mlu device.*2 are visible.*MLU_VISIBLE_DEVICES unset"):
+        local_device_index("mlu", 2, 2, "MLU_VISIBLE_DEVICES", None)
+    with pytest.raises(DeviceSelectionError, match="no xpu device is visible"):
+        local_device_index("xpu", 0, 0, "ZE_AFFINITY_MASK", "")
+
+
+def test_the_cpu_is_shared_and_the_selection_says_so(monkeypatch):
+    for k, v in LAUNCH.items():
+        monkeypatch.setenv(k, v)
+    from apt_model.devices.ranking import select_device
+
+    sel = select_device(device="cpu")
+    assert sel.device == torch.device("cpu")
+    assert "LOCAL_RANK" not in sel.reason
+
+
+# ---------------------------------------------------------------------------- backend mapping
+
+
+def test_backend_of_the_selected_kind_and_the_mapping_of_a_scripts_backend():
+    cpu, npu, mlu, mps = (cand("cpu", "cpu", "gloo"), cand("npu", "npu", "hccl", 2), cand("mlu", "mlu", "cncl"),
+                          cand("mps", "mps", None))
+    on_npu = {"cpu", "npu"}
+    c = map_backend("nccl", npu, on_npu)
+    assert (c.chosen, c.mapped) == ("hccl", True) and "nccl needs cuda" in c.reason
+    assert map_backend("nccl", mlu, {"cpu", "mlu"}).chosen == "cncl"
+    assert map_backend("nccl", cpu, {"cpu"}).chosen == "gloo"
+    assert map_backend(torch.distributed.Backend.NCCL, cpu, {"cpu"}).chosen == "gloo"
+    assert map_backend("nccl", npu, {"cpu", "npu", "cuda"}).chosen == "nccl"  # CUDA present: the script may mean it
+    assert map_backend("hccl", npu, on_npu).mapped is False
+    assert map_backend("gloo", npu, on_npu).chosen == "gloo"  # CPU tensors: always as written
+    assert map_backend("mpi", npu, on_npu).chosen == "mpi"  # no kind claims it: as written
+    assert map_backend(None, npu, on_npu).chosen is None  # torch's default per device type
+    assert map_backend("cpu:gloo,cuda:nccl", npu, on_npu).chosen == "cpu:gloo,npu:hccl"
+    assert map_backend("cpu:gloo,cuda:nccl", cpu, {"cpu"}).chosen == "cpu:gloo"
+    assert own_backend(npu)[0] == "hccl" and own_backend(mps)[0] is None
+    with pytest.raises(DistributedError, match="mps has no collective communication library"):
+        map_backend("nccl", mps, {"cpu", "mps"})
+    with pytest.raises(ConfigError, match="not a backend name"):
+        map_backend(3, cpu, {"cpu"})
+
+
+# ---------------------------------------------------------------------------- DataParallel ids
+
+
+def test_data_parallel_device_ids_are_checked_against_visible_devices():
+    assert "runs the module as is" in check_device_ids([0, 1], None, None, 0)
+    why = check_device_ids([0, 1], None, "npu", 2, "ASCEND_RT_VISIBLE_DEVICES", "0,1")
+    assert "split over 2 device(s)" in why
+    assert "npu" in check_device_ids(["cuda:0", torch.device("cuda", 1)], 1, "npu", 2)
+    with pytest.raises(DeviceSelectionError, match=r"device_ids=\[0, 2\]: 2 is not a visible cuda device.*"
+                                                   r"sees 2 \(CUDA_VISIBLE_DEVICES='1,3'\)"):
+        check_device_ids([0, 2], None, "cuda", 2, "CUDA_VISIBLE_DEVICES", "1,3")
+    with pytest.raises(DeviceSelectionError, match="repeats a device"):
+        check_device_ids([1, 1], None, "cuda", 2)
+    with pytest.raises(DeviceSelectionError, match="is the CPU"):
+        check_device_ids(["cpu"], None, "cuda", 2)
+    with pytest.raises(DeviceSelectionError, match="output_device=5"):
+        check_device_ids([0, 1], 5, "cuda", 2)
+
+
+def test_data_parallel_seed_example_trains_like_plain_pytorch_with_the_switch_on():
+    torch.manual_seed(0)
+    x, y = torch.randn(16, 8), torch.randn(16, 4)
+
+    def train(switch: bool):
+        torch.manual_seed(0)
+        if switch:
+            vb.enable("balanced", mixed_precision="off", banner=False)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(vb.device())
+        dp = nn.DataParallel(model, device_ids=[0, 1])  # the seed's example; on a CPU it runs the module as is
+        opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+        for _ in range(3):
+            loss = F.mse_loss(dp(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        rep = vb.get_report() if switch else None
+        vb.disable()
+        return [p.detach().clone() for p in model.parameters()], rep
+
+    plain, _ = train(False)
+    switched, rep = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, switched))
+    dp_rows = [w for w in rep["distributed"]["wrappers"] if w["wrapper"] == "DataParallel"]
+    assert dp_rows and "runs the module as is" in dp_rows[0]["reason"]
+    assert [m["name"] for m in rep["models"]] == ["Sequential"]  # the wrapper of an adopted model is not adopted again
+    assert any(d["feature"] == "DataParallel" for d in rep["decisions"])
+
+
+# ---------------------------------------------------------------------------- in one process
+
+
+def test_single_process_report_and_disable_restores_every_patch():
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+    from torch.nn.parallel import DistributedDataParallel
+
+    before = (dist.init_process_group, c10d.init_process_group, dist.new_group, DistributedDataParallel.__init__,
+              nn.DataParallel.__init__)
+    vb.enable("balanced", banner=False)
+    assert dist.init_process_group is not before[0]
+    model = nn.Linear(4, 4).to("cpu")
+    rep = vb.get_report()
+    d = rep["distributed"]
+    assert d["setting"] == "auto" and d["launcher"] is None and d["world_size"] == 1 and d["rank"] == 0
+    assert d["backend"] == "gloo" and d["process_group"] == "not initialized"
+    feat = rep["models"][0]["features"]["distributed"]
+    assert feat["chosen"] == "single process" and "WORLD_SIZE unset" in feat["reason"]
+    assert rep["models"][0]["features"]["paging"]["chosen"] != "off" or rep["config"]["features"]["paging"]["value"] == "off"
+    assert not hasattr(model, "_vb_distributed")  # no hooks on a single-process model
+    vb.disable()
+    after = (dist.init_process_group, c10d.init_process_group, dist.new_group, DistributedDataParallel.__init__,
+             nn.DataParallel.__init__)
+    assert all(a is b for a, b in zip(before, after))
+
+
+def test_distributed_settings_are_validated(monkeypatch):
+    with pytest.raises(ConfigError, match="distributed='on' is not valid; valid values: auto, off"):
+        vb.enable("balanced", distributed="on", banner=False)
+    with pytest.raises(ConfigError, match="unknown key 'bucket_size'; valid keys: broadcast_buffers"):
+        vb.enable("balanced", ddp_options={"bucket_size": 25}, banner=False)
+    with pytest.raises(ConfigError, match="must be True or False"):
+        vb.enable("balanced", ddp_options={"find_unused_parameters": 1}, banner=False)
+    with pytest.raises(ConfigError, match="must be a positive number"):
+        vb.enable("balanced", ddp_options={"bucket_cap_mb": 0}, banner=False)
+    monkeypatch.setenv("VB_DISTRIBUTED", "off")
+    cfg = vb.enable("balanced", banner=False)
+    assert cfg.distributed == "off" and vb.get_config()["settings"]["distributed"]["source"] == "environment:VB_DISTRIBUTED"
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    assert dist.init_process_group is c10d.init_process_group  # off: the functions are not patched
+    assert vb.get_report()["distributed"]["setting"] == "off"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def world_of_one():
+    """A one-rank gloo process group initialized by the script (TCP store on a free port)."""
+    import torch.distributed as dist
+
+    yield lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_a_paged_model_is_never_handed_to_ddp_dataparallel_or_fsdp2(world_of_one, tmp_path):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    vb.enable("balanced", paging="always", swap_dir=str(tmp_path), mixed_precision="off", banner=False)
+    world_of_one()
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)).to("cpu")
+    rep = vb.get_report()["models"][0]["features"]
+    assert rep["paging"]["chosen"] == "paged" and rep["distributed"]["chosen"] == "single process"
+    for wrap, what in ((DistributedDataParallel, "DistributedDataParallel"), (nn.DataParallel, "DataParallel"),
+                       (fully_shard, r"fully_shard \(FSDP2\)")):
+        with pytest.raises(DistributedError, match=f"{what}: .*paged by the switch.*paging='off'"):
+            wrap(model)
+    x = torch.randn(2, 16)
+    assert model(x).shape == (2, 4)  # still a working, paged model
+
+
+def test_a_one_rank_group_of_the_script_is_reported_and_leaves_the_model_alone(world_of_one):
+    import torch.distributed as dist
+
+    world_of_one()
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    model = nn.Linear(4, 4).to("cpu")
+    loss = model(torch.randn(3, 4)).sum()
+    loss.backward()
+    d = vb.get_report()["distributed"]
+    assert d["process_group"] == "initialized by the script" and d["world_size"] == 1
+    assert "initialized by the script before enable()" in d["reason"]
+    vb.disable()
+    assert dist.is_initialized()  # the script's group is the script's: disable() leaves it
+
+
+def test_the_switch_initializes_nothing_without_a_complete_launcher(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    model = nn.Linear(4, 4).to("cpu")
+    model(torch.randn(2, 4)).sum().backward()  # the first training forward: it would initialize here
+    assert not dist.is_initialized()
+    rep = vb.get_report()
+    assert rep["distributed"]["process_group"] == "refused"
+    assert "missing LOCAL_RANK, MASTER_ADDR, MASTER_PORT" in rep["distributed"]["reason"]
+    assert rep["models"][0]["features"]["distributed"]["chosen"] == "single process"
+
+
+def test_each_rank_pages_into_its_own_swap_folder(monkeypatch, tmp_path):
+    for k, v in LAUNCH.items():
+        monkeypatch.setenv(k, v)
+    vb.enable("balanced", paging="always", swap_dir=str(tmp_path), banner=False)
+    folder = vb.get_report()["memory"]["stack"]["swap_folder"]
+    assert folder.startswith(str(tmp_path / "rank1-"))
+    vb.disable()
+
+
+# ---------------------------------------------------------------------------- multi-process (torchrun)
+
+
+def torchrun(args: list[str], tmp_path, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone`` (a free rendezvous port) with a timeout."""
+    env = clean_env(OMP_NUM_THREADS="1")
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=TORCHRUN_TIMEOUT)
+    if proc.returncode != 0:
+        pytest.fail(f"torchrun exited with {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}",
+                    pytrace=False)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory):
+    """All CPU scenarios of tests/dist_worker.py in one torchrun job (two ranks)."""
+    out = tmp_path_factory.mktemp("ddp")
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), str(out), "switch_ddp", "nested", "script_ddp", "fsdp2",
+              "accelerate"], out)
+    ref_losses, ref_params = dist_worker.reference_run()
+
+    def load(name, rank):
+        return json.loads((out / f"{name}-rank{rank}.json").read_text())
+
+    return SimpleNamespace(load=load, ref_losses=ref_losses, ref_params=ref_params)
+
+
+def _assert_matches_reference(s, name):
+    r0, r1 = s.load(name, 0), s.load(name, 1)
+    for n, ref in s.ref_params.items():
+        p0, p1 = torch.tensor(r0["params"][n]), torch.tensor(r1["params"][n])
+        assert torch.equal(p0, p1), f"{name}: {n} differs between ranks"
+        torch.testing.assert_close(p0, ref, rtol=0, atol=PARAM_ATOL, msg=f"{name}: {n} vs one process")
+    # losses are logged per rank: each is its own half of the batch, and they average to the global loss
+    assert r0["losses"] != r1["losses"]
+    for a, b, ref in zip(r0["losses"], r1["losses"], s.ref_losses):
+        assert abs((a + b) / 2 - ref) < 1e-5
+    return r0, r1
+
+
+def test_ddp_by_the_switch_equals_one_process_on_the_global_batch(scenarios):
+    r0, r1 = _assert_matches_reference(scenarios, "switch_ddp")
+    for rank, r in ((0, r0), (1, r1)):
+        d = r["distributed"]
+        assert (d["rank"], d["world_size"], d["backend"]) == (rank, 2, "gloo")
+        assert d["process_group"] == "initialized by the switch" and "first training forward" in d["reason"]
+        assert d["launcher"]["launcher"] == "torchrun" and d["launcher"]["local_rank"] == rank
+        assert r["model_features"]["distributed"]["chosen"] == "DDP"
+        assert "paging is off under data parallelism (2 ranks)" in r["model_features"]["paging"]["reason"]
+        assert r["initialized_before_training"] is False  # lazily: evaluation under no_grad did not need it
+        assert r["class"] == "Sequential" and r["state_dict_keys"][0] == "0.weight"  # same object, same keys
+        assert r["initialized_after_disable"] is False  # disable() destroyed the group the switch created
+
+
+def test_a_submodule_adopted_first_is_reduced_once_by_the_whole_models_ddp(scenarios):
+    r0, _ = _assert_matches_reference(scenarios, "nested")
+    rows = {m["model"]: m for m in r0["models"]}
+    assert rows["model:Linear#1"]["wrapper"] == "part of a DDP model"
+    assert "reduced by the DDP of model:Sequential#2" in rows["model:Linear#1"]["reason"]
+    assert rows["model:Sequential#2"]["wrapper"] == "DDP"
+
+
+def test_a_scripts_nccl_becomes_gloo_on_cpu_and_its_own_ddp_is_not_doubled(scenarios):
+    r0, _ = _assert_matches_reference(scenarios, "script_ddp")
+    assert r0["backend"] == "gloo"
+    call = r0["distributed"]["backend_calls"][0]
+    assert (call["requested"], call["chosen"], call["mapped"]) == ("nccl", "gloo", True)
+    assert r0["hook_state"] == "left"
+    assert [m["name"] for m in r0["models"]] == ["Sequential"]  # the script's DDP wrapper is not adopted again
+    assert r0["models"][0]["features"]["distributed"]["chosen"] == "DDP"
+    assert "not wrapped twice" in r0["models"][0]["features"]["distributed"]["reason"]
+
+
+def test_fsdp2_on_an_adopted_model_is_left_to_fsdp(scenarios):
+    r0, _ = _assert_matches_reference(scenarios, "fsdp2")
+    assert r0["model_features"]["distributed"]["chosen"] == "FSDP2" and r0["hook_state"] == "left"
+    assert r0["model_features"]["paging"]["chosen"] == "off"
+
+
+def test_accelerate_prepare_under_the_switch_trains_on_the_switchs_device(scenarios):
+    r0, r1 = _assert_matches_reference(scenarios, "accelerate")
+    for r in (r0, r1):
+        assert r["param_device"] == r["vb_device"] == "cpu"
+        assert torch.device(r["accelerate_device"]).type == torch.device(r["vb_device"]).type
+        assert r["prepared_class"] == "DistributedDataParallel"  # Accelerate wrapped it; the switch left it
+        assert r["models"][0]["features"]["distributed"]["chosen"] == "DDP"
+
+
+def test_npu_machine_backend_mapping_and_rank_devices(tmp_path):
+    """Two ranks on an Ascend-like machine (PrivateUse1 ``npu``, two devices, ``hccl`` registered):
+    each rank is bound to its own npu; the switch initializes with hccl; a script's
+    init_process_group("nccl") gets hccl and the report says so; DataParallel ids are checked."""
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), "--fake-npu", str(tmp_path), "npu"], tmp_path)
+    ref_losses, ref_params = dist_worker.reference_run()
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"npu-rank{rank}.json").read_text())
+        assert r["vb_device"] == f"npu:{rank}"
+        assert r["switch_backend"] == "cpu:gloo,npu:hccl"
+        assert r["switch_report"]["process_group"] == "initialized by the switch"
+        assert f"LOCAL_RANK={rank}: npu:{rank} of 2 visible (ASCEND_RT_VISIBLE_DEVICES unset)" in r["switch_report"]["device_reason"]
+        for n, ref in ref_params.items():
+            torch.testing.assert_close(torch.tensor(r["params"][n]), ref, rtol=0, atol=PARAM_ATOL)
+        assert r["script_backend"] == "hccl"
+        call = r["script_report"]["backend_calls"][0]
+        assert (call["requested"], call["chosen"]) == ("nccl", "hccl") and "mapped to hccl" in call["reason"]
+        assert any(d["feature"] == "backend" and d["chosen"] == "hccl" for d in r["decisions"])
+        assert r["dp"] == [[0, 1], "npu:0"]
+        assert "ASCEND_RT_VISIBLE_DEVICES unset" in r["dp_error"] and "valid indices 0..1" in r["dp_error"]
+
+
+def test_main_job_runs_unchanged_under_torchrun(tmp_path):
+    out = tmp_path / "train"
+    torchrun([str(ROOT / "training" / "train.py"), "--steps", "6", "--eval-every", "3", "--eval-batches", "2",
+              "--batch-size", "4", "--seq-len", "32", "--max-bytes", "200000", "--quiet", "--out", str(out)], tmp_path)
+    rep0 = json.loads((out / "report.json").read_text())
+    rep1 = json.loads((out / "report.rank1.json").read_text())
+    assert (rep0["rank"], rep0["world_size"], rep1["rank"]) == (0, 2, 1)
+    d = rep0["vb"]["distributed"]
+    assert (d["world_size"], d["backend"], d["process_group"]) == (2, "gloo", "initialized by the switch")
+    assert rep0["vb"]["models"][0]["features"]["distributed"]["chosen"] == "DDP"
+    assert rep0["losses"] != rep1["losses"]  # each rank trains on its own batches
+    assert rep0["eval"] == rep1["eval"]  # ... of one model: the ranks evaluate identical parameters
+    assert rep0["eval"][-1][1] < rep0["eval"][0][1]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert not any(k.startswith("module.") for k in ckpt["model"])  # the bare model's keys

@@ -1,0 +1,151 @@
+"""Hugging Face models, the Trainer and Accelerate with the switch on (test extra: transformers,
+accelerate). Models are built from configs (no hub access): GPT-2, Llama and BERT, tiny.
+
+"Outputs equal plain runs where no optimization changes numerics": with ``mixed_precision="off"``
+and models built with SDPA attention, nothing the switch does on this CPU changes the arithmetic
+(paging, when it happens, is bit-exact), so every mode must reproduce plain PyTorch's losses
+exactly; the test checks the report agrees that nothing numerics-changing was applied.
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import apt_model.optimization.vb_global as vb
+
+transformers = pytest.importorskip("transformers")
+
+MODES = ("performance", "balanced", "memory", "full")
+VOCAB, SEQ, STEPS = 64, 32, 6
+
+
+def build(name: str, attn: str = "sdpa") -> torch.nn.Module:
+    """A tiny model of the family, from a config, with dropout off (deterministic)."""
+    torch.manual_seed(0)
+    if name == "gpt2":
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        cls = transformers.GPT2LMHeadModel
+    elif name == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        cls = transformers.LlamaForCausalLM
+    else:
+        cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                      intermediate_size=64, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0)
+        cls = transformers.BertForMaskedLM
+    cfg._attn_implementation = attn
+    return cls(cfg)
+
+
+def batch() -> torch.Tensor:
+    """Learnable sequences (each row counts up from its own start), so the loss falls in a few steps."""
+    start = torch.arange(8).unsqueeze(1) * 5
+    return (start + torch.arange(SEQ)) % (VOCAB - 1) + 1
+
+
+def train(name: str, mode: str | None, attn: str = "sdpa", **overrides) -> tuple[list[float], dict | None]:
+    """STEPS AdamW steps; ``mode=None`` is plain PyTorch. Returns the losses and the model's decisions."""
+    model = build(name, attn)
+    if mode is not None:
+        vb.enable(mode, banner=False, **overrides)
+    model = model.to(vb.device() if mode else "cpu").train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = batch()
+    losses = []
+    for _ in range(STEPS):
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    features = vb.get_report()["models"][0]["features"] if mode else None
+    vb.disable()
+    return losses, features
+
+
+@functools.lru_cache(maxsize=None)
+def plain(name: str) -> tuple[float, ...]:
+    return tuple(train(name, None)[0])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hf_model_trains_in_every_mode_exactly_like_plain_pytorch(name, mode):
+    losses, feats = train(name, mode, mixed_precision="off")
+    assert losses[-1] < 0.8 * losses[0]
+    assert feats["mixed_precision"]["chosen"] == "fp32"
+    assert feats["attention"]["chosen"] == "as written" and "use SDPA" in feats["attention"]["reason"]
+    assert feats["fp4"]["chosen"] == "off"  # FP4 storage is for frozen weights; these all train
+    assert feats["distributed"]["chosen"] == "single process"
+    assert tuple(losses) == plain(name)  # nothing numerics-changing applied: bit-identical losses
+
+
+@pytest.mark.parametrize("name,mode", [("gpt2", "balanced"), ("llama", "memory"), ("bert", "balanced"), ("bert", "memory")])
+def test_hf_model_trains_with_the_modes_own_requests(name, mode):
+    losses, feats = train(name, mode)  # mixed precision as the mode and the probes decide
+    assert losses[-1] < 0.8 * losses[0]
+    assert "use SDPA" in feats["attention"]["reason"]
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_eager_attention_is_routed_to_sdpa_and_matches(name):
+    model = build(name, "eager").eval()
+    x = batch()[:2]
+    ref = model(input_ids=x).logits
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    model.to(vb.device())
+    assert model.config._attn_implementation == "sdpa"
+    feats = vb.get_report()["models"][0]["features"]
+    assert feats["attention"]["chosen"] == "sdpa"
+    torch.testing.assert_close(model(input_ids=x).logits, ref, atol=1e-5, rtol=1e-4)
+    vb.disable()
+    assert model.config._attn_implementation == "eager"
+
+
+def test_trainer_runs_with_the_switch_on(tmp_path):
+    vb.enable("balanced", banner=False)
+    model = build("gpt2")
+    data = [{"input_ids": row, "labels": row} for row in batch().repeat(4, 1)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=8, per_device_train_batch_size=8,
+                                          learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no",
+                                          disable_tqdm=True, use_cpu=vb.device().type == "cpu")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 8 and losses[-1] < 0.8 * losses[0]
+    assert trainer.args.device.type == vb.device().type
+    assert next(model.parameters()).device.type == vb.device().type
+    rep = vb.get_report()
+    names = [m["name"] for m in rep["models"]]
+    assert names == ["GPT2LMHeadModel"]
+    assert "use SDPA" in rep["models"][0]["features"]["attention"]["reason"]
+
+
+def test_accelerate_prepared_loop_trains_on_the_device_the_switch_reports():
+    accelerate = pytest.importorskip("accelerate")
+    from torch.utils.data import DataLoader, TensorDataset
+
+    vb.enable("balanced", banner=False)
+    acc = accelerate.Accelerator(cpu=vb.device().type == "cpu")
+    assert acc.device.type == vb.device().type
+    model = build("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = DataLoader(TensorDataset(batch().repeat(6, 1)), batch_size=8)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    losses = []
+    for (x,) in loader:
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        acc.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0]
+    assert next(model.parameters()).device.type == vb.device().type
+    rep = vb.get_report()
+    assert rep["models"][0]["name"] == "LlamaForCausalLM"
+    assert rep["models"][0]["features"]["placement"]["chosen"] == str(next(model.parameters()).device)

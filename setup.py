@@ -4,7 +4,8 @@ Runtime dependencies are deliberately few: torch (the framework we extend), psut
 memory figures on every OS), accelerate (its fork-safe CUDA/XPU/MPS availability checks and
 output-dtype helpers), numpy (seeding and data), tqdm (progress bars in the main job and the CLI),
 crc32c (hardware CRC-32C for swap-file checksums: ~11 GB/s vs zlib's ~2.2 GB/s, which would cap
-the swap I/O threads below the disk's speed).
+the swap I/O threads below the disk's speed). matplotlib is optional (the ``plot`` extra): the run
+report's PNG.
 """
 from pathlib import Path
 
@@ -31,8 +32,9 @@ setup(
         "crc32c>=2.3",
     ],
     extras_require={
-        # torchao: the FP4 interop reference (tests only; it does not pull or replace torch)
-        "test": ["pytest>=8", "transformers>=4.45", "torchao==0.18.0"],
+        # torchao: the FP4 interop reference (tests only; it does not pull or replace torch);
+        # matplotlib: the run report's PNG is tested (the plot extra)
+        "test": ["pytest>=8", "transformers>=4.45", "torchao==0.18.0", "matplotlib>=3.7"],
         "hf": ["transformers>=4.45"],
         "plot": ["matplotlib>=3.7"],
     },

@@ -28,9 +28,11 @@ def shared_data() -> Path:
 
 @pytest.fixture(autouse=True)
 def clean_switch(monkeypatch):
-    """Every test starts and ends with the switch off and no VB_* variables set."""
+    """Every test starts and ends with the switch off and no VB_* variables set, and reads no
+    .vbrc file (VB_CONFIG=none; the configuration-file tests set their own)."""
     for name in VB_ENV:
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VB_CONFIG", "none")
     import apt_model.optimization.vb_global as vb
 
     vb.disable()
@@ -39,7 +41,9 @@ def clean_switch(monkeypatch):
 
 
 def clean_env(**extra: str) -> dict:
+    """This environment without VB_* switch variables and with VB_CONFIG=none (no .vbrc), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in VB_ENV}
+    env["VB_CONFIG"] = "none"
     env.update(extra)
     return env
 

@@ -39,6 +39,10 @@ def test_off_and_balanced_start_from_the_same_place(tmp_path):
     off = train.main(common + ["--vb-mode", "off", "--out", str(tmp_path / "off")])
     on = train.main(common + ["--vb-mode", "balanced", "--out", str(tmp_path / "on")])
     assert off["vb"] is None and on["vb"] is not None
+    for rep, sub in ((off, "off"), (on, "on")):  # per-step time and memory, with the switch or without
+        assert rep["steps"]["count"] == 3 and len(rep["steps"]["records"]) == 3
+        if importlib.util.find_spec("matplotlib"):
+            assert (tmp_path / sub / "report.png").read_bytes()[:4] == b"\x89PNG"
     assert abs(off["eval"][0][1] - on["eval"][0][1]) < 1e-3  # same init, same held-out batches
     assert abs(off["losses"][0][1] - on["losses"][0][1]) < 5e-2
 

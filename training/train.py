@@ -6,17 +6,19 @@
     python training/train.py --vb-mode off                # plain PyTorch, same everything else
     python training/train.py --hf-model gpt2              # a transformers GPT-2 built from a config
 
-Writes ``checkpoint.pt`` (model, optimizer, scheduler, config, step) and ``report.json``
-(config, device, switch decisions, throughput, losses) to ``--out``.
+Writes ``checkpoint.pt`` (model, optimizer, scheduler, config, step), ``report.json`` (config,
+device, switch decisions, throughput, losses, per-step time and memory) and, with matplotlib
+installed (``pip install 'apt_model[plot]'``), ``report.png`` (memory per level, step time and
+loss over the steps) to ``--out``. The report's fields: docs/reports.md.
 
 Under ``torchrun --nproc_per_node=N`` it runs unchanged: the switch initializes the process
 group and trains the model with DDP; each rank draws its own batches (``--batch-size`` is per
-rank), rank 0 writes ``checkpoint.pt`` and ``report.json``, rank r > 0 writes ``report.rank<r>.json``.
+rank), rank 0 writes ``checkpoint.pt``, ``report.json`` and ``report.png``, rank r > 0 writes
+``report.rank<r>.json``.
 """
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -39,7 +41,8 @@ SEQ_DEFAULT = {"tiny": 128, "small": 256, "medium": 512}
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Train a GPT-style model on real text with Virtual Blackwell.")
-    p.add_argument("--vb-mode", default="balanced", choices=VB_MODES, help="switch mode, or 'off' for plain PyTorch")
+    p.add_argument("--vb-mode", default=None, choices=VB_MODES,
+                   help="switch mode, or 'off' for plain PyTorch (default: VB_MODE, else the .vbrc mode, else balanced)")
     p.add_argument("--data", default=None, help="text file or folder of text files (default: the Python stdlib source)")
     p.add_argument("--max-bytes", type=int, default=None, help="read at most this many corpus bytes")
     p.add_argument("--model-size", default="tiny", choices=sorted(PRESETS), help="model preset")
@@ -62,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the mode's paging request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/train", help="folder for checkpoint.pt and report.json")
+    p.add_argument("--plot", default="auto", choices=("auto", "on", "off"),
+                   help="report.png: auto = when matplotlib is installed; on = required; off = never")
     p.add_argument("--quiet", action="store_true", help="no banner or progress bar")
     return p
 
@@ -127,9 +132,10 @@ def main(argv: list[str] | None = None) -> dict:
     rank, world = process_rank()  # (0, 1) unless a launcher such as torchrun started several processes
     args.quiet = args.quiet or rank > 0
     seq_len = args.seq_len or SEQ_DEFAULT[args.model_size]
+    recorder = None
     if args.vb_mode != "off":
-        mode = "performance" if args.vb_mode == "speed" else args.vb_mode
-        already = vb.is_enabled() and vb.get_config()["mode"] == mode and args.device is None
+        mode = "performance" if args.vb_mode == "speed" else args.vb_mode  # None: VB_MODE, .vbrc, balanced
+        already = vb.is_enabled() and mode in (None, vb.get_config()["mode"]) and args.device is None
         memory = {k: v for k, v in (("device_budget", args.device_budget), ("host_budget", args.host_budget),
                                      ("swap_dir", args.swap_dir), ("paging", args.paging)) if v is not None}
         already = already and not memory
@@ -139,6 +145,10 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         vb.disable()  # plain PyTorch, even if the environment enabled the switch
         device = torch.device(args.device) if args.device else get_device()
+        from apt_model.switch.steps import StepRecorder
+
+        recorder = StepRecorder(device)  # per-step time and memory, as the switch records them
+        recorder.install()
 
     t_load = time.perf_counter()
     corpus = ByteCorpus(load_text_bytes(args.data, args.max_bytes))
@@ -182,6 +192,12 @@ def main(argv: list[str] | None = None) -> dict:
 
     steady = step_times[min(5, len(step_times) - 1):] or step_times
     med = statistics.median(steady)
+    vb_report = vb.get_report() if vb.is_enabled() else None
+    if recorder is not None:
+        recorder.remove()
+        steps = recorder.to_dict()
+    else:
+        steps = vb_report.pop("steps")
     report = {
         "args": vars(args),
         "rank": rank, "world_size": world,
@@ -197,19 +213,30 @@ def main(argv: list[str] | None = None) -> dict:
         "losses": losses,
         "eval": evals,
         "eval_drop": round(1 - evals[-1][1] / evals[0][1], 4),
-        "vb": vb.get_report() if vb.is_enabled() else None,
+        "steps": steps,
+        "vb": vb_report,
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if rank == 0:  # under DDP every rank holds the same model: one checkpoint
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "model_config": report["model"], "step": args.steps, "args": vars(args)}, out / "checkpoint.pt")
-    name = "report.json" if rank == 0 else f"report.rank{rank}.json"
-    (out / name).write_text(json.dumps(report, indent=2, default=str), encoding="utf-8")
+    from apt_model.reports import write_report
+    from apt_model.reports.plot import plot_report
+
+    written = write_report(report, out / ("report.json" if rank == 0 else f"report.rank{rank}.json"), png=False)
+    plot_input = {"steps": steps, "decisions": (vb_report or {}).get("decisions"),
+                  "config": (vb_report or {}).get("config") or {"mode": "off", "device": str(device)}}
+    if args.plot != "off" and rank == 0:
+        try:
+            written["png"] = str(plot_report(plot_input, out / "report.png", losses=losses))
+        except ImportError:
+            if args.plot == "on":
+                raise
     if not args.quiet:
         print(f"held-out loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f} nats/byte ({100 * report['eval_drop']:.1f}% lower) "
               f"in {train_s:.1f} s; {report['throughput']['tokens_per_s_median']:,.0f} tokens/s on {device}; "
-              f"report: {out / 'report.json'}")
+              f"report: {written['json']}" + (f" and {written['png']}" if written["png"] else ""))
     if vb.is_enabled():
         vb.disable()
     return report

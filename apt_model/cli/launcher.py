@@ -17,13 +17,14 @@ from apt_model.errors import ConfigError
 def run_script(args) -> int:
     """Enable the switch, run ``args.script`` (or ``-m args.module``), optionally save the report."""
     import apt_model.optimization.vb_global as vb
-    from apt_model.switch.env import env_mode
+    from apt_model.switch.modes import validate_mode
 
-    mode = args.mode or env_mode() or "balanced"
+    wanted = validate_mode(args.mode, source="--mode") if args.mode else None  # None: VB_MODE, .vbrc, balanced
     if args.script and not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} not found")
-    if not vb.is_enabled() or vb.get_config()["mode"] != mode.replace("speed", "performance") or args.device:
-        vb.enable(mode, device=args.device, banner=not args.quiet)
+    current = vb.get_config()["mode"] if vb.is_enabled() else None
+    if current is None or (wanted is not None and wanted != current) or args.device:
+        vb.enable(wanted, device=args.device, banner=not args.quiet)
     status = 0
     old_argv, old_path0 = sys.argv[:], sys.path[0] if sys.path else None
     try:

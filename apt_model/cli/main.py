@@ -1,9 +1,16 @@
-"""``apt-vb``: entry point and sub-command dispatch.
+"""``apt-vb``: entry point and sub-command dispatch (one module per command in this folder).
 
 Sub-commands:
-    info   devices (every candidate with status and reason), chosen device, memory per tier,
-           probed capabilities, communication backend (``--json`` for machines)
-    run    run an unmodified script with the switch on, like ``torchrun`` runs one distributed
+    info    devices (every candidate with status and reason), chosen device, memory per tier,
+            probed capabilities, communication backend (``--json`` for machines)
+    bench   a short measurement suite per device (GEMM, elementwise, normalization, attention,
+            host<->device and disk bandwidth), side by side, as a table and JSON
+    test    a functional self-test of a device (exit status 1 when a check fails)
+    config  suggest|show|save|load the persistent configuration (``.vbrc``)
+    run     run an unmodified script with the switch on, like ``torchrun`` runs one distributed
+
+Exit statuses: 0 success; 1 a failed ``test`` check; 2 a usage or configuration error (the
+message names the bad value and the valid ones); a script run by ``run`` exits with its own status.
 """
 from __future__ import annotations
 
@@ -14,7 +21,10 @@ from apt_model._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info and the switch launcher.")
+    from apt_model.cli import bench, config, selftest
+
+    p = argparse.ArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info, benchmarks, "
+                                                           "self-test, configuration and the switch launcher.")
     p.add_argument("--version", action="version", version=f"apt_model {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -23,9 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("--no-probe", action="store_true", help="skip the capability probes")
     info.add_argument("--device", default=None, help="describe this device instead of the ranking's choice")
 
+    bench.add_parser(sub)
+    selftest.add_parser(sub)
+    config.add_parser(sub)
+
     run = sub.add_parser("run", help="run a script (or -m module) with the switch on",
                          description="Run an unmodified training script with Virtual Blackwell enabled.")
-    run.add_argument("--mode", default=None, help="performance|speed|balanced|memory|full (default: VB_MODE or balanced)")
+    run.add_argument("--mode", default=None, help="performance|speed|balanced|memory|full (default: VB_MODE, else the .vbrc mode, else balanced)")
     run.add_argument("--device", default=None, help="device to use (default: VB_DEVICE or the ranking's choice)")
     run.add_argument("--report", default=None, help="write the switch's JSON report here when the script ends")
     run.add_argument("--quiet", action="store_true", help="no enable banner")
@@ -35,15 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _dispatch(parser: argparse.ArgumentParser, args) -> int:
     if args.command == "info":
         from apt_model.cli.info import run_info
 
         return run_info(args)
+    if args.command == "bench":
+        from apt_model.cli.bench import run_bench
+
+        return run_bench(args)
+    if args.command == "test":
+        from apt_model.cli.selftest import run_selftest
+
+        return run_selftest(args)
+    if args.command == "config":
+        from apt_model.cli.config import run_config
+
+        return run_config(args)
     if args.command == "run":
         from apt_model.cli.launcher import run_script
 
@@ -55,6 +77,22 @@ def main(argv: list[str] | None = None) -> int:
         return run_script(args)
     parser.print_help()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (2 with a one-line message for a configuration error)."""
+    from apt_model.errors import ConfigError, DeviceSelectionError
+
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(parser, args)
+    except (ConfigError, DeviceSelectionError, ValueError) as err:
+        if args.command == "run" and not isinstance(err, (ConfigError, DeviceSelectionError)):
+            raise  # a script's own ValueError keeps its traceback
+        print(f"apt-vb {args.command}: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

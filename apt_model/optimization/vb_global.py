@@ -67,12 +67,18 @@ def enable_full_optimization(**overrides):
     return enable("full", **overrides)
 
 
-def save_report(path) -> str:
-    """Write :func:`get_report` as JSON to ``path`` (bytes-valued sizes). Returns the path as a string."""
-    import json
-    from pathlib import Path
+def save_report(path, png: bool | None = None) -> str:
+    """Write :func:`get_report` as JSON to ``path`` (bytes-valued sizes) and, with the ``plot``
+    extra (matplotlib), a PNG of memory per level and step time beside it (``path`` with ``.png``).
 
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(get_report(), indent=2, default=str), encoding="utf-8")
-    return str(p)
+    Args:
+        path: the JSON file; folders are created.
+        png: None (default): the PNG when matplotlib is installed; True: always (ImportError
+            without matplotlib); False: never.
+
+    Returns:
+        The JSON path as a string. Fields: docs/reports.md.
+    """
+    from apt_model.reports import write_report
+
+    return write_report(get_report(), path, png=png)["json"]

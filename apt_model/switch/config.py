@@ -1,8 +1,8 @@
 """The switch's configuration: a mode's requests plus overrides, each value with its source.
 
-Precedence, highest first: arguments to ``enable()`` > environment variables (``VB_ATTENTION``,
-``VB_MIXED_PRECISION``, ...) > the mode's defaults. ``get_config()`` reports where each value
-came from.
+Precedence, highest first: arguments to ``enable()`` > environment variables (``VB_MODE``,
+``VB_ATTENTION``, ``VB_MIXED_PRECISION``, ...) > the ``.vbrc`` files (:mod:`apt_model.switch.vbrc`)
+> the mode's defaults. ``get_config()`` reports where each value came from.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 
 from apt_model.errors import ConfigError
-from apt_model.switch.modes import FEATURES, MODE_TABLE, validate_feature_value, validate_mode
+from apt_model.switch.modes import DEFAULT_MODE, FEATURES, MODE_TABLE, validate_feature_value, validate_mode
 
 #: Settings that are not features: name -> (default, validator description).
 SETTINGS = {
@@ -144,14 +144,31 @@ def _resolve_use_fp4(mode: str, overrides: dict) -> dict:
     return overrides
 
 
-def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
-    """Resolve ``mode`` + environment + ``overrides`` into a :class:`VBConfig`.
+def validate_setting(name: str, value, source: str):
+    """Check one setting's value (see :data:`SETTINGS`); returns it in canonical form.
+
+    Raises:
+        ConfigError: naming ``source``, the value and what is valid.
+    """
+    return _validate_setting(name, value, source)
+
+
+def build_config(mode: str | None, overrides: dict | None = None) -> VBConfig:
+    """Resolve ``mode`` + configuration files + environment + ``overrides`` into a :class:`VBConfig`.
+
+    Args:
+        mode: the mode, or None for ``VB_MODE``, else the files' ``mode``, else ``balanced``.
+        overrides: ``enable()`` keyword arguments.
 
     Raises:
         ConfigError: unknown mode, unknown override name (the message lists the valid names),
-            or an invalid value.
+            or an invalid value; :class:`~apt_model.switch.vbrc.ConfigFileError` (a ConfigError)
+            for a malformed ``.vbrc``, naming the path and line.
     """
-    mode = validate_mode(mode)
+    from apt_model.switch import vbrc
+
+    from_files = vbrc.merged_values(vbrc.load_config_files())
+    mode, mode_source = _resolve_mode(mode, from_files)
     overrides = _resolve_use_fp4(mode, overrides or {})
     for short, full in ALIASES.items():
         if short in overrides:
@@ -159,12 +176,21 @@ def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
                 raise ConfigError(f"enable(): {short}= and {full}= name the same option; give one")
             overrides = {(full if k == short else k): v for k, v in overrides.items()}
     cfg = VBConfig(mode=mode)
+    cfg.sources["mode"] = mode_source
     for name, value in MODE_TABLE[mode].items():
         cfg.features[name] = value
         cfg.sources[name] = f"mode:{mode}"
     for name, value in SETTINGS.items():
         cfg.settings[name] = value
         cfg.sources[name] = "default"
+    for name, (value, cf) in from_files.items():  # the environment, applied next, overrides these
+        if name == "mode":
+            continue
+        if name == "device" and os.environ.get("VB_DEVICE", "").strip():
+            cfg.sources[name] = "environment:VB_DEVICE"  # read by the ranking policy itself
+            continue
+        (cfg.features if name in FEATURES else cfg.settings)[name] = value
+        cfg.sources[name] = cf.source
     for name, spec in FEATURES.items():
         raw = os.environ.get(spec.env)
         if raw is not None and raw.strip():
@@ -185,3 +211,16 @@ def build_config(mode: str, overrides: dict | None = None) -> VBConfig:
             raise ConfigError(f"enable() got an unknown option {name!r}; valid options: {valid}")
         cfg.sources[name] = "argument"
     return cfg
+
+
+def _resolve_mode(mode: str | None, from_files: dict) -> tuple[str, str]:
+    """(canonical mode, its source): the argument, else ``VB_MODE``, else the files, else the default."""
+    if mode is not None:
+        return validate_mode(mode), "argument"
+    raw = os.environ.get("VB_MODE")
+    if raw is not None and raw.strip():
+        return validate_mode(raw, source="VB_MODE"), "environment:VB_MODE"
+    if "mode" in from_files:
+        value, cf = from_files["mode"]
+        return value, cf.source
+    return DEFAULT_MODE, "default"

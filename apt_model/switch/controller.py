@@ -30,7 +30,7 @@ from apt_model.errors import DeviceSelectionError
 from apt_model.log import get_logger
 from apt_model.switch.adoption import Adopter, model_device
 from apt_model.switch.config import VBConfig, build_config
-from apt_model.switch.modes import DEFAULT_MODE, FEATURES
+from apt_model.switch.modes import FEATURES
 from apt_model.switch.patches import PatchSet
 from apt_model.switch.report import DecisionLog
 
@@ -47,6 +47,7 @@ class _State:
         self.adopter: Adopter | None = None
         self.stack = None
         self.distributed = None  # apt_model.distributed.session.DistributedSession
+        self.steps = None  # apt_model.switch.steps.StepRecorder: per-step time and memory for the report
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.suspended = 0
         self.redirect_target: torch.device | None = None
@@ -63,21 +64,24 @@ _state = _State()
 # ---------------------------------------------------------------------------- public API
 
 
-def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
+def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
     """Turn the switch on (or reconfigure it if it is on).
 
     Args:
-        mode: ``performance`` (alias ``speed``), ``balanced`` (default), ``memory`` or ``full``.
+        mode: ``performance`` (alias ``speed``), ``balanced``, ``memory`` or ``full``; None (the
+            default) means ``VB_MODE``, else the ``.vbrc`` file's ``mode``, else ``balanced``.
         **overrides: feature toggles (``attention``, ``mixed_precision``, ``fp4``,
             ``activation_checkpointing``, ``activation_offload``, ``paging``) and settings
             (``device``, ``prefer``, ``redirect_cuda``, ``adopt``, ``autocast_min_speedup``,
-            ``sdpa_min_speedup``, ``verbose``, ``banner``). See ``docs/modes.md``.
+            ``sdpa_min_speedup``, ``verbose``, ``banner``). See ``docs/modes.md``. Values not given
+            come from ``VB_*`` variables, then ``.vbrc`` files (``docs/configuration.md``).
 
     Returns:
         The resolved configuration.
 
     Raises:
-        ConfigError: unknown mode, option or value (the message lists the valid ones).
+        ConfigError: unknown mode, option or value (the message lists the valid ones); a malformed
+            ``.vbrc`` (``ConfigFileError``: the path, the line and what is wrong).
         DeviceSelectionError: ``device=`` / ``VB_DEVICE`` names a device that is not usable here.
     """
     source = overrides.pop("_source", "api")
@@ -108,7 +112,8 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
         st.seen = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at = time.time()
-        st.log.record("switch", "mode", mode, config.mode, f"enabled from {source}")
+        st.log.record("switch", "mode", mode or config.mode, config.mode,
+                      f"enabled from {source}; mode from {config.sources['mode']}")
         st.log.record("device", "device", config.device or "auto", str(selection.device), selection.reason,
                       [f"{c}" for c in selection.ranking])
         for name, spec in FEATURES.items():
@@ -116,6 +121,7 @@ def enable(mode: str = DEFAULT_MODE, **overrides: Any) -> VBConfig:
             if not spec.built and value not in (False, "off"):
                 st.log.record("switch", name, value, "off", "not built in this version")
         _install_patches(st)
+        _install_step_recorder(st)
         distributed.start(st.log, st.patches)  # the rank's device, process-group and wrapper patches
         distributed.attach(st.adopter)
         st.enabled = True
@@ -171,10 +177,15 @@ def selection() -> Selection | None:
 
 
 def get_config() -> dict:
-    """The configuration in force: mode, each feature's value, status and source, the settings."""
+    """The configuration in force: mode (and where it came from), each feature's value, status and
+    source, the settings with their sources, and the ``.vbrc`` files that supplied values.
+
+    Sources: ``argument``, ``environment:<VAR>``, ``file:<path>``, ``mode:<name>``, ``default``.
+    """
     cfg = _state.config
     if cfg is None:
-        return {"enabled": False, "mode": None, "features": {}, "settings": {}}
+        return {"enabled": False, "mode": None, "mode_source": None, "features": {}, "settings": {},
+                "config_files": []}
     features = {}
     for name, spec in FEATURES.items():
         value = cfg.features[name]
@@ -182,8 +193,10 @@ def get_config() -> dict:
         features[name] = {"value": value, "status": status, "source": cfg.sources.get(name),
                           "description": spec.description}
     settings = {k: {"value": v, "source": cfg.sources.get(k)} for k, v in cfg.settings.items()}
-    return {"enabled": _state.enabled, "mode": cfg.mode, "device": str(_state.selection.device) if _state.selection else None,
-            "features": features, "settings": settings}
+    files = sorted({s[len("file:"):] for s in cfg.sources.values() if s and s.startswith("file:")})
+    return {"enabled": _state.enabled, "mode": cfg.mode, "mode_source": cfg.sources.get("mode"),
+            "device": str(_state.selection.device) if _state.selection else None,
+            "features": features, "settings": settings, "config_files": files}
 
 
 def get_stats() -> dict:
@@ -282,8 +295,22 @@ def get_report() -> dict:
         "activations": ad.activations.report() if ad else None,
         "distributed": st.distributed.report() if st.distributed is not None else None,
         "decisions": st.log.to_list(),
+        "steps": st.steps.to_dict() if st.steps is not None else None,
         "stats": get_stats(),
     }
+
+
+def _install_step_recorder(st: _State) -> None:
+    """Record every optimizer step's time and memory (and, while paging, the bytes per level) for
+    the report; the hooks are in the session's undo stack."""
+    from apt_model.switch.steps import StepRecorder, level_residency
+
+    def levels():
+        ad = st.adopter
+        return level_residency(st.stack, ad.session if ad is not None else None)
+
+    st.steps = StepRecorder(st.selection.device, levels)
+    st.steps.install(st.patches)
 
 
 def print_stats() -> None:
@@ -294,7 +321,7 @@ def print_stats() -> None:
 
 
 @contextmanager
-def enabled(mode: str = DEFAULT_MODE, **overrides: Any):
+def enabled(mode: str | None = None, **overrides: Any):
     """Context manager: the switch is on inside the block; the previous state is restored after.
 
     Example:

@@ -63,5 +63,5 @@ def activate_from_environment() -> bool:
 
     if controller.is_enabled():
         return True
-    controller.enable(mode or "balanced", _source="environment")
+    controller.enable(mode, _source="environment")  # None: the .vbrc's mode, else balanced
     return True

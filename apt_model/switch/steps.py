@@ -1,0 +1,220 @@
+"""Per-step time and memory of the user's training loop, for the run report.
+
+A :class:`StepRecorder` installs two global optimizer hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``) — while the
+switch is on they are in its undo stack, so ``disable()`` removes them. After every optimizer
+step it records:
+
+* ``step_s``: wall time since the same optimizer's previous step ended (the whole loop
+  iteration: data, forward, backward, step); None for an optimizer's first step;
+* ``optimizer_s``: the time inside ``optimizer.step()`` (with paging: the streamed step);
+* ``memory``: process RSS, and on an accelerator the bytes allocated on the device
+  (:class:`~apt_model.devices.device_backend.DeviceBackend` figures);
+* ``levels``: while paging is active, the bytes of training state on each level of the VGPU
+  stack (level 0 resident pages, pinned host pool, bytes in swap files).
+
+Memory stays bounded: at most ``max_records`` records are kept; when full, every other record is
+dropped and the stride doubles (records stay evenly spaced over the whole run). Counts, totals,
+means, minima, maxima and memory peaks cover every step; the median and quartiles of the step
+time cover the last ``window`` steps.
+"""
+from __future__ import annotations
+
+import collections
+import statistics
+import threading
+import time
+from typing import Callable
+
+import psutil
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from apt_model.log import get_logger
+
+log = get_logger(__name__)
+
+#: Defaults: records kept (then decimated), and steps in the median/quartile window.
+MAX_RECORDS = 1000
+WINDOW = 1024
+
+
+def level_residency(stack, session) -> dict[str, int] | None:
+    """Bytes of training state per level of ``stack`` while ``session`` pages (cheap counters only).
+
+    Returns:
+        ``{"level0:<kind>": bytes, ...}`` or None when nothing is paged.
+    """
+    if stack is None or session is None:
+        return None
+    pager = session.pager
+    out = {}
+    for level in stack.levels:
+        label = f"level{level.index}:{level.kind}"
+        if level.index == 0:
+            out[label] = int(pager.resident_bytes)
+        elif level.kind == "host":
+            store = pager.store
+            pool = getattr(store, "pool", None) if getattr(store, "level_kind", None) == "host" else None
+            out[label] = int(pool.used) if pool is not None else 0
+        elif level.kind == "nvme":
+            out[label] = int(session.swap.bytes_on_disk)
+    return out
+
+
+class StepRecorder:
+    """Records the time and memory of every optimizer step (see the module docstring).
+
+    Args:
+        device: the compute device (its allocated bytes are recorded when it is an accelerator).
+        levels: a callable returning :func:`level_residency`'s dict (or None when not paging);
+            None records no levels.
+        max_records: records kept before decimating (>= 2).
+        window: step times the median and quartiles are computed over (>= 1).
+
+    Raises:
+        ValueError: ``max_records`` < 2 or ``window`` < 1.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", levels: Callable[[], dict | None] | None = None,
+                 max_records: int = MAX_RECORDS, window: int = WINDOW):
+        if max_records < 2 or window < 1:
+            raise ValueError(f"max_records={max_records!r} must be >= 2 and window={window!r} >= 1")
+        self.device = torch.device(device)
+        self._levels = levels
+        self.max_records = max_records
+        self.window = window
+        self._backend = None
+        if self.device.type != "cpu":
+            from apt_model.devices.device_backend import DeviceBackend
+
+            self._backend = DeviceBackend(self.device)
+        self._proc = psutil.Process()
+        self._lock = threading.Lock()
+        self.start = time.perf_counter()
+        self.records: list[dict] = []
+        self.stride = 1
+        self.count = 0
+        self._optimizers: dict[int, int] = {}  # id(optimizer) -> index in order of first step
+        self._began: dict[int, float] = {}
+        self._last_end: dict[int, float] = {}
+        self._times: collections.deque = collections.deque(maxlen=window)
+        self._n_times = 0
+        self._total = 0.0
+        self._min = float("inf")
+        self._max = 0.0
+        self._opt_total = 0.0
+        self.memory_peak: dict[str, int] = {}
+        self.level_labels: list[str] = []
+        self._handles: list = []
+
+    # ------------------------------------------------------------------ hooks
+    def install(self, patches=None) -> None:
+        """Register the global optimizer hooks; with ``patches`` (a PatchSet) their removal is in its undo stack."""
+        pre = register_optimizer_step_pre_hook(self._pre)
+        post = register_optimizer_step_post_hook(self._post)
+        if patches is not None:
+            patches.add_handle(pre, "step recorder: optimizer step pre-hook")
+            patches.add_handle(post, "step recorder: optimizer step post-hook")
+        else:
+            self._handles += [pre, post]
+
+    def remove(self) -> None:
+        """Remove hooks installed without a PatchSet."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, opt, args, kwargs):
+        self._began[id(opt)] = time.perf_counter()
+        return None
+
+    def _post(self, opt, args, kwargs):
+        try:
+            self.record_step(id(opt), self._began.pop(id(opt), None))
+        except Exception as err:  # noqa: BLE001 - a report figure must never break training
+            log.debug("step recorder: %s", err)
+        return None
+
+    # ------------------------------------------------------------------ recording
+    def _memory(self) -> tuple[dict, dict | None]:
+        mem = {"process_rss": int(self._proc.memory_info().rss)}
+        if self._backend is not None:
+            alloc = self._backend.memory_allocated()
+            if alloc is not None:
+                mem["device_allocated"] = int(alloc)
+        levels = self._levels() if self._levels is not None else None
+        return mem, levels
+
+    def record_step(self, key: int = 0, began: float | None = None) -> None:
+        """Record one finished step of optimizer ``key`` (called by the post-hook; public for loops
+        without an optimizer). ``began``: ``perf_counter()`` when the step started, if known."""
+        now = time.perf_counter()
+        mem, levels = self._memory()
+        with self._lock:
+            self.count += 1
+            index = self._optimizers.setdefault(key, len(self._optimizers))
+            prev = self._last_end.get(key)
+            self._last_end[key] = now
+            step_s = None if prev is None else now - prev
+            opt_s = None if began is None else now - began
+            if step_s is not None:
+                self._times.append(step_s)
+                self._n_times += 1
+                self._total += step_s
+                self._min = min(self._min, step_s)
+                self._max = max(self._max, step_s)
+            if opt_s is not None:
+                self._opt_total += opt_s
+            for k, v in {**mem, **(levels or {})}.items():
+                if v > self.memory_peak.get(k, -1):
+                    self.memory_peak[k] = v
+            if levels:
+                for k in levels:
+                    if k not in self.level_labels:
+                        self.level_labels.append(k)
+            if (self.count - 1) % self.stride == 0:
+                rec = {"step": self.count, "optimizer": index, "t": round(now - self.start, 6),
+                       "step_s": None if step_s is None else round(step_s, 6),
+                       "optimizer_s": None if opt_s is None else round(opt_s, 6), "memory": mem}
+                if levels is not None:
+                    rec["levels"] = levels
+                self.records.append(rec)
+                if len(self.records) > self.max_records:
+                    self.records = self.records[::2]
+                    self.stride *= 2
+
+    # ------------------------------------------------------------------ output
+    def summary(self) -> dict:
+        """Step-time statistics (seconds): ``n``, ``total_s``, ``mean_s``, ``min_s``, ``max_s`` over every
+        timed step; ``window``, ``median_s``, ``p25_s``, ``p75_s`` over the last ``window`` of them."""
+        with self._lock:
+            times = list(self._times)
+            out = {"n": self._n_times, "total_s": round(self._total, 6),
+                   "mean_s": round(self._total / self._n_times, 6) if self._n_times else None,
+                   "min_s": round(self._min, 6) if self._n_times else None,
+                   "max_s": round(self._max, 6) if self._n_times else None,
+                   "window": len(times), "median_s": None, "p25_s": None, "p75_s": None}
+        if times:
+            q = statistics.quantiles(times, n=4) if len(times) >= 2 else [times[0]] * 3
+            out.update(median_s=round(statistics.median(times), 6), p25_s=round(q[0], 6), p75_s=round(q[2], 6))
+        return out
+
+    def to_dict(self) -> dict:
+        """The report's ``steps`` section (JSON-safe); see docs/reports.md for every field."""
+        summary = self.summary()
+        with self._lock:
+            return {
+                "count": self.count,
+                "optimizers": len(self._optimizers),
+                "kept": len(self.records),
+                "stride": self.stride,
+                "max_records": self.max_records,
+                "device": str(self.device),
+                "memory_fields": ["process_rss"] + (["device_allocated"] if self._backend is not None else []),
+                "levels": list(self.level_labels),
+                "step_time": summary,
+                "optimizer_time_total_s": round(self._opt_total, 6),
+                "memory_peak": dict(self.memory_peak),
+                "records": [dict(r) for r in self.records],
+            }

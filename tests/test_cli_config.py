@@ -1,0 +1,88 @@
+"""apt-vb config suggest|show|save|load: JSON from a subprocess, the save/load flow, errors that
+name the file and the line."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from apt_model.memory.sizes import parse_size
+from conftest import ROOT, clean_env
+
+
+def apt_vb(*args, cwd=None, timeout=240, **env):
+    return subprocess.run([sys.executable, "-m", "apt_model", *args], capture_output=True, text=True,
+                          env=clean_env(**env), cwd=cwd or ROOT, timeout=timeout)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project folder as the current directory, an empty user config dir, files enabled."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    monkeypatch.chdir(proj)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("VB_CONFIG")
+    return proj
+
+
+def test_config_suggest_json():
+    proc = apt_vb("config", "suggest", "--json", "--no-measure")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    s = json.loads(proc.stdout)
+    assert {"values", "reasons", "notes", "machine", "summary"} <= set(s)
+    assert s["values"]["mode"] == "balanced" and "no accelerator" in s["reasons"]["mode"]
+    assert 0 < parse_size(s["values"]["host_budget"]) <= s["machine"]["host_ram"]
+    assert set(s["reasons"]) == set(s["values"])
+    assert s["summary"].startswith("host RAM ")
+
+
+def test_config_show_json_in_a_subprocess(tmp_path):
+    (tmp_path / ".vbrc").write_text('# TOML\nmode = "memory"\nattention = "off"\n')
+    proc = apt_vb("config", "show", "--json", cwd=tmp_path, VB_CONFIG="", XDG_CONFIG_HOME=str(tmp_path / "x"),
+                  VB_PAGING="off")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    sj = json.loads(proc.stdout)
+    src = f"file:{tmp_path / '.vbrc'}"
+    assert [f["scope"] for f in sj["files"]] == ["user", "project"] and sj["files"][1]["exists"]
+    assert sj["config"]["mode"] == "memory" and sj["config"]["mode_source"] == src
+    assert sj["config"]["features"]["attention"] == {"value": "off", "source": src}
+    assert sj["config"]["features"]["paging"] == {"value": "off", "source": "environment:VB_PAGING"}
+    assert sj["config"]["features"]["fp4"]["source"] == "mode:memory"
+    assert sj["config"]["settings"]["host_budget"] == {"value": None, "source": "default"}
+
+
+def test_config_save_and_load(project, tmp_path, capsys):
+    from apt_model.cli.main import main
+
+    swap = tmp_path / "swap"
+    assert main(["config", "save", "--no-measure", "--mode", "memory", "--set", "attention=off",
+                 "--set", f"swap_dir={swap}"]) == 0
+    assert swap.is_dir()  # created: the switch needs an existing swap dir
+    data = json.loads((project / ".vbrc").read_text())
+    assert data["mode"] == "memory" and data["attention"] == "off" and "_comment" in data and "_why" in data
+    assert main(["config", "save", "--no-measure"]) == 2
+    assert "exists; pass overwrite=True" in capsys.readouterr().err
+    assert main(["config", "save", "--no-measure", "--path", str(tmp_path / "t.toml"), "--all-features"]) == 0
+    text = (tmp_path / "t.toml").read_text()
+    assert text.startswith("# Written by apt-vb config save") and "\nactivation_offload = false\n" in text
+    # load: a TOML template checked and installed as the user's file
+    tmpl = tmp_path / "team.toml"
+    tmpl.write_text('# team defaults\nmode = "balanced"\nautocast_min_speedup = 1.2\n')
+    assert main(["config", "load", str(tmpl), "--user"]) == 0
+    user = tmp_path / "xdg" / "apt_model" / "vbrc"
+    assert user.read_text().startswith("# team defaults")
+    capsys.readouterr()
+    assert main(["config", "show", "--json"]) == 0
+    cfg = json.loads(capsys.readouterr().out)["config"]
+    assert cfg["mode_source"] == f"file:{project / '.vbrc'}"  # the project's file wins over the user's
+    assert cfg["settings"]["autocast_min_speedup"] == {"value": 1.2, "source": f"file:{user}"}
+    bad = tmp_path / "bad.json"
+    bad.write_text('{\n  "mode": "balanced",\n  "paging": "sometimes"\n}\n')
+    assert main(["config", "load", str(bad), "--check"]) == 2
+    assert (f"{bad}:3: paging='sometimes' is not valid; valid values: off, over_budget, tight, always"
+            in capsys.readouterr().err)
+    (project / ".vbrc").write_text('{\n  "mode": "balanced",\n}\n')
+    assert main(["config", "show"]) == 2
+    assert f"{project / '.vbrc'}:3:1: not valid JSON" in capsys.readouterr().err
+

@@ -1,0 +1,127 @@
+"""Run reports: the per-step recorder, the report's JSON schema, and the PNG."""
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.models.gpt import GPT, GPTConfig
+from apt_model.switch.steps import StepRecorder
+
+REPORT_KEYS = {"version", "torch", "config", "device", "capabilities", "models", "memory", "decisions", "stats", "steps"}
+STEPS_KEYS = {"count", "optimizers", "kept", "stride", "max_records", "device", "memory_fields", "levels", "step_time",
+              "optimizer_time_total_s", "memory_peak", "records"}
+STEP_TIME_KEYS = {"n", "total_s", "mean_s", "min_s", "max_s", "window", "median_s", "p25_s", "p75_s"}
+RECORD_KEYS = {"step", "optimizer", "t", "step_s", "optimizer_s", "memory"}
+
+
+def train(steps: int, **enable):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 32))
+    for _ in range(steps):
+        loss = F.cross_entropy(model(x).reshape(-1, 256), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return model, opt
+
+
+def test_report_schema_and_steps(tmp_path):
+    vb.enable("balanced", banner=False, mixed_precision="off")
+    _, opt = train(5)
+    rep = json.loads(json.dumps(vb.get_report()))  # JSON-safe
+    assert REPORT_KEYS <= set(rep)
+    assert {"mode", "mode_source", "features", "settings", "config_files"} <= set(rep["config"])
+    s = rep["steps"]
+    assert STEPS_KEYS <= set(s) and STEP_TIME_KEYS <= set(s["step_time"])
+    assert s["count"] == 5 and s["optimizers"] == 1 and s["kept"] == 5 and s["stride"] == 1
+    assert s["levels"] == [] and s["memory_fields"] == ["process_rss"]
+    assert [r["step"] for r in s["records"]] == [1, 2, 3, 4, 5]
+    assert all(RECORD_KEYS <= set(r) for r in s["records"])
+    assert s["records"][0]["step_s"] is None and all(r["step_s"] > 0 for r in s["records"][1:])
+    assert all(r["optimizer_s"] > 0 and r["memory"]["process_rss"] > 0 for r in s["records"])
+    assert s["step_time"]["n"] == 4 and s["step_time"]["p25_s"] <= s["step_time"]["median_s"] <= s["step_time"]["p75_s"]
+    assert s["memory_peak"]["process_rss"] >= max(r["memory"]["process_rss"] for r in s["records"])
+    vb.disable()  # the hooks leave with the switch; the last session's steps stay in the report
+    x = torch.zeros(1, requires_grad=True)
+    torch.optim.SGD([x], lr=0.1).step()
+    assert vb.get_report()["steps"]["count"] == 5
+
+
+def test_paging_records_memory_per_level():
+    vb.enable("balanced", banner=False, mixed_precision="off", attention="off", paging="always", device_budget="64KB")
+    train(3)
+    s = vb.get_report()["steps"]
+    assert s["levels"] == ["level0:host", "level1:nvme"]
+    assert all(set(r["levels"]) == {"level0:host", "level1:nvme"} for r in s["records"])
+    assert s["memory_peak"]["level1:nvme"] > 0  # the state went down to the swap files
+
+
+def test_recorder_stays_bounded_and_evenly_spaced():
+    rec = StepRecorder("cpu", max_records=4, window=3)
+    for _ in range(10):
+        rec.record_step()
+    d = rec.to_dict()
+    assert d["count"] == 10 and d["kept"] <= 4 and d["stride"] == 4
+    assert [r["step"] for r in d["records"]] == [1, 5, 9]
+    assert d["step_time"]["n"] == 9 and d["step_time"]["window"] == 3
+    with pytest.raises(ValueError, match="max_records=1"):
+        StepRecorder("cpu", max_records=1)
+
+
+def test_two_optimizers_are_told_apart():
+    rec = StepRecorder("cpu")
+    rec.install()
+    try:
+        a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+        oa, ob = torch.optim.SGD([a], lr=0.1), torch.optim.SGD([b], lr=0.1)
+        for _ in range(3):
+            oa.step()
+            ob.step()
+    finally:
+        rec.remove()
+    d = rec.to_dict()
+    assert d["count"] == 6 and d["optimizers"] == 2
+    assert [r["optimizer"] for r in d["records"]] == [0, 1] * 3
+    assert d["step_time"]["n"] == 4  # each optimizer's first step has no interval
+
+
+def is_png(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread
+
+    img = imread(path)  # decodes the whole image
+    return img.shape[1], img.shape[0]
+
+
+def test_save_report_writes_json_and_a_valid_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    vb.enable("balanced", banner=False, mixed_precision="off")
+    train(4)
+    out = vb.save_report(tmp_path / "run" / "report.json")
+    assert out == str(tmp_path / "run" / "report.json")
+    assert REPORT_KEYS <= set(json.loads((tmp_path / "run" / "report.json").read_text()))
+    w, h = is_png(tmp_path / "run" / "report.png")
+    assert w >= 600 and h >= 400
+    vb.save_report(tmp_path / "nopng.json", png=False)
+    assert not (tmp_path / "nopng.png").exists()
+
+
+def test_png_without_steps_and_without_matplotlib(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from apt_model.reports import write_report
+
+    written = write_report({"steps": None}, tmp_path / "empty.json", png=True)
+    is_png(tmp_path / "empty.png")
+    assert written["png"] == str(tmp_path / "empty.png")
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if the plot extra were not installed
+    assert write_report({"steps": None}, tmp_path / "auto.json")["png"] is None
+    with pytest.raises(ImportError, match=r"pip install 'apt_model\[plot\]'"):
+        write_report({"steps": None}, tmp_path / "forced.json", png=True)
+    assert (tmp_path / "forced.json").exists()

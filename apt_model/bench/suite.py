@@ -355,9 +355,10 @@ def _noise_note(threads: int, before, after, noisy: int) -> str:
     cores = psutil.cpu_count(logical=True) or 1
     parts = [f"{threads} torch thread(s) on {cores} logical core(s)"]
     if before and after:
-        busy = max(before[0], after[0])
         parts.append(f"load average {before[0]:.2f} -> {after[0]:.2f}")
-        if busy > max(0.5, cores - threads):
+        # judged on the load before the run: the load after includes the suite's own threads
+        # (the 1-minute average also lags, so a busy minute just before the run counts too)
+        if before[0] > max(0.5, cores - threads):
             parts.append("other processes were competing for the cores: treat the figures as lower bounds")
     if noisy:
         parts.append(f"{noisy} result(s) with an interquartile range over {int(NOISY * 100)}% of the median")

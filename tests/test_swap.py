@@ -44,9 +44,35 @@ def test_rewrite_in_place_and_remove(space):
     assert bytes(out) == b"y" * 3000 and space.bytes_on_disk == 3000
     path = space._records["a"].path
     space.remove("a")
-    assert path.stat().st_size == 0 and space.bytes_on_disk == 0 and not space.has("a")
+    assert space.bytes_on_disk == 0 and not space.has("a")
+    assert space.stale_bytes == 3000 and path.stat().st_size == 3000  # left for the next write, counted
     with pytest.raises(SwapCorruptionError, match="no swap record"):
         space.read_into("a", memoryview(bytearray(3000)))
+    space.write("a", memoryview(b"z" * 2000))  # the stale file is overwritten in place
+    out = bytearray(2000)
+    space.read_into("a", memoryview(out))
+    assert bytes(out) == b"z" * 2000 and space.stale_bytes == 0 and path.stat().st_size == 2000
+    space.remove("a")
+    assert space.reclaim_stale() == 2000 and path.stat().st_size == 0 and space.stale_bytes == 0
+
+
+def test_stale_files_count_against_the_budget_and_are_truncated_for_room(tmp_path):
+    s = SwapSpace(tmp_path, budget=10_000)
+    try:
+        s.write("g", memoryview(b"g" * 6000))
+        s.remove("g")  # like a gradient dropped by zero_grad: the file keeps its 6000 bytes
+        g_path = s.folder / "g.bin"
+        assert g_path.stat().st_size == 6000 and s.stale_bytes == 6000
+        s.write("h", memoryview(b"h" * 6000))  # needs the stale room: it is truncated first
+        assert g_path.stat().st_size == 0 and s.stale_bytes == 0 and s.bytes_on_disk == 6000
+        out = bytearray(6000)
+        s.read_into("h", memoryview(out))
+        assert bytes(out) == b"h" * 6000
+        with pytest.raises(SwapFullError, match="swap budget exceeded"):
+            s.write("i", memoryview(b"i" * 5000))
+        assert s.bytes_on_disk == 6000 and s.has("h")
+    finally:
+        s.close()
 
 
 def test_altered_truncated_and_missing_files_are_refused(space):

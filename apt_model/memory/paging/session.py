@@ -271,6 +271,7 @@ class PagingSession:
             "pager": self.pager.report(),
             "host_level": store.stats() if store.level_kind == "host" else None,
             "swap": {"folder": str(self.swap.folder), "bytes_on_disk": self.swap.bytes_on_disk,
+                     "stale_bytes": self.swap.stale_bytes,
                      "written": self.pager.io.write_stats.to_dict(), "read": self.pager.io.read_stats.to_dict()},
             "models": [m.describe() for m in self.models],
             "optimizer_steps": self.optimizers.steps,

@@ -52,3 +52,17 @@ def run_python(code: str, env: dict | None = None, timeout: float = 300, cwd: st
     """Run ``code`` in a fresh interpreter (import-time behaviour, PrivateUse1 registration)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
                           env=env if env is not None else clean_env(), cwd=cwd or ROOT)
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """A project folder as the current directory, an empty user config dir, .vbrc files enabled
+    (VB_CONFIG unset) and no budget variables: for the configuration-file tests."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    monkeypatch.chdir(proj)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("VB_CONFIG")
+    for var in ("VB_HOST_BUDGET", "VB_DEVICE_BUDGET", "VB_SWAP_DIR", "VB_SWAP_BUDGET"):
+        monkeypatch.delenv(var, raising=False)
+    return proj

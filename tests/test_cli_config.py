@@ -4,7 +4,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 from apt_model.memory.sizes import parse_size
 from conftest import ROOT, clean_env
@@ -15,15 +14,6 @@ def apt_vb(*args, cwd=None, timeout=240, **env):
                           env=clean_env(**env), cwd=cwd or ROOT, timeout=timeout)
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A project folder as the current directory, an empty user config dir, files enabled."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    monkeypatch.chdir(proj)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("VB_CONFIG")
-    return proj
 
 
 def test_config_suggest_json():

@@ -12,17 +12,6 @@ from apt_model.switch.vbrc import ConfigFileError, read_config_file, write_confi
 from conftest import clean_env, run_python
 
 
-@pytest.fixture
-def project(tmp_path, monkeypatch):
-    """A project folder as the current directory, an empty user config dir, files enabled."""
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    monkeypatch.chdir(proj)
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("VB_CONFIG")
-    for var in ("VB_HOST_BUDGET", "VB_DEVICE_BUDGET", "VB_SWAP_DIR", "VB_SWAP_BUDGET"):
-        monkeypatch.delenv(var, raising=False)
-    return proj
 
 
 def write(path, text):

@@ -24,7 +24,6 @@ listed as skipped. The disk is measured first (its share is :data:`DISK_WEIGHT` 
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -152,18 +151,10 @@ def device_cases(device: torch.device) -> list[Case]:
     batch, heads, seq, hd = (8, 16, 2048, 64) if accel else (4, 8, 512, 64)
 
     def make_attention():
-        q, k, v = (torch.randn(batch, heads, seq, hd, device=device, requires_grad=True) for _ in range(3))
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+        from apt_model.devices.probes import attention_workloads  # the same pair the switch's probe times
 
-        def plain():
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-            (att @ v).sum().backward()
-
-        def sdpa():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        return {"sdpa": sdpa, "plain": plain}
+        fns = attention_workloads(device, batch, heads, seq, hd)
+        return {"sdpa": fns["sdpa"], "plain": fns["eager"]}
 
     cases.append(Case("attention", f"attention fwd+bwd float32 (b{batch} h{heads} s{seq} d{hd})", "ms", 0.0,
                       make_attention, weight=2.0))

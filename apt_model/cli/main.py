@@ -21,6 +21,7 @@ from apt_model._version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``apt-vb`` argument parser with every sub-command."""
     from apt_model.cli import bench, config, selftest
 
     p = argparse.ArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info, benchmarks, "

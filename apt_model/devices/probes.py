@@ -235,6 +235,28 @@ def _time_interleaved(fns: dict[str, Callable[[], None]], device: torch.device, 
     return times
 
 
+def attention_workloads(device: torch.device, batch: int, heads: int, seq: int, head_dim: int) -> dict:
+    """The attention A/B pair the probes and ``apt-vb bench`` time: causal attention, forward +
+    backward, fp32, on (batch, heads, seq, head_dim) inputs.
+
+    Returns:
+        ``{"eager": fn, "sdpa": fn}``: hand-written masked softmax, and
+        ``F.scaled_dot_product_attention(is_causal=True)``; each call runs one forward + backward.
+    """
+    q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device, requires_grad=True) for _ in range(3))
+    mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
+
+    def eager():
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(head_dim)
+        att = att.masked_fill(~mask, float("-inf")).softmax(-1)
+        (att @ v).sum().backward()
+
+    def sdpa():
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    return {"eager": eager, "sdpa": sdpa}
+
+
 def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int, reps: int = 5) -> dict:
     """Causal attention, forward + backward, fp32: hand-written masked softmax vs SDPA.
 
@@ -242,20 +264,8 @@ def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int
         ``{"eager_ms", "sdpa_ms", "speedup"}`` (speedup = eager / sdpa, medians) or ``{"error"}``.
     """
     heads = max(1, width // 64)
-    hd = width // heads
     try:
-        q, k, v = (torch.randn(batch, heads, seq, hd, device=device, requires_grad=True) for _ in range(3))
-        mask = torch.ones(seq, seq, dtype=torch.bool, device=device).tril()
-
-        def eager():
-            att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-            att = att.masked_fill(~mask, float("-inf")).softmax(-1)
-            (att @ v).sum().backward()
-
-        def sdpa():
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-
-        t = _time_interleaved({"eager": eager, "sdpa": sdpa}, device, reps)
+        t = _time_interleaved(attention_workloads(device, batch, heads, seq, width // heads), device, reps)
     except Exception as err:  # noqa: BLE001
         return {"error": short_error(err)}
     e, s = statistics.median(t["eager"]), statistics.median(t["sdpa"])

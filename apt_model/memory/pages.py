@@ -28,6 +28,8 @@ class Category(str, enum.Enum):
 
 
 class State(str, enum.Enum):
+    """Where a page's bytes are: on the compute level, moving, or only on the level below."""
+
     RESIDENT = "resident"  # bytes on the compute device
     LOADING = "loading"  # storage allocated, read in flight
     WRITING = "writing"  # resident, a copy to the lower level in flight; freed when done
@@ -100,9 +102,11 @@ def cpu_byte_view(storage: torch.UntypedStorage) -> memoryview:
 
 
 def free_storage(storage: torch.UntypedStorage) -> None:
+    """Release ``storage``'s bytes (resize to 0); tensors that view it stay valid objects."""
     storage.resize_(0)
 
 
 def alloc_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give ``storage`` back ``nbytes`` bytes of (uninitialized) memory, in place."""
     if storage.nbytes() != nbytes:
         storage.resize_(nbytes)

@@ -83,6 +83,8 @@ class DiskStore:
 
 @dataclass
 class Segment:
+    """A piece of a pinned slab: slab index, byte offset and size (bytes, rounded up to 4 KiB)."""
+
     slab: int
     offset: int
     nbytes: int  # as allocated (rounded up to 4 KiB)

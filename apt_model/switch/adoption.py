@@ -102,6 +102,9 @@ class Adopter:
 
     # ------------------------------------------------------------------ entry point
     def adopt(self, model: nn.Module, trigger: str, moved_note: str = "") -> ModelRecord:
+        """Decide every feature for ``model`` (placement, attention, precision, activations, FP4,
+        distributed, paging), apply what was chosen, and return the record with each reason.
+        ``trigger`` says what caused adoption (``to()``, ``first forward``, ``adopt()``)."""
         dev = model_device(model) or torch.device("cpu")
         rec = ModelRecord(
             id=len(self.records) + 1,

@@ -140,6 +140,7 @@ def make_clip_grad_value(original: Callable, page_of: Callable, acquire: Callabl
 
 
 def unique_params(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
+    """``params`` without repeats (tied weights appear once), in first-seen order."""
     seen, out = set(), []
     for p in params:
         if id(p) not in seen:

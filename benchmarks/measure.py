@@ -13,14 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from apt_model.bench.measure import (  # noqa: F401
-    load_average,
-    machine_info,
-    summarize,
-    time_calls,
-    time_interleaved,
-    write_json,
-)
+from apt_model.bench.measure import machine_info, summarize, write_json  # noqa: F401 (the scripts import them here)
 
 
 def train_step(model, opt, corpus, gen, batch_size: int, seq_len: int, device="cpu", clip: float | None = 1.0) -> float:

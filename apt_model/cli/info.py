@@ -69,7 +69,7 @@ def collect_info(device: str | None = None, probe: bool = True, progress=None) -
     config = {"mode": cfg.mode, "mode_source": cfg.sources["mode"], "paging": cfg.paging,
               "paging_source": cfg.sources["paging"],
               "budgets": {k: {"value": cfg.settings[k], "source": cfg.sources[k]} for k in budget_keys},
-              "files": sorted({v[5:] for v in cfg.sources.values() if v.startswith("file:")})}
+              "files": cfg.config_files()}
     return {
         "candidates": [c.to_dict() for c in cands],
         "selected": sel.to_dict(),

@@ -148,16 +148,16 @@ def check_sdpa(device: torch.device) -> str:
         q, k, v = (torch.randn(2, 4, 64, 32, generator=gen).to(dt) for _ in range(3))
         mask = torch.rand(64, 64, generator=gen) > 0.3
         mask[:, 0] = True  # every query sees at least one key
-        cases = {"causal": (None, True), "masked": (mask, False)}
+        args = [backend.to_device(t) for t in (q, k, v)]
+        cases = {"causal": (None, True), "masked": (backend.to_device(mask), False)}
+        refs = {"causal": _attention_reference(q, k, v, None, True), "masked": _attention_reference(q, k, v, mask, False)}
         backends = {"default": None}
         for name in support.sdpa_backends_for(dname):
             backends[name] = getattr(SDPBackend, name)
         worst = 0.0
         for bname, sdp in backends.items():
-            for cname, (m, causal) in cases.items():
-                ref = _attention_reference(q, k, v, m, causal)
-                args = [backend.to_device(t) for t in (q, k, v)]
-                dm = backend.to_device(m) if m is not None else None
+            for cname, (dm, causal) in cases.items():
+                ref = refs[cname]
                 try:
                     if sdp is None:
                         out = F.scaled_dot_product_attention(*args, attn_mask=dm, is_causal=causal)

@@ -40,7 +40,7 @@ SETTINGS = {
 @dataclass
 class VBConfig:
     """A resolved configuration. ``features`` and ``settings`` hold values; ``sources`` says where
-    each came from (``mode:<name>``, ``environment:<VAR>``, ``argument``, ``default``)."""
+    each came from (``mode:<name>``, ``environment:<VAR>``, ``file:<path>``, ``argument``, ``default``)."""
 
     mode: str
     features: dict = field(default_factory=dict)
@@ -58,6 +58,10 @@ class VBConfig:
     def to_dict(self) -> dict:
         return {"mode": self.mode, "features": dict(self.features), "settings": dict(self.settings),
                 "sources": dict(self.sources)}
+
+    def config_files(self) -> list[str]:
+        """The ``.vbrc`` files that supplied at least one value, sorted."""
+        return sorted({s[len("file:"):] for s in self.sources.values() if s and s.startswith("file:")})
 
 
 #: Settings that can also come from the environment.

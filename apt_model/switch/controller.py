@@ -193,10 +193,9 @@ def get_config() -> dict:
         features[name] = {"value": value, "status": status, "source": cfg.sources.get(name),
                           "description": spec.description}
     settings = {k: {"value": v, "source": cfg.sources.get(k)} for k, v in cfg.settings.items()}
-    files = sorted({s[len("file:"):] for s in cfg.sources.values() if s and s.startswith("file:")})
     return {"enabled": _state.enabled, "mode": cfg.mode, "mode_source": cfg.sources.get("mode"),
             "device": str(_state.selection.device) if _state.selection else None,
-            "features": features, "settings": settings, "config_files": files}
+            "features": features, "settings": settings, "config_files": cfg.config_files()}
 
 
 def get_stats() -> dict:

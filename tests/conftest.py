@@ -40,9 +40,27 @@ def clean_switch(monkeypatch):
     vb.disable()
 
 
+@pytest.fixture
+def cpu_device(monkeypatch):
+    """Pin the switch to the CPU (``VB_DEVICE=cpu``) for a test that asserts CPU semantics
+    (level names without a device level, ``cpu -> cpu`` round trips, gloo, CPU probe figures),
+    so it means the same on a CPU-only machine and on one with an accelerator. Subprocesses
+    started with :func:`clean_env` inherit it."""
+    monkeypatch.setenv("VB_DEVICE", "cpu")
+    return "cpu"
+
+
+def best_device() -> str:
+    """The device the switch picks on this machine (``cuda:0``, ``npu:0``, ``cpu``...): for tests
+    that assert on the device that is there rather than pin one."""
+    from apt_model.devices.ranking import select_device
+
+    return str(select_device().device)
+
+
 def clean_env(**extra: str) -> dict:
     """This environment without VB_* switch variables and with VB_CONFIG=none (no .vbrc), plus ``extra``."""
-    env = {k: v for k, v in os.environ.items() if k not in VB_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in VB_ENV or k == "VB_DEVICE"}
     env["VB_CONFIG"] = "none"
     env.update(extra)
     return env

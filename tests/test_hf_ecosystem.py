@@ -53,9 +53,10 @@ def train(name: str, mode: str | None, attn: str = "sdpa", **overrides) -> tuple
     model = build(name, attn)
     if mode is not None:
         vb.enable(mode, banner=False, **overrides)
-    model = model.to(vb.device() if mode else "cpu").train()
+    dev = vb.device() if mode else torch.device("cpu")
+    model = model.to(dev).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = batch()
+    x = batch().to(dev)  # the script placed the model: its inputs go there too
     losses = []
     for _ in range(STEPS):
         loss = model(input_ids=x, labels=x).loss
@@ -75,7 +76,8 @@ def plain(name: str) -> tuple[float, ...]:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_hf_model_trains_in_every_mode_exactly_like_plain_pytorch(name, mode):
+def test_hf_model_trains_in_every_mode_exactly_like_plain_pytorch(name, mode, cpu_device):
+    # bit-identity with plain PyTorch on the CPU: pinned, so it means the same on a GPU machine
     losses, feats = train(name, mode, mixed_precision="off")
     assert losses[-1] < 0.8 * losses[0]
     assert feats["mixed_precision"]["chosen"] == "fp32"
@@ -92,8 +94,7 @@ def test_hf_model_trains_with_the_modes_own_requests(name, mode):
     assert "use SDPA" in feats["attention"]["reason"]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
-def test_eager_attention_is_routed_to_sdpa_and_matches(name):
+def _eager_routed_matches(name: str, atol: float) -> None:
     model = build(name, "eager").eval()
     x = batch()[:2]
     ref = model(input_ids=x).logits
@@ -102,9 +103,30 @@ def test_eager_attention_is_routed_to_sdpa_and_matches(name):
     assert model.config._attn_implementation == "sdpa"
     feats = vb.get_report()["models"][0]["features"]
     assert feats["attention"]["chosen"] == "sdpa"
-    torch.testing.assert_close(model(input_ids=x).logits, ref, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(model(input_ids=x.to(vb.device())).logits.cpu(), ref, atol=atol, rtol=1e-4)
     vb.disable()
     assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_eager_attention_is_routed_to_sdpa_and_matches(name, cpu_device):
+    _eager_routed_matches(name, atol=1e-5)
+
+
+def _accelerator():
+    acc = torch.accelerator.current_accelerator()
+    return acc if acc is not None and acc.type != "cpu" else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_accelerator() is None, reason="needs an accelerator")
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_on_the_accelerator_routed_attention_matches_the_cpu_and_every_mode_trains(name):
+    _eager_routed_matches(name, atol=1e-4)  # fp32 SDPA kernels on the device vs the CPU's eager path
+    for mode in MODES:
+        losses, feats = train(name, mode)
+        assert losses[-1] < 0.8 * losses[0], (mode, losses)
+        assert feats["placement"]["chosen"].startswith(_accelerator().type)
 
 
 def test_trainer_runs_with_the_switch_on(tmp_path):

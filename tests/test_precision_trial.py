@@ -141,3 +141,175 @@ def test_invalid_trial_settings():
 
     with pytest.raises(ConfigError, match="autocast_trial_calls=6 must be a multiple of 4"):
         vb.enable(autocast_trial_calls=6)
+
+
+# --- the mechanism: backward on another thread, device events, nothing after the verdict ------
+
+import threading  # noqa: E402
+
+import torch.nn as nn  # noqa: E402
+
+from apt_model.devices.timing import EventClock, HostClock, SyncClock, clock_for  # noqa: E402
+from apt_model.precision.autocast import attach_autocast  # noqa: E402
+from apt_model.switch.patches import PatchSet  # noqa: E402
+
+
+class CountingClock(HostClock):
+    """Host clock that counts every use; ``lag`` makes a mark 'complete' only after ``lag`` later
+    marks, as device events complete some time after they are recorded."""
+
+    def __init__(self, lag: int = 0):
+        self.lag, self.marks, self.readies, self.waits, self.elapsed_calls = lag, 0, 0, 0, 0
+        self.waited: list[int] = []
+
+    def uses(self) -> int:
+        return self.marks + self.readies + self.waits + self.elapsed_calls
+
+    def mark(self):
+        self.marks += 1
+        return (self.marks, super().mark())
+
+    def ready(self, mark):
+        self.readies += 1
+        return self.marks - mark[0] >= self.lag
+
+    def wait(self, mark):
+        self.waits += 1
+        self.waited.append(mark[0])
+
+    def elapsed(self, start, end):
+        self.elapsed_calls += 1
+        return end[1] - start[1]
+
+
+def _mlp_hooks(clock=None, settle_max=8, calls=4):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    verdicts = []
+    hooks = attach_autocast(m, "cpu", torch.bfloat16, PatchSet(),
+                            trial=SpeedTrial(calls=calls, settle_max=settle_max),
+                            on_verdict=lambda keep, summary: verdicts.append((keep, summary)), clock=clock)
+    return m, hooks, verdicts
+
+
+def _step(m, opt, x, backward_thread: bool):
+    loss = F.mse_loss(m(x).float(), x)
+    if backward_thread:  # what autograd does for accelerator tensors: backward on its device thread
+        t = threading.Thread(target=loss.backward)
+        t.start()
+        t.join()
+    else:
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("backward_thread", [False, True])
+def test_trial_decides_when_backward_runs_on_another_thread(backward_thread):
+    m, hooks, verdicts = _mlp_hooks()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(8, 32)
+    budget = hooks.trial.settle_max + 2 * hooks.trial.calls + hooks.max_lag
+    steps = 0
+    while hooks.trial.running:
+        _step(m, opt, x, backward_thread)
+        steps += 1
+        assert steps <= budget, f"no verdict within the trial's call budget ({budget} calls)"
+    assert len(verdicts) == 1 and verdicts[0][0] is hooks.active
+    assert hooks.trial.index == steps  # every call was timed: none lost between threads
+
+
+def test_lagging_events_are_read_in_order_and_the_wait_is_bounded():
+    clock = CountingClock(lag=40)  # events far behind: the hooks must block on the oldest, in order
+    m, hooks, verdicts = _mlp_hooks(clock=clock, settle_max=8, calls=4)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(8, 32)
+    steps = 0
+    while hooks.trial.running:
+        _step(m, opt, x, backward_thread=True)
+        steps += 1
+        assert hooks.trial.in_flight <= hooks.max_lag + 1
+        assert steps <= hooks.trial.settle_max + 2 * hooks.trial.calls + hooks.max_lag + 1
+    assert verdicts and clock.waits > 0
+    assert clock.waited == sorted(clock.waited)  # oldest first, one event at a time
+    assert hooks.trial.index + hooks.max_lag >= steps - 1
+
+
+def test_no_clock_use_and_no_synchronize_after_the_verdict(monkeypatch):
+    clock = CountingClock()
+    m, hooks, verdicts = _mlp_hooks(clock=clock)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(8, 32)
+    while hooks.trial.running:
+        _step(m, opt, x, backward_thread=True)
+    used = clock.uses()
+    assert used > 0
+    syncs = []
+    import apt_model.devices.timing as timing
+
+    monkeypatch.setattr(timing, "synchronize", lambda device: syncs.append(device))
+    for _ in range(10):
+        _step(m, opt, x, backward_thread=True)
+    assert clock.uses() == used, "a hook took a mark, read or waited on an event after the verdict"
+    assert syncs == []
+
+
+def test_a_forward_without_backward_gives_its_abba_slot_to_the_next_call():
+    clock = CountingClock()
+    m, hooks, _ = _mlp_hooks(clock=clock)
+    x = torch.randn(8, 32)
+    m(x)  # training-mode forward, never followed by backward
+    assert hooks.trial.issued == 1 and hooks.trial.index == 0
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    _step(m, opt, x, backward_thread=False)  # takes the withdrawn slot: still ABBA position 0
+    assert hooks.trial.issued == 1 and hooks.trial.index == 1
+
+
+def test_clock_for_each_kind_of_device():
+    clock, why = clock_for("cpu")
+    assert type(clock) is HostClock and "host clock" in why
+    clock, why = clock_for("meta")  # a device kind without timing events
+    assert isinstance(clock, SyncClock) and "no timing events" in why
+    a, b = clock.mark(), clock.mark()
+    assert clock.ready(b) and clock.elapsed(a, b) >= 0
+    from apt_model.precision.autocast import AutocastHooks
+
+    with pytest.raises(ValueError, match="max_lag=-1"):
+        AutocastHooks("cpu", torch.bfloat16, max_lag=-1)
+
+
+def _accelerator():
+    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    return acc if acc is not None and acc.type != "cpu" else None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_accelerator() is None, reason="needs an accelerator")
+def test_on_the_accelerator_the_trial_decides_with_events_and_never_synchronizes_after(monkeypatch):
+    dev = torch.device(_accelerator().type, 0)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256)).to(dev)
+    hooks = attach_autocast(m, dev.type, torch.bfloat16, PatchSet(),
+                            trial=SpeedTrial(calls=8, settle_max=16), device=dev)
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(64, 256, device=dev)
+    budget = hooks.trial.settle_max + 2 * hooks.trial.calls + hooks.max_lag
+    steps = 0
+    while hooks.trial.running:
+        loss = F.mse_loss(m(x).float(), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+        assert steps <= budget
+    assert isinstance(hooks.clock, EventClock), hooks.clock_reason
+    mod = getattr(torch, dev.type)
+    calls = []
+    real = mod.synchronize
+    monkeypatch.setattr(mod, "synchronize", lambda *a, **k: (calls.append(1), real(*a, **k)))
+    for _ in range(5):
+        loss = F.mse_loss(m(x).float(), x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert calls == []

@@ -19,6 +19,13 @@ design guards against the usual traps of timing a live run:
   range must lie entirely below the "off" one. A promising but unclear result is extended once
   with as many calls again; still unclear means off — the user's own precision is never the
   risky choice.
+
+Calls are *issued* (:meth:`SpeedTrial.issue`, when a call starts) and *recorded*
+(:meth:`SpeedTrial.record`, when its duration is known) separately: on an accelerator the
+duration of a call is read from device events some calls later, without stalling the device.
+Durations are recorded in issue order; a call that will never be timed (its backward never
+came) is withdrawn with :meth:`SpeedTrial.cancel_last` before the next call is issued, so the
+recorded sequence is exactly ABBA.
 """
 from __future__ import annotations
 
@@ -54,7 +61,8 @@ class SpeedTrial:
         self.settle_window = settle_window
         self.settle_tolerance = settle_tolerance
         self.settle_max = settle_max
-        self.index = 0
+        self.index = 0  # calls recorded
+        self.issued = 0  # calls announced (>= index; more while durations are in flight)
         self.phase = "settle" if calls else "done"
         self.settle_calls = 0
         self.target = calls
@@ -68,8 +76,25 @@ class SpeedTrial:
         return self.verdict is None
 
     def next_setting(self) -> bool:
-        """Whether the next call runs with the setting on."""
-        return _ABBA[self.index % 4]
+        """Whether the next call to be issued runs with the setting on."""
+        return _ABBA[self.issued % 4]
+
+    def issue(self) -> bool:
+        """Announce a timed call; returns whether it runs with the setting on."""
+        setting = self.next_setting()
+        self.issued += 1
+        return setting
+
+    def cancel_last(self) -> None:
+        """Withdraw the most recently issued call (it will never be recorded); the next call
+        issued takes its place in the ABBA order. No-op when nothing is in flight."""
+        if self.issued > self.index:
+            self.issued -= 1
+
+    @property
+    def in_flight(self) -> int:
+        """Calls issued whose duration has not been recorded yet."""
+        return self.issued - self.index
 
     def _settled(self) -> bool:
         w = self.settle_window
@@ -79,10 +104,14 @@ class SpeedTrial:
         return True
 
     def record(self, seconds: float) -> bool | None:
-        """Record the duration of the call :meth:`next_setting` announced; returns the verdict
-        once decided (True: keep the setting), else None."""
-        setting = self.next_setting()
+        """Record the duration (seconds) of the oldest issued call not yet recorded (a call
+        recorded without :meth:`issue` is issued implicitly); returns the verdict once decided
+        (True: keep the setting), else None. After the verdict, further records are ignored."""
+        if self.phase == "done":
+            return self.verdict
+        setting = _ABBA[self.index % 4]
         self.index += 1
+        self.issued = max(self.issued, self.index)
         if self.phase == "settle":
             self._settling[setting].append(seconds)
             if self.index % 4 == 0 and (self._settled() or self.index >= self.settle_max):

@@ -22,6 +22,7 @@ from apt_model.quantization.policy import apply_fp4_policy
 from apt_model.switch.config import VBConfig
 from apt_model.switch.modes import FEATURES
 from apt_model.switch.patches import PatchSet
+from apt_model.switch.placement import attach_mismatch_hint
 from apt_model.switch.report import DecisionLog
 
 _AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -117,6 +118,7 @@ class Adopter:
         )
         self.records.append(rec)
         self._placement(rec, dev, trigger, moved_note)
+        attach_mismatch_hint(model, self.patches)
         need_probe = self.config.attention != "off" or self.config.mixed_precision != "off"
         support = self._support(dev) if need_probe else None
         speed = self._speed(dev, rec.width) if need_probe and self._wants_speed() else None
@@ -244,13 +246,13 @@ class Adopter:
                 why += (f"; on trial: the model's first training calls alternate autocast on/off; once step "
                         f"times settle, {trial.calls} timed calls decide, and it stays on only if clearly faster")
             attach_autocast(model, dev.type, getattr(torch, dname), self.patches, trial,
-                            lambda keep, summary: self._trial_verdict(rec, want, keep, summary))
+                            lambda keep, summary: self._trial_verdict(rec, want, keep, summary), device=dev)
             self._decide(rec, "mixed_precision", req, want, why, tried)
             return
         why = f"forced by mixed_precision={req} (probe: {ratio:.2f}x vs fp32)"
         if req == "fp16":
             why += "; use torch.amp.GradScaler in the training loop to avoid gradient underflow"
-        attach_autocast(model, dev.type, getattr(torch, dname), self.patches)
+        attach_autocast(model, dev.type, getattr(torch, dname), self.patches, device=dev)
         self._decide(rec, "mixed_precision", req, want, why, tried)
 
     def _trial_verdict(self, rec: ModelRecord, want: str, keep: bool, summary: dict) -> None:

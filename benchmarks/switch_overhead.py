@@ -1,14 +1,20 @@
 #!/usr/bin/env python
-"""Does the switch make the main job slower? ``--vb-mode off`` vs a mode, interleaved.
+"""Does the switch make the main job slower? A baseline script vs a mode, interleaved.
 
-Two worker processes train the same GPT preset on the same real text (the stdlib corpus, same
-seed, same batches): one plain PyTorch, one with the switch enabled before the model is built
-(as a user would). Both warm up, then the coordinator has them run ``--steps-per-round`` steps
+Two worker processes train the same model on the same real text (the stdlib corpus, same seed,
+same batches): one the baseline script, one with the switch enabled before the model is built
+(as a user would). ``--baseline off`` is the plain fp32 script; ``--baseline manual`` is the
+script a user would tune by hand (TF32 matmuls on where CUDA has them, and ``torch.autocast``
+in bf16 written around forward and loss) — the switch must not be slower than either.
+``--arch gpt`` is the main job's GPT preset; ``--arch encoder`` an ``nn.TransformerEncoder``
+language model (causal mask, the library's fused path) of the preset's width and depth. Both warm up, then the coordinator has them run ``--steps-per-round`` steps
 in turn — never at the same time, so they do not compete for cores — alternating which goes
 first, for ``--rounds`` rounds. Reported: median step time per side, the speed-up
 (off / mode, from the medians) and the median of per-round ratios, and the switch's decisions.
 
     python benchmarks/switch_overhead.py --threads 2 --json bench-results/switch_overhead.json
+    python benchmarks/switch_overhead.py --baseline manual --arch encoder --model-size medium \
+        --seq-len 1024 --batch-size 8          # on a GPU: the accelerator issue's acceptance check
 """
 from __future__ import annotations
 
@@ -22,6 +28,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import machine_info, summarize, train_step, write_json  # noqa: E402
 
 
+class EncoderLM:
+    """Factory for a byte-level ``nn.TransformerEncoder`` LM (embedding, causal encoder, head)."""
+
+    @staticmethod
+    def build(d_model: int, n_layers: int, n_heads: int, seq_len: int):
+        import torch
+        import torch.nn as nn
+
+        class _LM(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.emb = nn.Embedding(256, d_model)
+                self.pos = nn.Parameter(torch.zeros(seq_len, d_model))
+                layer = nn.TransformerEncoderLayer(d_model, n_heads, 4 * d_model, dropout=0.0, batch_first=True,
+                                                   norm_first=True)
+                self.enc = nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
+                self.head = nn.Linear(d_model, 256)
+
+            def forward(self, x):
+                t = x.shape[1]
+                mask = nn.Transformer.generate_square_subsequent_mask(t, device=x.device)
+                return self.head(self.enc(self.emb(x) + self.pos[:t], mask=mask, is_causal=True))
+
+        return _LM()
+
+
 def worker(conn, mode: str, args) -> None:
     import torch
 
@@ -32,18 +64,31 @@ def worker(conn, mode: str, args) -> None:
     from apt_model.models.gpt import GPT, PRESETS, GPTConfig
 
     set_seed(0)
-    if mode != "off":
+    amp = None
+    if mode not in ("off", "manual"):
         vb.enable(mode, device=args.device, banner=False)
         device = vb.device()
     else:
-        device = torch.device(args.device or "cpu")
+        from apt_model.devices.ranking import select_device
+
+        device = select_device(device=args.device).device  # the same device the switch would pick
+        if mode == "manual":
+            amp = torch.bfloat16
+            if device.type == "cuda":
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
     corpus = ByteCorpus(load_text_bytes(None, args.max_bytes))
-    model = GPT(GPTConfig(seq_len=args.seq_len, **PRESETS[args.model_size])).to(device)
+    preset = PRESETS[args.model_size]
+    if args.arch == "gpt":
+        model = GPT(GPTConfig(seq_len=args.seq_len, **preset))
+    else:
+        model = EncoderLM.build(preset["d_model"], preset["n_layers"], preset["n_heads"], args.seq_len)
+    model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
 
     def step() -> float:
-        return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len, device)
+        return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len, device, autocast_dtype=amp)
 
     for _ in range(args.warmup):
         step()
@@ -71,6 +116,10 @@ def worker(conn, mode: str, args) -> None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", default="balanced", help="switch mode compared against off")
+    p.add_argument("--baseline", default="off", choices=("off", "manual"),
+                   help="off: the plain fp32 script; manual: TF32 + hand-written bf16 autocast")
+    p.add_argument("--arch", default="gpt", choices=("gpt", "encoder"),
+                   help="gpt: the main job's model; encoder: an nn.TransformerEncoder LM")
     p.add_argument("--model-size", default="tiny", choices=("tiny", "small", "medium"))
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
@@ -82,10 +131,11 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default=None)
     p.add_argument("--json", default=None, help="write the result here")
     args = p.parse_args(argv)
+    base = args.baseline
 
     ctx = mp.get_context("spawn")
     sides = {}
-    for mode in ("off", args.mode):  # one at a time: the switch's probes must not share the cores
+    for mode in (base, args.mode):  # one at a time: the switch's probes must not share the cores
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(child, mode, args), daemon=True)
         proc.start()
@@ -101,34 +151,34 @@ def main(argv=None) -> dict:
             parent.send(args.steps_per_round)
             per_round[mode] = parent.recv()
             times[mode].extend(per_round[mode])
-        round_ratios.append(statistics.median(per_round["off"]) / statistics.median(per_round[args.mode]))
+        round_ratios.append(statistics.median(per_round[base]) / statistics.median(per_round[args.mode]))
     finals = {}
     for mode, (parent, proc) in sides.items():
         parent.send("stop")
         finals[mode] = parent.recv()
         proc.join(timeout=30)
 
-    off, on = summarize(times["off"]), summarize(times[args.mode])
+    off, on = summarize(times[base]), summarize(times[args.mode])
     result = {
         "benchmark": "switch_overhead",
-        "machine": machine_info(args.threads, finals["off"]["device"]),
+        "machine": machine_info(args.threads, finals[base]["device"]),
         "config": vars(args),
-        "off": off,
+        base: off,
         args.mode: on,
         "speedup": off["median"] / on["median"],
-        "ratio_mode_over_off": on["median"] / off["median"],
+        "ratio_mode_over_baseline": on["median"] / off["median"],
         "round_speedups": {"median": statistics.median(round_ratios), "min": min(round_ratios), "max": max(round_ratios)},
         "decisions": finals[args.mode]["decisions"],
         "probe_seconds": finals[args.mode]["probe_seconds"],
         "speed_probe": finals[args.mode]["speed_probe"],
     }
     tok = args.batch_size * args.seq_len
-    print(f"switch overhead — {args.model_size} GPT, batch {args.batch_size}x{args.seq_len}, {args.threads} threads, "
-          f"{args.rounds} rounds x {args.steps_per_round} steps, device {finals['off']['device']}")
+    print(f"switch overhead — {args.model_size} {args.arch}, batch {args.batch_size}x{args.seq_len}, {args.threads} threads, "
+          f"{args.rounds} rounds x {args.steps_per_round} steps, device {finals[base]['device']}, baseline {base}")
     print(f"  {'side':<12} {'median ms':>10} {'p25':>8} {'p75':>8} {'tokens/s':>10}")
-    for name, s in (("off", off), (args.mode, on)):
+    for name, s in ((base, off), (args.mode, on)):
         print(f"  {name:<12} {1e3 * s['median']:>10.1f} {1e3 * s['p25']:>8.1f} {1e3 * s['p75']:>8.1f} {tok / s['median']:>10,.0f}")
-    print(f"  {args.mode} / off step time: {result['ratio_mode_over_off']:.3f} (speed-up {result['speedup']:.2f}x; "
+    print(f"  {args.mode} / {base} step time: {result['ratio_mode_over_baseline']:.3f} (speed-up {result['speedup']:.2f}x; "
           f"per-round speed-ups {result['round_speedups']['min']:.2f}-{result['round_speedups']['max']:.2f})")
     print(f"  one-time probe cost: {result['probe_seconds']:.2f} s (the autocast trial ran inside the warm-up)")
     for name, feats in (result["decisions"] or {}).items():

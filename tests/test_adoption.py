@@ -213,7 +213,9 @@ def test_print_stats_and_report(capsys):
     assert "model GPT#1" in text and "attention" in text and "mixed_precision" in text
     rep = vb.get_report()
     assert {"version", "config", "device", "capabilities", "models", "decisions", "stats"} <= set(rep)
-    assert rep["device"]["selection"]["device"] == "cpu"
+    from conftest import best_device
+
+    assert rep["device"]["selection"]["device"] == best_device()  # the switch's choice, also with a GPU
     assert [d["feature"] for d in rep["decisions"]][:2] == ["mode", "device"]
 
 

@@ -4,9 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
 from apt_model.memory.sizes import parse_size
-from conftest import ROOT, clean_env
+from conftest import ROOT, best_device, clean_env
 
 
 def apt_vb(*args, cwd=None, timeout=240, **env):
@@ -16,15 +17,39 @@ def apt_vb(*args, cwd=None, timeout=240, **env):
 
 
 
-def test_config_suggest_json():
+def suggest_json() -> dict:
     proc = apt_vb("config", "suggest", "--json", "--no-measure")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    s = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_config_suggest_json(cpu_device):
+    """Planned for the CPU (VB_DEVICE=cpu, inherited by the subprocess): no accelerator, and the
+    host budget is also the level-0 budget."""
+    s = suggest_json()
     assert {"values", "reasons", "notes", "machine", "summary"} <= set(s)
+    assert s["machine"]["device"] == "cpu" and s["machine"]["device_memory"] is None
     assert s["values"]["mode"] == "balanced" and "no accelerator" in s["reasons"]["mode"]
     assert 0 < parse_size(s["values"]["host_budget"]) <= s["machine"]["host_ram"]
+    assert "also the level-0 budget" in s["reasons"]["host_budget"]
     assert set(s["reasons"]) == set(s["values"])
-    assert s["summary"].startswith("host RAM ")
+    assert s["summary"].startswith("host RAM ") and "no accelerator" in s["summary"]
+
+
+@pytest.mark.gpu
+def test_config_suggest_json_plans_for_the_accelerator():
+    """With no device named, the suggestion is for the ranking's choice: on a GPU machine, the GPU,
+    named with its memory; its budget is left to enable() (free memory follows other processes)."""
+    dev = best_device()
+    if dev == "cpu":
+        pytest.skip("needs an accelerator: the ranking chose the CPU on this machine")
+    s = suggest_json()
+    assert s["machine"]["device"] == dev and s["machine"]["device_memory"] > 0
+    assert s["values"]["mode"] in ("balanced", "memory") and s["reasons"]["mode"].startswith(f"{dev} ")
+    assert "no accelerator" not in s["reasons"]["mode"] + s["summary"]
+    assert "level-0 budget" not in s["reasons"]["host_budget"] and "device_budget" not in s["values"]
+    assert any(n.startswith("device_budget left unset") for n in s["notes"])
+    assert 0 < parse_size(s["values"]["host_budget"]) <= s["machine"]["host_ram"]
 
 
 def test_config_show_json_in_a_subprocess(tmp_path):

@@ -4,23 +4,52 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch.nn.functional as F
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from apt_model.cli.selftest import CHECKS, run_checks
-from conftest import ROOT, clean_env
+from conftest import ROOT, best_device, clean_env
 
 
-def test_selftest_passes_on_this_machine_as_json():
-    proc = subprocess.run([sys.executable, "-m", "apt_model", "test", "--json"], capture_output=True, text=True,
+def selftest_json(*args: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "apt_model", "test", "--json", *args], capture_output=True, text=True,
                           env=clean_env(), cwd=ROOT, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    r = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def test_selftest_passes_on_the_cpu_as_json(cpu_device):
+    """CPU semantics (VB_DEVICE=cpu, inherited by the subprocess): training is bit-identical."""
+    r = selftest_json()
     assert r["passed"] is True
     (dev,) = r["devices"]
     assert dev["device"] == "cpu" and [c["name"] for c in dev["checks"]] == list(CHECKS)
     assert all(c["passed"] and c["reason"] for c in dev["checks"])
+    assert "cpu -> cpu -> cpu" in dev["checks"][0]["reason"]
     assert "bit-identical" in dev["checks"][3]["reason"] and "moved between levels" in dev["checks"][4]["reason"]
+
+
+def accelerator() -> str:
+    dev = best_device()
+    if dev == "cpu":
+        pytest.skip("needs an accelerator: the ranking chose the CPU on this machine")
+    return dev
+
+
+@pytest.mark.gpu
+def test_selftest_passes_on_the_accelerator_as_json():
+    """``apt-vb test`` with no device tests the ranking's choice: on a GPU machine, the GPU."""
+    want = accelerator()
+    r = selftest_json()
+    assert r["passed"] is True
+    (dev,) = r["devices"]
+    assert dev["device"] == want and dev["name"] and [c["name"] for c in dev["checks"]] == list(CHECKS)
+    checks = {c["name"]: c for c in dev["checks"]}
+    assert all(c["passed"] and c["reason"] for c in checks.values())
+    assert f"cpu -> {want} -> cpu" in checks["round_trip"]["reason"]
+    assert "equal within 1e-5 relative" in checks["training"]["reason"]  # device kernels: close, not bitwise
+    assert "moved between levels" in checks["training_paged"]["reason"]
 
 
 BROKEN_TO_DEVICE = """
@@ -46,7 +75,8 @@ def test_selftest_fails_with_status_1_and_the_reason_when_a_device_function_is_b
     r = json.loads(proc.stdout)
     checks = {c["name"]: c for c in r["devices"][0]["checks"]}
     assert r["passed"] is False and checks["round_trip"]["passed"] is False and checks["matmul"]["passed"] is False
-    assert "1 of 1000 elements differ after cpu -> cpu -> cpu" in checks["round_trip"]["reason"]
+    # the check copies to the device that is there (the ranking's choice): cpu, cuda:0, npu:0...
+    assert f"1 of 1000 elements differ after cpu -> {best_device()} -> cpu" in checks["round_trip"]["reason"]
     assert "relative error" in checks["matmul"]["reason"] and "float64 CPU reference" in checks["matmul"]["reason"]
 
 

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import apt_model.optimization.vb_global as vb
 from apt_model.models.gpt import GPT, GPTConfig
 from apt_model.switch.steps import StepRecorder
+from conftest import best_device
 
 REPORT_KEYS = {"version", "torch", "config", "device", "capabilities", "models", "memory", "decisions", "stats", "steps"}
 STEPS_KEYS = {"count", "optimizers", "kept", "stride", "max_records", "device", "memory_fields", "levels", "step_time",
@@ -17,11 +18,14 @@ STEP_TIME_KEYS = {"n", "total_s", "mean_s", "min_s", "max_s", "window", "median_
 RECORD_KEYS = {"step", "optimizer", "t", "step_s", "optimizer_s", "memory"}
 
 
-def train(steps: int, **enable):
+def train(steps: int, device: str | None = None):
+    """A few AdamW steps of a small GPT: left on the CPU, or moved by the script to ``device``."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randint(0, 256, (2, 32))
+    if device is not None:
+        model, x = model.to(device), x.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(steps):
         loss = F.cross_entropy(model(x).reshape(-1, 256), x.reshape(-1))
         opt.zero_grad()
@@ -30,7 +34,15 @@ def train(steps: int, **enable):
     return model, opt
 
 
-def test_report_schema_and_steps(tmp_path):
+def accelerator() -> str:
+    dev = best_device()
+    if dev == "cpu":
+        pytest.skip("needs an accelerator: the ranking chose the CPU on this machine")
+    return dev
+
+
+def test_report_schema_and_steps(tmp_path, cpu_device):
+    """On the CPU (VB_DEVICE=cpu): process RSS is the one memory figure, no paging levels."""
     vb.enable("balanced", banner=False, mixed_precision="off")
     _, opt = train(5)
     rep = json.loads(json.dumps(vb.get_report()))  # JSON-safe
@@ -38,10 +50,11 @@ def test_report_schema_and_steps(tmp_path):
     assert {"mode", "mode_source", "features", "settings", "config_files"} <= set(rep["config"])
     s = rep["steps"]
     assert STEPS_KEYS <= set(s) and STEP_TIME_KEYS <= set(s["step_time"])
+    assert s["device"] == "cpu" and rep["device"]["selection"]["device"] == "cpu"
     assert s["count"] == 5 and s["optimizers"] == 1 and s["kept"] == 5 and s["stride"] == 1
     assert s["levels"] == [] and s["memory_fields"] == ["process_rss"]
     assert [r["step"] for r in s["records"]] == [1, 2, 3, 4, 5]
-    assert all(RECORD_KEYS <= set(r) for r in s["records"])
+    assert all(RECORD_KEYS <= set(r) and set(r["memory"]) == {"process_rss"} for r in s["records"])
     assert s["records"][0]["step_s"] is None and all(r["step_s"] > 0 for r in s["records"][1:])
     assert all(r["optimizer_s"] > 0 and r["memory"]["process_rss"] > 0 for r in s["records"])
     assert s["step_time"]["n"] == 4 and s["step_time"]["p25_s"] <= s["step_time"]["median_s"] <= s["step_time"]["p75_s"]
@@ -52,13 +65,43 @@ def test_report_schema_and_steps(tmp_path):
     assert vb.get_report()["steps"]["count"] == 5
 
 
-def test_paging_records_memory_per_level():
+@pytest.mark.gpu
+def test_report_steps_record_the_accelerators_memory():
+    """On an accelerator the records carry the device's allocated bytes as well as the RSS."""
+    dev = accelerator()
+    vb.enable("balanced", banner=False, mixed_precision="off")
+    train(5, dev)
+    rep = json.loads(json.dumps(vb.get_report()))
+    s = rep["steps"]
+    assert s["device"] == dev == rep["device"]["selection"]["device"] and s["count"] == 5
+    assert s["memory_fields"] == ["process_rss", "device_allocated"] and s["levels"] == []
+    assert all(set(r["memory"]) == {"process_rss", "device_allocated"} for r in s["records"])
+    assert all(r["memory"]["device_allocated"] > 0 for r in s["records"])  # the model and its AdamW state
+    assert s["memory_peak"]["device_allocated"] >= max(r["memory"]["device_allocated"] for r in s["records"])
+
+
+def test_paging_records_memory_per_level(cpu_device):
+    """On the CPU (VB_DEVICE=cpu) the stack is host RAM (level 0) and the swap files (level 1)."""
     vb.enable("balanced", banner=False, mixed_precision="off", attention="off", paging="always", device_budget="64KB")
     train(3)
     s = vb.get_report()["steps"]
     assert s["levels"] == ["level0:host", "level1:nvme"]
     assert all(set(r["levels"]) == {"level0:host", "level1:nvme"} for r in s["records"])
     assert s["memory_peak"]["level1:nvme"] > 0  # the state went down to the swap files
+
+
+@pytest.mark.gpu
+def test_paging_on_the_accelerator_records_device_host_and_swap_levels():
+    """On an accelerator the stack is device memory, pinned host RAM, then the swap files; with a
+    64 KB device budget the training state leaves the device."""
+    dev = accelerator()
+    vb.enable("balanced", banner=False, mixed_precision="off", attention="off", paging="always", device_budget="64KB")
+    train(3, dev)
+    s = vb.get_report()["steps"]
+    levels = ["level0:device", "level1:host", "level2:nvme"]
+    assert s["device"] == dev and s["count"] == 3 and s["levels"] == levels
+    assert all(set(r["levels"]) == set(levels) for r in s["records"])
+    assert s["memory_peak"]["level1:host"] + s["memory_peak"]["level2:nvme"] > 0  # below the device
 
 
 def test_recorder_stays_bounded_and_evenly_spaced():

@@ -17,15 +17,29 @@ own I/O path (:func:`apt_model.memory.bandwidth.measure_disk`): GB/s.
 
 Every figure is a median with quartiles (p25, p75) over its timed calls, after a warm-up; the
 torch thread count is set explicitly and recorded, with the load average before and after.
-``duration`` bounds the whole suite: each case gets its share (by weight) of the time left, so
+``duration`` bounds the measurements: each case gets its share (by weight) of the time left, so
 slack from quick cases flows to later ones; a case always makes at least one timed call after its
 warm-up, so the suite can overrun by about one call; cases left when the time is spent are
 listed as skipped. The disk is measured first (its share is :data:`DISK_WEIGHT` cases).
+
+Each device is set up before the clock starts (its capability probes, which decide the dtypes
+that compute there, and an accelerator's context): that one-off cost is no throughput figure, and
+on an accelerator it can exceed a short ``duration`` by itself. It is recorded per device as
+``setup_s``. Cases then run in turns across devices (each case on every device before the next
+case), so a short ``duration`` cuts the same rows on every device instead of starving the device
+listed last.
+
+Every result has the same shape on every device, per group (documented in docs/cli.md):
+``group`` and ``unit``, then either ``skipped`` or ``error`` (the reason), or the figures: rate
+groups (``gemm``, ``elementwise``, ``norm``, ``transfer``) ``median``, ``p25``, ``p75``, ``n``,
+``time_ms``, ``warmup_ms``, ``spread``, ``noisy``; ``attention`` the same statistics per variant
+(``sdpa``, ``plain``) with ``speedup``, ``spread``, ``noisy``.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Callable
 
 import torch
@@ -38,6 +52,8 @@ log = get_logger(__name__)
 
 GEMM_SIZES = (256, 1024, 2048)
 GEMM_DTYPES = ("float32", "bfloat16", "float16")
+#: The groups, in the order the suite runs them.
+GROUPS = ("gemm", "elementwise", "norm", "attention", "transfer", "disk")
 #: A result whose interquartile range is over this fraction of its median is flagged ``noisy``.
 NOISY = 0.25
 
@@ -91,6 +107,32 @@ def default_devices() -> list[str]:
     if "cpu" not in out:
         out.append("cpu")
     return out
+
+
+def prepare_device(device: torch.device) -> float:
+    """Set ``device`` up before any timing: run its capability probes (they decide which dtypes
+    compute there; cached per process) and, on an accelerator, create its context with one small
+    operation. Returns the seconds it took."""
+    from apt_model.devices.capabilities import get_support
+
+    t0 = time.perf_counter()
+    get_support(device)
+    if device.type != "cpu":
+        torch.ones(8, device=device).add_(1)
+        _sync_for(device)()
+    return round(time.perf_counter() - t0, 3)
+
+
+def interleave(devices: list[torch.device], per_device: list[list[Case]]) -> list[tuple[torch.device, Case]]:
+    """One plan from each device's cases: grouped in :data:`GROUPS` order, each case on every
+    device that has it (in ``devices`` order) before the next case."""
+    first_seen: dict[str, int] = {}
+    for row in zip_longest(*per_device):
+        for case in row:
+            if case is not None:
+                first_seen.setdefault(case.name, len(first_seen))
+    plan = [(dev, case) for dev, cases in zip(devices, per_device) for case in cases]
+    return sorted(plan, key=lambda p: (GROUPS.index(p[1].group), first_seen[p[1].name], devices.index(p[0])))
 
 
 def device_cases(device: torch.device) -> list[Case]:
@@ -260,7 +302,8 @@ def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads:
 
     Args:
         devices: device names (``cpu``, ``cuda:0``...); None: :func:`default_devices`.
-        duration: seconds for the whole suite (> 0); a call already running finishes.
+        duration: seconds for the measurements (> 0; each device's setup comes before and is recorded
+            as its ``setup_s``); a call already running finishes.
         threads: torch CPU threads, set for the run and restored after (default: the current count).
         disk: also measure the disk of ``swap_dir`` (default: the swap level's folder).
         progress: called with each case's label as it starts (for a progress bar).
@@ -268,7 +311,7 @@ def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads:
 
     Returns:
         A JSON-safe dict: ``machine``, ``settings``, ``noise``, ``devices`` ({device: {"name",
-        "cases": {name: result}}}), ``disk``, ``elapsed_s``. See docs/cli.md for every field.
+        "setup_s", "cases": {name: result}}}), ``disk``, ``elapsed_s``. See docs/cli.md for every field.
 
     Raises:
         ConfigError / DeviceSelectionError: a malformed or unusable device; ValueError: a
@@ -277,7 +320,7 @@ def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads:
     from apt_model.devices.device_backend import DeviceBackend
     from apt_model.devices.ranking import select_device
 
-    valid_groups = ("gemm", "elementwise", "norm", "attention", "transfer", "disk")
+    valid_groups = GROUPS
     if duration <= 0:
         raise ValueError(f"duration={duration!r} must be > 0 seconds")
     if threads is not None and threads < 1:
@@ -286,19 +329,21 @@ def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads:
     if bad:
         raise ValueError(f"unknown group(s) {bad}; valid groups: {', '.join(valid_groups)}")
     step = progress or (lambda label: None)
-    t_start = time.perf_counter()
+    t_begin = time.perf_counter()
     old_threads = torch.get_num_threads()
     threads = threads or old_threads
     torch.set_num_threads(threads)
     load_before = load_average()
     try:
         names = devices or default_devices()
-        devs = [select_device(device=d).device for d in names]
-        plan: list[tuple[torch.device, Case]] = []
-        for dev in devs:
-            plan += [(dev, c) for c in device_cases(dev) if not groups or c.group in groups]
+        devs = list(dict.fromkeys(select_device(device=d).device for d in names))  # each device once
+        result: dict = {"devices": {}}
+        for dev in devs:  # before the clock: probes and context creation are no throughput figure
+            result["devices"][str(dev)] = {"name": DeviceBackend(dev).get_device_name(),
+                                           "setup_s": prepare_device(dev), "cases": {}}
+        plan = interleave(devs, [[c for c in device_cases(dev) if not groups or c.group in groups] for dev in devs])
         do_disk = disk and (not groups or "disk" in groups)
-        result: dict = {"devices": {str(d): {"name": DeviceBackend(d).get_device_name(), "cases": {}} for d in devs}}
+        t_start = time.perf_counter()
         weight_left = sum(c.weight for _, c in plan) + (DISK_WEIGHT if do_disk else 0.0)
         result["disk"] = None
         if do_disk:
@@ -321,7 +366,7 @@ def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads:
             cases[case.name] = r
     finally:
         torch.set_num_threads(old_threads)
-    elapsed = time.perf_counter() - t_start
+    elapsed = time.perf_counter() - t_begin
     load_after = load_average()
     all_results = [r for d in result["devices"].values() for r in d["cases"].values()]
     if result.get("disk"):

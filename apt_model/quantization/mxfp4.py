@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import torch
 
+from apt_model.quantization import fp32
 from apt_model.quantization.e2m1 import E2M1_MAX
 
 #: Elements per MXFP4 block (OCP MX v1.0).
@@ -77,7 +78,7 @@ def e8m0_exponents(amax: torch.Tensor, rule: str = "floor") -> torch.Tensor:
         field = (amax.view(torch.int32) >> _F32_MANTISSA_BITS) & 0xFF  # biased fp32 exponent of amax
         biased = (field - _E2M1_MAX_EXPONENT).clamp(0, 254)  # inf -> 253; zero/subnormal -> 0
     else:
-        descale = amax / E2M1_MAX
+        descale = fp32.div(amax, E2M1_MAX)  # a true division on every device (see fp32.div)
         bits = descale.view(torch.int32)
         field = (bits >> _F32_MANTISSA_BITS) & 0xFF
         mantissa = bits & 0x7FFFFF

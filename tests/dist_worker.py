@@ -176,16 +176,16 @@ def scenario_accelerate(vb, rank):
     return out
 
 
-def register_fake_npu() -> None:
-    """Two Ascend-like devices through PrivateUse1 (as tests/test_privateuse1_npu.py does), and an
-    ``hccl`` backend registered for them (gloo underneath: the fake devices hold no tensors, so the
+def register_fake_npu(count: int = 2) -> None:
+    """``count`` Ascend-like devices through PrivateUse1 (as tests/test_privateuse1_npu.py does), and
+    an ``hccl`` backend registered for them (gloo underneath: the fake devices hold no tensors, so the
     models stay on the CPU while the device layer, ranking and backend mapping see an NPU machine)."""
     import torch.distributed as dist
     import torch.utils.backend_registration as br
 
     class FakeModule(br._DummyBackendModule):
         def device_count(self):
-            return 2
+            return count
 
         def get_device_name(self, index=0):
             return f"FakeAscend-910B#{index}"
@@ -197,7 +197,8 @@ def register_fake_npu() -> None:
 
 def scenario_npu(vb, rank):
     """On the fake NPU machine: the rank's device is npu:<local rank>; the switch initializes with
-    hccl; a script's init_process_group("nccl") gets hccl; DataParallel ids are checked."""
+    hccl; a script's init_process_group("nccl") gets hccl; DataParallel ids are fitted to the
+    visible devices (narrowed where some exist, an error where none does)."""
     import torch.distributed as dist
 
     from apt_model.errors import DeviceSelectionError
@@ -216,21 +217,81 @@ def scenario_npu(vb, rank):
     out["script_backend"] = dist.get_backend()
     dp = nn.DataParallel(nn.Linear(4, 4), device_ids=[0, 1])
     out["dp"] = [dp.device_ids, str(dp.src_device_obj)]
+    # one id more than there are devices: narrowed to the visible ones (two here: the fake devices hold no
+    # tensors, and DataParallel moves the module to its device only when it has exactly one)
+    dp = nn.DataParallel(nn.Linear(4, 4), device_ids=[0, 1, 2])
+    out["dp_narrowed"] = dp.device_ids
     try:
-        nn.DataParallel(nn.Linear(4, 4), device_ids=[0, 2])
+        nn.DataParallel(nn.Linear(4, 4), device_ids=[2, 3])
         out["dp_error"] = None
     except DeviceSelectionError as err:
         out["dp_error"] = str(err)
+    out["dp_wrappers"] = [w for w in vb.get_report()["distributed"]["wrappers"] if w["wrapper"] == "DataParallel"]
     out["script_report"] = vb.get_report()["distributed"]
     out["decisions"] = [d for d in vb.get_report()["decisions"] if d["scope"] == "distributed"]
     vb.disable()
     return out
 
 
+def scenario_accel_ddp1(vb, rank):
+    """One rank on the accelerator: plain training on it, then the same under the switch with the
+    script's own ``init_process_group("nccl")`` (mapped where the accelerator is not CUDA) and
+    ``DDP(model, device_ids=[index])``. With one rank DDP's all-reduce is the identity, so both
+    must give the same parameters."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.use_deterministic_algorithms(True, warn_only=True)  # with CUBLAS_WORKSPACE_CONFIG set by the test
+    acc = torch.accelerator.current_accelerator()
+    dev = torch.device(acc.type, 0) if acc is not None else torch.device("cpu")  # the CPU: a dry run of the scenario
+
+    def run(switch: bool):
+        model = make_model().to(dev)
+        forward = model
+        if switch:
+            forward = DDP(model, device_ids=None if dev.type == "cpu" else [dev.index])
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+        x, y = make_data()
+        losses = []
+        for k in range(STEPS):
+            sl = slice(k * GLOBAL, (k + 1) * GLOBAL)
+            loss = F.mse_loss(forward(x[sl].to(dev)), y[sl].to(dev))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, _full_params(model)
+
+    plain_losses, plain_params = run(False)
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    dist.init_process_group("nccl")
+    out = {"vb_device": str(vb.device()), "backend": str(dist.get_backend()), "world_size": dist.get_world_size()}
+    losses, params = run(True)
+    rep = vb.get_report()
+    out.update(plain_losses=plain_losses, plain_params=plain_params, losses=losses, params=params,
+               distributed=rep["distributed"], models=rep["models"])
+    vb.disable()
+    return out
+
+
+def _fake_npu_count(flag: str) -> int:
+    """``--fake-npu`` (2 devices) or ``--fake-npu=N``."""
+    return int(flag.partition("=")[2] or 2)
+
+
 def main(argv: list[str]) -> None:
-    if argv and argv[0] == "--fake-npu":
+    """``[--fake-npu[=N]] OUT_DIR SCENARIO...`` runs scenarios; ``[--fake-npu[=N]] --script PATH ARGS...``
+    runs a script unchanged as ``__main__`` (on the fake NPU machine when asked)."""
+    if argv and argv[0].startswith("--fake-npu"):
+        register_fake_npu(_fake_npu_count(argv[0]))
         argv = argv[1:]
-        register_fake_npu()
+    if argv and argv[0] == "--script":
+        import runpy
+
+        sys.argv = argv[1:]
+        sys.path.insert(0, str(Path(argv[1]).resolve().parent))
+        runpy.run_path(argv[1], run_name="__main__")
+        return
     out_dir, names = Path(argv[0]), argv[1:]
     torch.set_num_threads(1)
     import apt_model.optimization.vb_global as vb

@@ -38,6 +38,12 @@ PARAM_ATOL = 1e-6
 
 LAUNCH = {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "TORCHELASTIC_RUN_ID": "x"}
+#: Hides a real CUDA/ROCm accelerator from a subprocess, so a test of another machine (CPU-only, the
+#: fake NPU machine) means the same on a GPU machine.
+NO_CUDA = {"CUDA_VISIBLE_DEVICES": "", "HIP_VISIBLE_DEVICES": ""}
+#: Tests that mean "CPU processes with gloo": the switch pinned to the CPU and CUDA hidden (a script's
+#: "nccl" must find no CUDA to serve, as on a CPU-only machine).
+CPU_ONLY = {"VB_DEVICE": "cpu", **NO_CUDA}
 
 
 def cand(kind, device_type, dist_backend, count=1):
@@ -80,12 +86,76 @@ def test_each_local_rank_gets_its_own_visible_device():
     assert local_device_index("cuda", 4, 2, "CUDA_VISIBLE_DEVICES", None)[0] == 2
     index, why = local_device_index("npu", 2, 1, "ASCEND_RT_VISIBLE_DEVICES", "4,5")
     assert index == 1 and "ASCEND_RT_VISIBLE_DEVICES='4,5'" in why  # visible index 1 = physical device 5
-    index, why = local_device_index("cuda", 1, 3, "CUDA_VISIBLE_DEVICES", "3", local_world_size=4)
-    assert index == 0 and "NCCL/HCCL refuse" in why  # per-process visibility: each rank sees its own device 0
-    with pytest.raises(DeviceSelectionError, match=r"LOCAL_RANK=2 needs a mlu device.*2 are visible.*MLU_VISIBLE_DEVICES unset"):
+    # per-process visibility (SLURM --gpus-per-task=1): the variable is set for each process, each sees its own 0
+    index, why = local_device_index("cuda", 1, 3, "CUDA_VISIBLE_DEVICES", "3", local_world_size=4, launcher="slurm")
+    assert index == 0 and "set per process" in why and "NCCL/HCCL refuse" in why
+    with pytest.raises(DeviceSelectionError, match=r"LOCAL_RANK=2: 3 processes.*but only 2 mlu device\(s\) visible.*"
+                                                   r"MLU_VISIBLE_DEVICES unset.*local rank 2 would have no mlu device"):
         local_device_index("mlu", 2, 2, "MLU_VISIBLE_DEVICES", None)
     with pytest.raises(DeviceSelectionError, match="no xpu device is visible"):
         local_device_index("xpu", 0, 0, "ZE_AFFINITY_MASK", "")
+
+
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_more_local_ranks_than_visible_devices_is_an_error_on_every_rank(local_rank):
+    """torchrun --nproc_per_node=2 on a 1-GPU machine: both ranks would bind cuda:0 and NCCL would fail
+    with "invalid usage" at the first collective. Every rank, rank 0 included, refuses at selection."""
+    with pytest.raises(DeviceSelectionError) as info:
+        local_device_index("cuda", 1, local_rank, "CUDA_VISIBLE_DEVICES", None, local_world_size=2,
+                           launcher="torchrun", dist_backend="nccl", names=("NVIDIA H100 80GB HBM3",))
+    msg = str(info.value)
+    for needle in (f"LOCAL_RANK={local_rank}: 2 processes on this node (LOCAL_WORLD_SIZE=2, local ranks 0..1)",
+                   "only 1 cuda device(s) visible to them: cuda:0 (NVIDIA H100 80GB HBM3) (CUDA_VISIBLE_DEVICES unset)",
+                   "local rank 1 would have no cuda device of its own", "nccl refuses",
+                   "torchrun --nproc_per_node=1", "VB_DEVICE=cpu", "make 2 cuda devices visible (CUDA_VISIBLE_DEVICES)"):
+        assert needle in msg, msg
+    # under torchrun every local rank inherits the same variable: set or not, they share the device
+    with pytest.raises(DeviceSelectionError, match=r"CUDA_VISIBLE_DEVICES='0'"):
+        local_device_index("cuda", 1, local_rank, "CUDA_VISIBLE_DEVICES", "0", local_world_size=2, launcher="torchrun")
+    # two devices, three ranks: ranks 0 and 1 have devices but refuse too, so no rank waits for one that failed
+    with pytest.raises(DeviceSelectionError, match=r"local rank 2 would have no npu device.*--nproc_per_node=2"):
+        local_device_index("npu", 2, local_rank, "ASCEND_RT_VISIBLE_DEVICES", None, local_world_size=3,
+                           launcher="torchrun", dist_backend="hccl")
+    assert local_device_index("cuda", 2, local_rank, "CUDA_VISIBLE_DEVICES", None, local_world_size=2,
+                              launcher="torchrun")[0] == local_rank
+
+
+def _fake_cuda_machine(monkeypatch, count: int = 1):
+    """The candidate list of a machine with ``count`` visible NVIDIA GPUs (built, not detected: the
+    boundary the ranking policy reads), plus this machine's real CPU candidate."""
+    from apt_model.devices import ranking
+    from apt_model.devices.detection import Candidate, detect_devices
+
+    cpu = next(c for c in detect_devices() if c.device_type == "cpu")
+    cuda = Candidate(kind="cuda", device_type="cuda", vendor="NVIDIA CUDA", status="available",
+                     reason=f"found {count} device(s)", count=count, names=("NVIDIA H100 80GB HBM3",) * count,
+                     priority=0, dist_backend="nccl", visible_devices_env="CUDA_VISIBLE_DEVICES")
+    monkeypatch.setattr(ranking, "detect_devices", lambda *a, **k: [cuda, cpu])
+    return [cuda, cpu]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_two_ranks_on_one_gpu_fail_at_enable_before_any_collective(monkeypatch, rank):
+    import torch.distributed as dist
+    from apt_model.devices.ranking import select_device
+
+    _fake_cuda_machine(monkeypatch)
+    for k, v in {**LAUNCH, "RANK": rank, "LOCAL_RANK": rank}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(DeviceSelectionError, match=r"2 processes on this node.*cuda:0 .*--nproc_per_node=1.*VB_DEVICE=cpu"):
+        vb.enable("balanced", banner=False)
+    assert not vb.is_enabled() and not dist.is_initialized()
+    with pytest.raises(DeviceSelectionError, match="local rank 1 would have no cuda device"):
+        select_device(device="cuda")  # a kind without an index is bound the same way
+    # the fixes the message names: VB_DEVICE=cpu trains on the CPU (gloo); one process per GPU binds cuda:0
+    monkeypatch.setenv("VB_DEVICE", "cpu")
+    assert select_device().device == torch.device("cpu")
+    monkeypatch.delenv("VB_DEVICE")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("RANK", rank)  # e.g. two nodes with one GPU each
+    assert select_device().device == torch.device("cuda", 0)
 
 
 def test_the_cpu_is_shared_and_the_selection_says_so(monkeypatch):
@@ -127,55 +197,120 @@ def test_backend_of_the_selected_kind_and_the_mapping_of_a_scripts_backend():
 # ---------------------------------------------------------------------------- DataParallel ids
 
 
-def test_data_parallel_device_ids_are_checked_against_visible_devices():
-    assert "runs the module as is" in check_device_ids([0, 1], None, None, 0)
-    why = check_device_ids([0, 1], None, "npu", 2, "ASCEND_RT_VISIBLE_DEVICES", "0,1")
-    assert "split over 2 device(s)" in why
-    assert "npu" in check_device_ids(["cuda:0", torch.device("cuda", 1)], 1, "npu", 2)
-    with pytest.raises(DeviceSelectionError, match=r"device_ids=\[0, 2\]: 2 is not a visible cuda device.*"
-                                                   r"sees 2 \(CUDA_VISIBLE_DEVICES='1,3'\)"):
-        check_device_ids([0, 2], None, "cuda", 2, "CUDA_VISIBLE_DEVICES", "1,3")
+def test_data_parallel_device_ids_are_fitted_to_the_visible_devices():
+    assert "runs the module as is" in check_device_ids([0, 1], None, None, 0).reason
+    plan = check_device_ids([0, 1], None, "npu", 2, "ASCEND_RT_VISIBLE_DEVICES", "0,1")
+    assert plan.device_ids == [0, 1] and not plan.narrowed and "split over 2 devices" in plan.reason
+    assert "npu" in check_device_ids(["cuda:0", torch.device("cuda", 1)], 1, "npu", 2).reason
+    # the seed's example with one visible GPU: narrowed to the device that exists, and the reason says so
+    plan = check_device_ids([0, 1], None, "cuda", 1, "CUDA_VISIBLE_DEVICES", None)
+    assert (plan.device_ids, plan.dropped, plan.narrowed) == ([0], (1,), True)
+    assert ("device_ids=[0, 1] narrowed to [0]: 1 is not a visible cuda device; this process sees 1 "
+            "(CUDA_VISIBLE_DEVICES unset), valid indices 0..0") in plan.reason
+    plan = check_device_ids(["cuda:0", "cuda:2"], "cuda:2", "cuda", 2, "CUDA_VISIBLE_DEVICES", "1,3")
+    assert plan.device_ids == ["cuda:0"] and plan.output_device == "cuda:0"  # a dropped output device follows
+    assert "CUDA_VISIBLE_DEVICES='1,3'" in plan.reason and "output_device='cuda:2' (dropped too)" in plan.reason
+    with pytest.raises(DeviceSelectionError, match=r"device_ids=\[2, 3\]: none is a visible cuda device.*"
+                                                   r"sees 2 \(CUDA_VISIBLE_DEVICES='1,3'\), valid indices 0..1"):
+        check_device_ids([2, 3], None, "cuda", 2, "CUDA_VISIBLE_DEVICES", "1,3")
     with pytest.raises(DeviceSelectionError, match="repeats a device"):
         check_device_ids([1, 1], None, "cuda", 2)
+    with pytest.raises(DeviceSelectionError, match="is negative"):
+        check_device_ids([0, -1], None, "cuda", 2)
     with pytest.raises(DeviceSelectionError, match="is the CPU"):
         check_device_ids(["cpu"], None, "cuda", 2)
     with pytest.raises(DeviceSelectionError, match="output_device=5"):
         check_device_ids([0, 1], 5, "cuda", 2)
 
 
-def test_data_parallel_seed_example_trains_like_plain_pytorch_with_the_switch_on():
+def _dp_ids_here() -> tuple[str | None, int]:
+    from apt_model.distributed.data_parallel import visible_data_parallel_devices
+
+    dtype, count, _, _ = visible_data_parallel_devices()
+    return dtype, count
+
+
+def _train_data_parallel(switch: bool, device_ids, steps: int = 3):
+    """The seed's DataParallel example: ``steps`` SGD steps of a small MLP wrapped in
+    ``nn.DataParallel(model, device_ids)``, on the switch's device (the ranking's choice when off)."""
     torch.manual_seed(0)
     x, y = torch.randn(16, 8), torch.randn(16, 4)
+    torch.manual_seed(0)
+    if switch:
+        vb.enable("balanced", mixed_precision="off", banner=False)
+    device = vb.device()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
+    dp = nn.DataParallel(model, device_ids=device_ids)
+    opt = torch.optim.SGD(dp.parameters(), lr=0.1)
+    for _ in range(steps):
+        loss = F.mse_loss(dp(x), y.to(device))  # DataParallel scatters x; its output is on device_ids[0]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rep = vb.get_report() if switch else None
+    vb.disable()
+    return [p.detach().cpu().clone() for p in model.parameters()], rep
 
-    def train(switch: bool):
-        torch.manual_seed(0)
-        if switch:
-            vb.enable("balanced", mixed_precision="off", banner=False)
-        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(vb.device())
-        dp = nn.DataParallel(model, device_ids=[0, 1])  # the seed's example; on a CPU it runs the module as is
-        opt = torch.optim.SGD(dp.parameters(), lr=0.1)
-        for _ in range(3):
-            loss = F.mse_loss(dp(x), y)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        rep = vb.get_report() if switch else None
-        vb.disable()
-        return [p.detach().clone() for p in model.parameters()], rep
 
-    plain, _ = train(False)
-    switched, rep = train(True)
+def test_data_parallel_seed_example_trains_like_plain_pytorch_with_the_switch_on():
+    """``nn.DataParallel(model, device_ids=[0, 1])`` with the switch on trains exactly like plain
+    PyTorch given the ids that exist here: on a CPU (DataParallel ignores the ids), on one GPU
+    (narrowed to [0]: plain PyTorch fails there with "Invalid device id") and on two or more."""
+    dtype, count = _dp_ids_here()
+    valid = [i for i in (0, 1) if dtype is None or i < count]
+    plain, _ = _train_data_parallel(False, valid)
+    switched, rep = _train_data_parallel(True, [0, 1])  # the seed's example, as written
     assert all(torch.equal(a, b) for a, b in zip(plain, switched))
     dp_rows = [w for w in rep["distributed"]["wrappers"] if w["wrapper"] == "DataParallel"]
-    assert dp_rows and "runs the module as is" in dp_rows[0]["reason"]
+    assert len(dp_rows) == 1 and dp_rows[0]["requested_device_ids"] == ["0", "1"]
+    if dtype is None:
+        assert "runs the module as is" in dp_rows[0]["reason"] and not dp_rows[0]["narrowed"]
+    else:
+        assert dp_rows[0]["device_ids"] == [str(i) for i in valid] and dp_rows[0]["narrowed"] == (count < 2)
     assert [m["name"] for m in rep["models"]] == ["Sequential"]  # the wrapper of an adopted model is not adopted again
     assert any(d["feature"] == "DataParallel" for d in rep["decisions"])
+
+
+def test_data_parallel_ids_are_narrowed_to_one_visible_gpu_logged_and_trained(monkeypatch, caplog, cpu_device):
+    """By construction, on any machine: the switch sees one visible cuda device
+    (``visible_data_parallel_devices`` returns it; CUDA_VISIBLE_DEVICES unset), and below the switch
+    DataParallel's constructor is a stand-in that records the ids it is given and then behaves as
+    torch's does without an accelerator (the module as is), so the model trains on the CPU here and
+    on a GPU machine alike."""
+    import apt_model.distributed.session as session_mod
+
+    passed = []
+
+    def recording_init(self, module, device_ids=None, output_device=None, dim=0):
+        passed.append((device_ids, output_device))
+        nn.Module.__init__(self)
+        self.module, self.device_ids, self.dim = module, [], dim  # torch's DataParallel with no accelerator
+
+    monkeypatch.setattr(nn.DataParallel, "__init__", recording_init)
+    monkeypatch.setattr(session_mod, "visible_data_parallel_devices", lambda: ("cuda", 1, "CUDA_VISIBLE_DEVICES", None))
+    plain, _ = _train_data_parallel(False, [0])  # plain PyTorch, given the one id that exists
+    with caplog.at_level("WARNING", logger="apt_model.distributed.session"):
+        switched, rep = _train_data_parallel(True, [0, 1])  # the seed's example, as written
+    assert passed == [([0], None), ([0], None)]  # with the switch, DataParallel was built on the device that exists
+    assert all(torch.equal(a, b) for a, b in zip(plain, switched))
+    row = next(w for w in rep["distributed"]["wrappers"] if w["wrapper"] == "DataParallel")
+    assert row["requested_device_ids"] == ["0", "1"] and row["device_ids"] == ["0"] and row["narrowed"] is True
+    assert "device_ids=[0, 1] narrowed to [0]: 1 is not a visible cuda device" in row["reason"]
+    assert "CUDA_VISIBLE_DEVICES unset" in row["reason"]
+    decision = next(d for d in rep["decisions"] if d["feature"] == "DataParallel")
+    assert (decision["requested"], decision["chosen"]) == ("[0, 1]", "[0]")
+    assert any("narrowed to [0]" in r.getMessage() and r.levelname == "WARNING" for r in caplog.records)
+    # ids of which none exists are still an error naming the valid ones, before DataParallel is built
+    vb.enable("balanced", banner=False)
+    with pytest.raises(DeviceSelectionError, match=r"none is a visible cuda device.*valid indices 0..0"):
+        nn.DataParallel(nn.Linear(2, 2), device_ids=[1, 2])
+    assert len(passed) == 2
 
 
 # ---------------------------------------------------------------------------- in one process
 
 
-def test_single_process_report_and_disable_restores_every_patch():
+def test_single_process_report_and_disable_restores_every_patch(cpu_device):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
     from torch.nn.parallel import DistributedDataParallel
@@ -293,14 +428,20 @@ def test_each_rank_pages_into_its_own_swap_folder(monkeypatch, tmp_path):
 # ---------------------------------------------------------------------------- multi-process (torchrun)
 
 
-def torchrun(args: list[str], tmp_path, nproc: int = 2) -> subprocess.CompletedProcess:
-    """``python -m torch.distributed.run --standalone`` (a free rendezvous port) with a timeout."""
-    env = clean_env(OMP_NUM_THREADS="1")
+def torchrun(args: list[str], tmp_path, nproc: int = 2, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """``python -m torch.distributed.run --standalone`` (a free rendezvous port) with a timeout.
+
+    Args:
+        env: variables added to the clean environment (``CPU_ONLY``, ``NO_CUDA``...).
+        check: fail the test when torchrun exits with a non-zero status.
+    """
+    env = clean_env(OMP_NUM_THREADS="1", **(env or {}))
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=TORCHRUN_TIMEOUT)
-    if proc.returncode != 0:
+    if check and proc.returncode != 0:
         pytest.fail(f"torchrun exited with {proc.returncode}\nstdout:\n{proc.stdout[-3000:]}\nstderr:\n{proc.stderr[-6000:]}",
                     pytrace=False)
     return proc
@@ -308,10 +449,11 @@ def torchrun(args: list[str], tmp_path, nproc: int = 2) -> subprocess.CompletedP
 
 @pytest.fixture(scope="module")
 def scenarios(tmp_path_factory):
-    """All CPU scenarios of tests/dist_worker.py in one torchrun job (two ranks)."""
+    """All CPU scenarios of tests/dist_worker.py in one torchrun job (two ranks, gloo; the switch pinned
+    to the CPU and CUDA hidden, so they mean the same on a machine with a GPU)."""
     out = tmp_path_factory.mktemp("ddp")
     torchrun([str(ROOT / "tests" / "dist_worker.py"), str(out), "switch_ddp", "nested", "script_ddp", "fsdp2",
-              "accelerate"], out)
+              "accelerate"], out, env=CPU_ONLY)
     ref_losses, ref_params = dist_worker.reference_run()
 
     def load(name, rank):
@@ -382,10 +524,11 @@ def test_accelerate_prepare_under_the_switch_trains_on_the_switchs_device(scenar
 
 
 def test_npu_machine_backend_mapping_and_rank_devices(tmp_path):
-    """Two ranks on an Ascend-like machine (PrivateUse1 ``npu``, two devices, ``hccl`` registered):
-    each rank is bound to its own npu; the switch initializes with hccl; a script's
-    init_process_group("nccl") gets hccl and the report says so; DataParallel ids are checked."""
-    torchrun([str(ROOT / "tests" / "dist_worker.py"), "--fake-npu", str(tmp_path), "npu"], tmp_path)
+    """Two ranks on an Ascend-like machine (PrivateUse1 ``npu``, two devices, ``hccl`` registered;
+    a real CUDA device hidden): each rank is bound to its own npu; the switch initializes with hccl;
+    a script's init_process_group("nccl") gets hccl and the report says so; DataParallel ids are
+    fitted to the visible devices."""
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), "--fake-npu", str(tmp_path), "npu"], tmp_path, env=NO_CUDA)
     ref_losses, ref_params = dist_worker.reference_run()
     for rank in (0, 1):
         r = json.loads((tmp_path / f"npu-rank{rank}.json").read_text())
@@ -400,16 +543,47 @@ def test_npu_machine_backend_mapping_and_rank_devices(tmp_path):
         assert (call["requested"], call["chosen"]) == ("nccl", "hccl") and "mapped to hccl" in call["reason"]
         assert any(d["feature"] == "backend" and d["chosen"] == "hccl" for d in r["decisions"])
         assert r["dp"] == [[0, 1], "npu:0"]
+        assert r["dp_narrowed"] == [0, 1]
+        narrowed = [w for w in r["dp_wrappers"] if w["narrowed"]]
+        assert len(narrowed) == 1 and "narrowed to [0, 1]: 2 is not a visible npu device" in narrowed[0]["reason"]
+        assert "none is a visible npu device" in r["dp_error"]
         assert "ASCEND_RT_VISIBLE_DEVICES unset" in r["dp_error"] and "valid indices 0..1" in r["dp_error"]
 
 
+def test_main_job_with_more_ranks_than_devices_is_a_clear_error(tmp_path):
+    """``torchrun --nproc_per_node=2 training/train.py`` on a machine with one accelerator (made of a
+    PrivateUse1 ``npu`` with one device; a real CUDA device hidden): every rank stops at
+    ``vb.enable()`` with a DeviceSelectionError that names the ranks, the device, the visible-devices
+    variable and the fixes — before any process group exists, so no collective can fail or hang."""
+    out = tmp_path / "train"
+    proc = torchrun([str(ROOT / "tests" / "dist_worker.py"), "--fake-npu=1", "--script", str(ROOT / "training" / "train.py"),
+                     "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "20000", "--quiet",
+                     "--out", str(out)], tmp_path, env=NO_CUDA, check=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "apt_model.errors.DeviceSelectionError: LOCAL_RANK=" in err, err[-4000:]
+    for needle in ("2 processes on this node (LOCAL_WORLD_SIZE=2, local ranks 0..1)",
+                   "only 1 npu device(s) visible to them: npu:0 (FakeAscend-910B#0) (ASCEND_RT_VISIBLE_DEVICES unset)",
+                   "local rank 1 would have no npu device of its own", "hccl refuses",
+                   "torchrun --nproc_per_node=1", "VB_DEVICE=cpu"):
+        assert needle in err, err[-4000:]
+    assert "in enable\n" in err  # raised by vb.enable(), the script's first switch call
+    assert "init_process_group" not in err and "ProcessGroup" not in err
+    assert not (out / "report.json").exists()
+
+
 def test_main_job_runs_unchanged_under_torchrun(tmp_path):
+    """Two CPU ranks with gloo. VB_DEVICE=cpu pins it (and is the fix the error above suggests on a
+    machine with fewer accelerators than ranks); CUDA is not hidden: on a GPU machine this checks that
+    the pinned CPU really trains with gloo there."""
     out = tmp_path / "train"
     torchrun([str(ROOT / "training" / "train.py"), "--steps", "6", "--eval-every", "3", "--eval-batches", "2",
-              "--batch-size", "4", "--seq-len", "32", "--max-bytes", "200000", "--quiet", "--out", str(out)], tmp_path)
+              "--batch-size", "4", "--seq-len", "32", "--max-bytes", "200000", "--quiet", "--out", str(out)], tmp_path,
+             env={"VB_DEVICE": "cpu"})
     rep0 = json.loads((out / "report.json").read_text())
     rep1 = json.loads((out / "report.rank1.json").read_text())
     assert (rep0["rank"], rep0["world_size"], rep1["rank"]) == (0, 2, 1)
+    assert rep0["device"]["device"] == rep1["device"]["device"] == "cpu"
     d = rep0["vb"]["distributed"]
     assert (d["world_size"], d["backend"], d["process_group"]) == (2, "gloo", "initialized by the switch")
     assert rep0["vb"]["models"][0]["features"]["distributed"]["chosen"] == "DDP"
@@ -418,3 +592,71 @@ def test_main_job_runs_unchanged_under_torchrun(tmp_path):
     assert rep0["eval"][-1][1] < rep0["eval"][0][1]
     ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
     assert not any(k.startswith("module.") for k in ckpt["model"])  # the bare model's keys
+
+
+# ---------------------------------------------------------------------------- on an accelerator (-m gpu)
+
+
+def _accelerator_selection():
+    """The ranking's choice when it is an accelerator, else skip (a CPU-only machine)."""
+    from apt_model.devices.ranking import select_device
+
+    sel = select_device()
+    if sel.device.type == "cpu":
+        pytest.skip("needs an accelerator (CUDA/ROCm/NPU/MLU/XPU); the ranking picked the CPU here")
+    return sel
+
+
+@pytest.mark.gpu
+def test_ddp_with_one_rank_on_the_accelerator_equals_plain_training(tmp_path):
+    """One rank under torchrun on the accelerator: the script's ``init_process_group("nccl")`` (the
+    kind's own backend where it is not CUDA) and ``DDP(model, device_ids=[0])`` with the switch on
+    give the parameters of plain training on the same device (one rank: the all-reduce is the identity)."""
+    sel = _accelerator_selection()
+    if not sel.candidate.dist_backend:
+        pytest.skip(f"{sel.kind} has no collective library")
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), "accel_ddp1"], tmp_path, nproc=1,
+             env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"})
+    r = json.loads((tmp_path / "accel_ddp1-rank0.json").read_text())
+    assert r["vb_device"] == f"{sel.device.type}:0" and r["world_size"] == 1
+    assert sel.candidate.dist_backend in r["backend"]
+    for n, plain in r["plain_params"].items():
+        torch.testing.assert_close(torch.tensor(r["params"][n]), torch.tensor(plain), rtol=0, atol=PARAM_ATOL)
+    assert r["losses"] == pytest.approx(r["plain_losses"], abs=1e-6)
+    assert [w["wrapper"] for w in r["distributed"]["wrappers"]] == ["DDP"]  # the script's DDP, seen and left to it
+    assert [m["name"] for m in r["models"]] == ["Sequential"]
+
+
+@pytest.mark.gpu
+def test_more_ranks_than_accelerators_under_torchrun_is_a_clear_error(tmp_path):
+    """``torchrun --nproc_per_node=<devices + 1> training/train.py`` on this machine's accelerators
+    (two ranks on a one-GPU machine, the failure seen on the H100): a DeviceSelectionError at enable()
+    naming the visible-devices variable and the fixes, not an NCCL "invalid usage"."""
+    sel = _accelerator_selection()
+    count = sel.candidate.count
+    out = tmp_path / "train"
+    proc = torchrun([str(ROOT / "training" / "train.py"), "--steps", "2", "--batch-size", "2", "--seq-len", "16",
+                     "--max-bytes", "20000", "--quiet", "--out", str(out)], tmp_path, nproc=count + 1, check=False)
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "DeviceSelectionError" in err, err[-4000:]
+    for needle in (f"LOCAL_WORLD_SIZE={count + 1}", f"local rank {count} would have no", str(sel.candidate.visible_devices_env),
+                   f"torchrun --nproc_per_node={count}", "VB_DEVICE=cpu"):
+        assert needle in err, err[-4000:]
+    assert "invalid usage" not in err and "Duplicate GPU" not in err
+
+
+@pytest.mark.gpu
+def test_data_parallel_on_the_accelerator_is_narrowed_to_the_devices_that_exist():
+    """DataParallel asking for one device more than are visible trains on those that exist, exactly
+    like plain DataParallel over them, and the report says which id was dropped and why."""
+    _accelerator_selection()
+    dtype, count = _dp_ids_here()
+    if dtype is None:
+        pytest.skip("DataParallel runs the module as is on this accelerator (MPS)")
+    plain, _ = _train_data_parallel(False, list(range(count)))
+    switched, rep = _train_data_parallel(True, list(range(count + 1)))
+    assert all(torch.equal(a, b) for a, b in zip(plain, switched))
+    row = next(w for w in rep["distributed"]["wrappers"] if w["wrapper"] == "DataParallel")
+    assert row["narrowed"] and row["device_ids"] == [str(i) for i in range(count)]
+    assert f"{count} is not a visible {dtype} device" in row["reason"]

@@ -71,9 +71,12 @@ def test_launcher_enables_for_an_unmodified_script(tmp_path):
         sys.exit(3)
     """))
     report = tmp_path / "vb.json"
+    # "a machine without CUDA" for real on any machine: CUDA/ROCm hidden, the switch pinned to the CPU
+    # (an NPU/XPU machine would otherwise redirect .cuda() to its own accelerator)
+    env = clean_env(VB_DEVICE="cpu", CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "apt_model", "run", "--mode", "memory", "--quiet",
                            "--report", str(report), str(script), "--lr", "1"],
-                          capture_output=True, text=True, env=clean_env(), timeout=120)
+                          capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 3, proc.stderr[-2000:]
     r = json.loads(proc.stdout.split("RESULT", 1)[1])
     assert r == {"argv": ["--lr", "1"], "enabled": True, "mode": "memory", "device": "cpu"}

@@ -38,6 +38,7 @@ out = {}
 cands = {c.kind: c for c in detect_devices(refresh=True)}
 c = cands[KIND]
 out["status"], out["count"], out["names"], out["reason"] = c.status, c.count, list(c.names), c.reason
+out["cuda_status"] = cands["cuda"].status
 out["dist_backend"] = c.dist_backend
 out["parsed"] = str(torch.device(f"{KIND}:1"))
 out["best"] = str(select_device().device)
@@ -65,7 +66,11 @@ print("RESULT" + json.dumps(out))
 
 
 def _run(kind: str) -> dict:
-    proc = run_python(SCRIPT.replace("sys.argv[1] if len(sys.argv) > 1 else \"npu\"", repr(kind)), env=clean_env())
+    """Run SCRIPT with a PrivateUse1 ``kind`` of two devices registered. A real CUDA/ROCm device is
+    hidden (``CUDA_VISIBLE_DEVICES=""``): the test is of a machine whose accelerator is the ``kind``,
+    and CUDA would rightly outrank it in the ranking policy."""
+    env = clean_env(CUDA_VISIBLE_DEVICES="", HIP_VISIBLE_DEVICES="")
+    proc = run_python(SCRIPT.replace("sys.argv[1] if len(sys.argv) > 1 else \"npu\"", repr(kind)), env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT"))
     return json.loads(line[len("RESULT"):])
@@ -77,7 +82,8 @@ def test_privateuse1_npu_is_detected_named_ranked_and_selected():
     assert r["names"] == ["FakeAscend-910B#0", "FakeAscend-910B#1"]
     assert "found 2 device(s)" in r["reason"]
     assert r["parsed"] == "npu:1"
-    assert r["best"] == "npu:0"  # NPU outranks the CPU (no CUDA here)
+    assert r["best"] == "npu:0"  # NPU outranks the CPU (CUDA hidden)
+    assert r["cuda_status"] != "available"
     assert r["ranking"][0] == "npu" and r["ranking"][-1] == "cpu"
     assert r["prefer"] == "npu:0"
     assert r["get_device_prefer_npu"] == "npu:0" and r["manager_best_prefer_npu"] == "npu:0"

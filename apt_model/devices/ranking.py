@@ -147,8 +147,10 @@ def select_device(
     Raises:
         ConfigError: malformed device string or unknown kind in ``device``/``VB_DEVICE``/``prefer``,
             or malformed launcher variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``...).
-        DeviceSelectionError: the explicitly requested device is not usable, or the local rank has
-            no device of its own; the message carries the reason.
+        DeviceSelectionError: the explicitly requested device is not usable, or, under a launcher,
+            fewer devices of the chosen kind are visible than there are local ranks (every rank
+            raises, before any collective: see :func:`apt_model.distributed.binding.local_device_index`);
+            the message carries the reason and the fixes.
     """
     candidates = detect_devices() if candidates is None else candidates
     prefer_t = normalize_prefer(prefer, candidates)

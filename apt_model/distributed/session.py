@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.distributed.binding import set_current_device
-from apt_model.distributed.data_parallel import check_device_ids, data_parallel_device_type
+from apt_model.distributed.data_parallel import check_device_ids, visible_data_parallel_devices
 from apt_model.distributed.ddp import DistributedModelHook, InPlaceDDP
 from apt_model.distributed.launch import read_launch_env
 from apt_model.distributed.process_group import ProcessGroupManager
@@ -292,24 +292,29 @@ class DistributedSession:
         self.wrappers.append({"wrapper": "DDP", "model": type(module).__name__,
                               "reason": "constructed by the script or a library"})
 
-    def _on_data_parallel(self, module: nn.Module, device_ids, output_device) -> None:
-        self._refuse_if_paged(list(module.parameters()), "DataParallel")
-        dtype = data_parallel_device_type()
-        count, env_name, env_value = 0, None, None
-        if dtype is not None:
-            mod = getattr(torch, dtype, None)
-            count = int(mod.device_count()) if mod is not None and hasattr(mod, "device_count") else 0
-            from apt_model.devices.detection import detect_devices
+    def _on_data_parallel(self, module: nn.Module, device_ids, output_device) -> tuple:
+        """DataParallel's constructor is about to run: refuse a paged model, fit ``device_ids`` to the
+        visible devices (:func:`~apt_model.distributed.data_parallel.check_device_ids`), log and record
+        a narrowing, and return the ``(device_ids, output_device)`` to construct it with.
 
-            cand = next((c for c in detect_devices() if c.device_type == dtype and c.available), None)
-            if cand is not None and cand.backend is not None:
-                env_name, env_value = cand.visible_devices_env, cand.backend.visible_devices()
-        reason = check_device_ids(device_ids, output_device, dtype, count, env_name, env_value)
+        Raises:
+            DistributedError: the model is paged by the switch.
+            DeviceSelectionError: ids that cannot be honoured (none visible, repeated, the CPU...).
+        """
+        self._refuse_if_paged(list(module.parameters()), "DataParallel")
+        dtype, count, env_name, env_value = visible_data_parallel_devices()
+        plan = check_device_ids(device_ids, output_device, dtype, count, env_name, env_value)
+        if plan.narrowed:
+            log.warning("DataParallel: %s", plan.reason)
+        requested = repr(list(device_ids)) if device_ids is not None else "all"
+        used = repr(plan.device_ids) if plan.device_ids is not None else "all"
         if self.log is not None:
-            self._record("DataParallel", repr(list(device_ids)) if device_ids is not None else "all", dtype or "as is", reason)
+            self._record("DataParallel", requested, used if dtype is not None else "as is", plan.reason)
         self.wrappers.append({"wrapper": "DataParallel", "model": type(module).__name__, "device_type": dtype,
-                              "device_ids": [str(d) for d in device_ids] if device_ids is not None else None,
-                              "reason": reason})
+                              "requested_device_ids": [str(d) for d in device_ids] if device_ids is not None else None,
+                              "device_ids": [str(d) for d in plan.device_ids] if plan.device_ids is not None else None,
+                              "narrowed": plan.narrowed, "reason": plan.reason})
+        return plan.device_ids, plan.output_device
 
     def _on_fsdp_params(self, params) -> None:
         self._refuse_if_paged(params, "fully_shard (FSDP2)")

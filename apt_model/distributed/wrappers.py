@@ -97,7 +97,8 @@ def install_guards(patches, on_ddp, on_data_parallel, on_fsdp_params) -> list[st
         patches: the switch's :class:`~apt_model.switch.patches.PatchSet`.
         on_ddp: ``on_ddp(module)``, before the script's ``DistributedDataParallel(module, ...)`` is built.
         on_data_parallel: ``on_data_parallel(module, device_ids, output_device)`` before
-            ``nn.DataParallel(module, ...)`` is built; may raise to refuse.
+            ``nn.DataParallel(module, ...)`` is built; returns the ``(device_ids, output_device)`` to
+            build it with (ids fitted to the visible devices) or None to keep them; may raise to refuse.
         on_fsdp_params: ``on_fsdp_params(params)`` before FSDP2 groups ``params`` (a list of
             Parameters); may raise to refuse.
 
@@ -124,7 +125,9 @@ def install_guards(patches, on_ddp, on_data_parallel, on_fsdp_params) -> list[st
 
     @functools.wraps(orig_dp_init)
     def dp_init(self, module, device_ids=None, output_device=None, dim=0):
-        on_data_parallel(module, device_ids, output_device)
+        fitted = on_data_parallel(module, device_ids, output_device)
+        if fitted is not None:  # the ids fitted to the visible devices
+            device_ids, output_device = fitted
         return orig_dp_init(self, module, device_ids, output_device, dim)
 
     patches.set_attr(nn.DataParallel, "__init__", dp_init, label="DataParallel.__init__")

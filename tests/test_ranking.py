@@ -72,6 +72,14 @@ def test_vb_device_env_override(machine, monkeypatch):
     assert select_device(candidates=machine).device == torch.device("cpu")
 
 
+def test_auto_means_the_rankings_choice(machine, monkeypatch):
+    monkeypatch.setenv("VB_DEVICE", "auto")
+    sel = select_device(candidates=machine)
+    assert sel.device == torch.device("cuda", 0) and sel.source == "ranking"
+    monkeypatch.setenv("VB_DEVICE", "xpu:1")
+    assert select_device(device="AUTO", candidates=machine).device == torch.device("xpu", 1)  # auto defers to env
+
+
 def test_device_argument_beats_env(machine, monkeypatch):
     monkeypatch.setenv("VB_DEVICE", "xpu:1")
     sel = select_device(device="cuda:1", candidates=machine)

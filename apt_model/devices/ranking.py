@@ -140,7 +140,7 @@ def select_device(
     """Choose the device for this process.
 
     Precedence: ``force_cpu`` > ``device`` argument > ``VB_DEVICE`` environment variable >
-    ranking (``prefer`` first, then priority). Under a launcher that sets ``LOCAL_RANK``, an
+    ranking (``prefer`` first, then priority). ``"auto"`` (argument or variable) means the ranking. Under a launcher that sets ``LOCAL_RANK``, an
     accelerator chosen without an index is the rank's local device (see
     :func:`apt_model.distributed.binding.local_device_index`); an explicit index is kept.
 
@@ -159,10 +159,10 @@ def select_device(
     if force_cpu:
         cpu = next(c for c in candidates if c.device_type == "cpu")
         return Selection(torch.device("cpu"), cpu, "force_cpu", "force_cpu=True", order)
-    if device is not None and str(device) != "":
+    if device is not None and str(device).strip().lower() not in ("", "auto"):  # "auto": the ranking's choice
         return _resolve(device, candidates, "device", "argument", order)
     env = os.environ.get("VB_DEVICE", "").strip()
-    if env:
+    if env and env.lower() != "auto":
         return _resolve(env, candidates, "VB_DEVICE", "VB_DEVICE", order)
     best = ranked[0]
     skipped = [f"{c.kind} ({c.status})" for c in candidates if not c.available and c.priority < best.priority]

@@ -82,7 +82,9 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
     Raises:
         ConfigError: unknown mode, option or value (the message lists the valid ones); a malformed
             ``.vbrc`` (``ConfigFileError``: the path, the line and what is wrong).
-        DeviceSelectionError: ``device=`` / ``VB_DEVICE`` names a device that is not usable here.
+        DeviceSelectionError: ``device=`` / ``VB_DEVICE`` names a device that is not usable here, or
+            under a launcher this node has more local ranks than visible devices of the chosen
+            kind (raised on every rank, before any collective).
     """
     source = overrides.pop("_source", "api")
     config = build_config(mode, overrides)

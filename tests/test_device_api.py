@@ -64,8 +64,9 @@ def test_bad_device_string_is_a_clear_error():
 def test_manager_and_module_functions_on_this_machine():
     mgr = nb.get_device_manager()
     assert mgr is nb.get_device_manager()
-    devices = mgr.get_all_devices()
-    assert devices[-1]["kind"] == "cpu" and devices[-1]["dist_backend"] == "gloo"
+    records = mgr.get_device_records()
+    assert records[-1]["kind"] == "cpu" and records[-1]["dist_backend"] == "gloo"
+    assert mgr.get_all_devices() == [torch.device(r["device"]) for r in records]
     summary = mgr.get_device_summary()
     assert {"selected", "reason", "ranking", "candidates", "devices"} <= set(summary)
     assert len(summary["candidates"]) >= 7

@@ -9,8 +9,8 @@ import sys
 
 
 def add_parser(sub) -> None:
-    """Add ``bench`` to the ``apt-vb`` sub-parsers."""
-    b = sub.add_parser("bench", help="GEMM, elementwise, normalization, attention, transfer and disk speed per device",
+    """Add ``bench`` (alias ``benchmark``, the backend manager's name) to the ``apt-vb`` sub-parsers."""
+    b = sub.add_parser("bench", aliases=["benchmark"], help="GEMM, elementwise, normalization, attention, transfer and disk speed per device",
                        description="Measure each device briefly (medians with quartiles), side by side.")
     b.add_argument("--device", action="append", default=None, metavar="DEVICE",
                    help="a device to measure (repeatable, or comma-separated); default: the CPU and every accelerator")

@@ -5,8 +5,11 @@ Sub-commands:
             probed capabilities, communication backend (``--json`` for machines)
     bench   a short measurement suite per device (GEMM, elementwise, normalization, attention,
             host<->device and disk bandwidth), side by side, as a table and JSON
-    test    a functional self-test of a device (exit status 1 when a check fails)
+            (``benchmark`` is the same command)
+    test    a functional self-test of a device (exit status 1 when a check fails); the device
+            positionally (``apt-vb test cpu``) or with ``--device``
     config  suggest|show|save|load the persistent configuration (``.vbrc``)
+    optimize  ``config suggest``; with ``--apply``, ``config save``
     run     run an unmodified script with the switch on, like ``torchrun`` runs one distributed
 
 Exit statuses: 0 success; 1 a failed ``test`` check; 2 a usage or configuration error (the
@@ -22,7 +25,7 @@ from apt_model._version import __version__
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``apt-vb`` argument parser with every sub-command."""
-    from apt_model.cli import bench, config, selftest
+    from apt_model.cli import bench, config, optimize, selftest
 
     p = argparse.ArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info, benchmarks, "
                                                            "self-test, configuration and the switch launcher.")
@@ -37,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_parser(sub)
     selftest.add_parser(sub)
     config.add_parser(sub)
+    optimize.add_parser(sub)
 
     run = sub.add_parser("run", help="run a script (or -m module) with the switch on",
                          description="Run an unmodified training script with Virtual Blackwell enabled.")
@@ -55,7 +59,7 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
         from apt_model.cli.info import run_info
 
         return run_info(args)
-    if args.command == "bench":
+    if args.command in ("bench", "benchmark"):
         from apt_model.cli.bench import run_bench
 
         return run_bench(args)
@@ -67,6 +71,10 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
         from apt_model.cli.config import run_config
 
         return run_config(args)
+    if args.command == "optimize":
+        from apt_model.cli.optimize import run_optimize
+
+        return run_optimize(args)
     if args.command == "run":
         from apt_model.cli.launcher import run_script
 

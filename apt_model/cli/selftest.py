@@ -298,6 +298,8 @@ def add_parser(sub) -> None:
     t = sub.add_parser("test", help="functional self-test of a device (exit status 1 if a check fails)",
                        description="Round trip, matmul and SDPA vs CPU references, and training with the switch "
                                    "on vs off giving identical results.")
+    t.add_argument("devices", nargs="*", default=[], metavar="DEVICE",
+                   help="device(s) to test, e.g. 'apt-vb test cpu' (same as --device)")
     t.add_argument("--device", action="append", default=None, metavar="DEVICE",
                    help="device to test (repeatable, or comma-separated; default: the ranking's choice)")
     t.add_argument("--check", action="append", default=None, metavar="NAME",
@@ -312,7 +314,8 @@ def run_selftest(args) -> int:
     from apt_model.devices.device_backend import DeviceBackend
     from apt_model.devices.ranking import select_device
 
-    devices = [d.strip() for item in (args.device or []) for d in item.split(",") if d.strip()] or [None]
+    given = [*getattr(args, "devices", []), *(args.device or [])]  # positional (apt-vb test cpu) and --device
+    devices = list(dict.fromkeys(d.strip() for item in given for d in item.split(",") if d.strip())) or [None]
     names = list(args.check or CHECKS)
     bar = tqdm(total=len(devices) * len(names), desc="test", unit="check", file=sys.stderr, disable=None)
     out = []

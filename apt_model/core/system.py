@@ -37,24 +37,60 @@ def get_device(force_cpu: bool = False, prefer_npu: bool = False) -> torch.devic
     return select_device(prefer=("npu",) if prefer_npu else None, force_cpu=force_cpu).device
 
 
+def _npu_version() -> str | None:
+    """``torch_npu.__version__`` when torch_npu is loaded (never imported here: a broken plugin
+    must not be touched again), else None."""
+    mod = sys.modules.get("torch_npu")
+    version = getattr(mod, "__version__", None) if mod is not None else None
+    return None if version is None else str(version)
+
+
 def get_device_info() -> dict:
     """Facts about the machine and the selected device (JSON-safe).
 
-    Keys: ``device``, ``kind``, ``name``, ``count``, ``reason``, ``ranking``, ``dist_backend``,
-    ``candidates`` (every kind with status and reason), ``torch``, ``cuda``, ``hip``, ``python``,
-    ``platform``, ``apt_model``.
+    Returns:
+        The seed-era keys:
+
+        * ``cuda_available`` (bool): a ``cuda`` device is usable (NVIDIA, or AMD/Hygon through ROCm);
+        * ``npu_available`` (bool): an Ascend ``npu`` is usable;
+        * ``device_count`` (int): devices of the selected kind (1 for the CPU);
+        * ``device_name`` (str): the selected device's name (the CPU model for the CPU; the kind
+          when the device cannot say);
+        * ``device_type`` (str): the selected device's torch type, ``'cuda'|'npu'|'mlu'|'xpu'|'mps'|'cpu'``;
+        * ``cuda_version`` (str or None): ``torch.version.cuda``;
+        * ``npu_version`` (str or None): ``torch_npu.__version__`` when torch_npu is loaded.
+
+        And what this project adds: ``device`` (``"npu:0"``), ``kind`` (``cuda``, ``rocm``, ``dcu``,
+        ``npu``...), ``name`` (as ``device_name`` but None when unknown), ``count``, ``reason`` and
+        ``ranking`` (how the ranking policy chose), ``dist_backend``, ``candidates`` (every kind with
+        status and reason), ``torch``, ``cuda``, ``hip``, ``python``, ``platform``, ``apt_model``.
+
+    Raises:
+        ConfigError / DeviceSelectionError: for a bad or unusable ``VB_DEVICE``.
     """
     sel = select_device()
     backend = DeviceBackend(sel.device)
+    cands = detect_devices()
+    name = backend.get_device_name()
+    idx = sel.device.index or 0
+    fallback = sel.candidate.names[idx] if idx < len(sel.candidate.names) else sel.kind
+    usable = {k for c in cands if c.available for k in (c.kind, c.device_type)}
     return {
+        "cuda_available": "cuda" in usable,
+        "npu_available": "npu" in usable,
+        "device_count": int(sel.candidate.count),
+        "device_name": str(name if name is not None else fallback),
+        "device_type": sel.device.type,
+        "cuda_version": torch.version.cuda,
+        "npu_version": _npu_version(),
         "device": str(sel.device),
         "kind": sel.kind,
-        "name": backend.get_device_name(),
+        "name": name,
         "count": sel.candidate.count,
         "reason": sel.reason,
         "ranking": list(sel.ranking),
         "dist_backend": sel.candidate.dist_backend,
-        "candidates": [c.to_dict() for c in detect_devices()],
+        "candidates": [c.to_dict() for c in cands],
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "hip": getattr(torch.version, "hip", None),
@@ -64,14 +100,26 @@ def get_device_info() -> dict:
     }
 
 
+def _gib(n: int | None) -> float | None:
+    return None if n is None else n / 2**30
+
+
 def get_memory_info() -> dict:
-    """Memory per tier, in bytes.
+    """Memory per tier.
 
     Returns:
-        ``{"ram": {total, available, used, percent, process_rss}, "vram": {...} | None,
-        "npu_memory": {...} | None, "mlu_memory", "xpu_memory", "mps_memory", "disk": {path, total, free}}``.
-        Each device entry maps ``"cuda:0"`` (etc.) to a :meth:`DeviceBackend.get_memory_summary`.
-        A kind with no usable device has None.
+        ``{"ram": {total, available, used, percent, process_rss}`` (bytes; ``percent`` a float),
+        ``"vram"`` (CUDA/ROCm/DCU devices), ``"npu_memory"``, ``"mlu_memory"``, ``"xpu_memory"``,
+        ``"mps_memory"``, ``"disk": {path, total, free}`` (bytes; ``error`` instead when the swap
+        folder cannot be read)}``.
+
+        Each device entry is a dict keyed ``"cuda_0"``, ``"npu_1"``... (the seed's keys); a kind with
+        no usable device is ``{}``. A device's value has the seed's ``allocated_gb``,
+        ``reserved_gb``, ``max_allocated_gb`` (float GB, where GB means 2**30 bytes as in
+        ``bytes / 1024**3``; None where the device cannot report the figure) beside the
+        byte-valued :meth:`DeviceBackend.get_memory_summary` keys ``device`` (``"npu:1"``),
+        ``kind``, ``name``, ``total``, ``free``, ``allocated``, ``reserved``, ``peak`` and
+        ``unavailable`` (the reason for each None figure).
     """
     vm = psutil.virtual_memory()
     out: dict = {
@@ -79,15 +127,19 @@ def get_memory_info() -> dict:
                 "percent": float(vm.percent), "process_rss": int(psutil.Process().memory_info().rss)},
     }
     for key in dict.fromkeys(_MEMORY_KEY.values()):
-        out[key] = None
+        out[key] = {}
     for c in detect_devices():
         key = _MEMORY_KEY.get(c.kind)
         if key is None or not c.available:
             continue
-        out[key] = out[key] or {}
         for i in range(c.count):
-            b = DeviceBackend(f"{c.device_type}:{i}")
-            out[key][str(b.device)] = b.get_memory_summary()
+            summary = DeviceBackend(f"{c.device_type}:{i}").get_memory_summary()
+            out[key][f"{c.device_type}_{i}"] = {
+                "allocated_gb": _gib(summary["allocated"]),
+                "reserved_gb": _gib(summary["reserved"]),
+                "max_allocated_gb": _gib(summary["peak"]),
+                **summary,
+            }
     tmp = os.environ.get("VB_SWAP_DIR") or tempfile.gettempdir()
     try:
         du = psutil.disk_usage(tmp)

@@ -3,9 +3,15 @@
 Each figure method returns bytes (or a name / dict), or ``None`` when the device cannot report
 it; :meth:`DeviceBackend.why` then gives the reason. On the CPU every figure comes from psutil
 and nothing raises.
+
+The seed-era signatures take an optional device ``index`` (``backend.memory_allocated(0)``,
+``backend.get_device_name(index=1)``): None means the backend's own device. An index that is not
+an int is a ``TypeError``; one outside ``0..device_count()-1`` of a usable kind is a
+:class:`~apt_model.errors.DeviceSelectionError` naming the valid range.
 """
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable
 
 import torch
@@ -14,6 +20,7 @@ from apt_model.devices.backend import AcceleratorBackend
 from apt_model.devices.detection import Candidate, detect_devices
 from apt_model.devices.plugins import describe_exception
 from apt_model.devices.ranking import parse_device_spec, select_device
+from apt_model.errors import DeviceSelectionError
 
 
 class DeviceBackend:
@@ -26,6 +33,8 @@ class DeviceBackend:
     Attributes:
         device: the ``torch.device``; None for a kind torch cannot address on this machine
             (``npu`` without torch_npu).
+        device_type: the torch device type (str): ``cuda`` (also for ROCm and DCU), ``npu``,
+            ``mlu``, ``xpu``, ``mps``, ``cpu``... Set even when :attr:`device` is None.
         kind: the candidate's kind (``cuda``, ``rocm``, ``dcu``, ``npu``...).
 
     Raises:
@@ -53,6 +62,7 @@ class DeviceBackend:
         if device is None:
             self._name = str(self.device)
         self.kind = self.candidate.kind
+        self.device_type: str = self.device.type if self.device is not None else self.candidate.device_type
         self.reasons: dict[str, str] = {}
         self._impl: AcceleratorBackend = self.candidate.backend
 
@@ -61,7 +71,32 @@ class DeviceBackend:
 
     @property
     def index(self) -> int:
+        """The backend's own device index (0 for the CPU and for a kind torch cannot address here)."""
         return (self.device.index or 0) if self.device is not None else 0
+
+    def _index(self, index: int | None) -> int:
+        """``index`` checked against this kind's devices; None means :attr:`index`.
+
+        Raises:
+            TypeError: ``index`` is not an integer (``operator.index``; bool is refused too).
+            DeviceSelectionError: ``index`` is outside ``0..device_count()-1`` of a usable kind (or
+                negative); the message names the valid range.
+        """
+        if index is None:
+            return self.index
+        try:
+            if isinstance(index, bool):
+                raise TypeError
+            index = operator.index(index)  # int, numpy integers, 0-d integer tensors
+        except TypeError:
+            raise TypeError(f"index={index!r} must be an int device index of {self.kind} (or None for "
+                            f"{self._name}), not {type(index).__name__}") from None
+        count = self.candidate.count
+        if index < 0 or (self.candidate.available and index >= count):
+            valid = f"valid indices 0..{count - 1}" if count else "no usable device"
+            raise DeviceSelectionError(f"index={index} names no {self.kind} device here: {self.kind} has "
+                                       f"{count} device(s), {valid}")
+        return index
 
     def _figure(self, name: str, fn: Callable[[], Any]) -> Any:
         if not self.candidate.available:
@@ -88,48 +123,104 @@ class DeviceBackend:
         """Number of usable devices of this kind (0 when unavailable)."""
         return self.candidate.count
 
-    def get_device_name(self) -> str | None:
-        """The device's name (may initialize the device)."""
-        return self._figure("get_device_name", lambda: self._impl.device_name(self.index))
+    def get_device_name(self, index: int | None = None) -> str | None:
+        """The name of device ``index`` (default: this backend's device); may initialize the device.
 
-    def get_device_properties(self) -> dict | None:
-        """Device properties as a dict (total_memory in bytes, capability, cores... per kind)."""
-        return self._figure("get_device_properties", lambda: self._impl.device_properties(self.index))
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index`` (see the module docstring).
+        """
+        i = self._index(index)
+        return self._figure("get_device_name", lambda: self._impl.device_name(i))
+
+    def get_device_properties(self, index: int | None = None) -> dict | None:
+        """Properties of device ``index`` (default: this backend's device) as a dict: ``total_memory``
+        in bytes, plus what the kind reports (capability, cores...).
+
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index``.
+        """
+        i = self._index(index)
+        return self._figure("get_device_properties", lambda: self._impl.device_properties(i))
 
     # ---------------------------------------------------------------- memory (bytes)
-    def total_memory(self) -> int | None:
-        """Total device memory in bytes (host RAM for the CPU)."""
-        info = self._figure("total_memory", lambda: self._impl.memory_info(self.index))
+    def total_memory(self, index: int | None = None) -> int | None:
+        """Total memory of device ``index`` (default: this backend's device) in bytes (host RAM for the CPU)."""
+        i = self._index(index)
+        info = self._figure("total_memory", lambda: self._impl.memory_info(i))
         return None if info is None else info[1]
 
-    def free_memory(self) -> int | None:
-        """Free device memory in bytes (available host RAM for the CPU)."""
-        info = self._figure("free_memory", lambda: self._impl.memory_info(self.index))
+    def free_memory(self, index: int | None = None) -> int | None:
+        """Free memory of device ``index`` in bytes (available host RAM for the CPU)."""
+        i = self._index(index)
+        info = self._figure("free_memory", lambda: self._impl.memory_info(i))
         return None if info is None else info[0]
 
-    def memory_allocated(self) -> int | None:
-        """Bytes held by tensors (process RSS on the CPU)."""
-        return self._figure("memory_allocated", lambda: self._impl.memory_allocated(self.index))
+    def memory_allocated(self, index: int | None = None) -> int | None:
+        """Bytes held by tensors on device ``index`` (default: this backend's device; process RSS on the CPU).
 
-    def memory_reserved(self) -> int | None:
-        """Bytes reserved by the caching allocator (process RSS on the CPU)."""
-        return self._figure("memory_reserved", lambda: self._impl.memory_reserved(self.index))
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index``.
+        """
+        i = self._index(index)
+        return self._figure("memory_allocated", lambda: self._impl.memory_allocated(i))
 
-    def max_memory_allocated(self) -> int | None:
-        """Peak bytes held by tensors (peak process RSS on the CPU)."""
-        return self._figure("max_memory_allocated", lambda: self._impl.max_memory_allocated(self.index))
+    def memory_reserved(self, index: int | None = None) -> int | None:
+        """Bytes reserved by the caching allocator on device ``index`` (process RSS on the CPU).
 
-    def reset_peak_memory_stats(self) -> bool:
-        """Reset the peak counter; False (with a reason) where the device cannot."""
-        return self._figure("reset_peak_memory_stats", lambda: self._impl.reset_peak_memory_stats(self.index) or True) is True
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index``.
+        """
+        i = self._index(index)
+        return self._figure("memory_reserved", lambda: self._impl.memory_reserved(i))
+
+    def max_memory_allocated(self, index: int | None = None) -> int | None:
+        """Peak bytes held by tensors on device ``index`` (peak process RSS on the CPU).
+
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index``.
+        """
+        i = self._index(index)
+        return self._figure("max_memory_allocated", lambda: self._impl.max_memory_allocated(i))
+
+    def reset_peak_memory_stats(self, index: int | None = None) -> bool:
+        """Reset the peak counter of device ``index``; False (with a reason) where the device cannot."""
+        i = self._index(index)
+        return self._figure("reset_peak_memory_stats", lambda: self._impl.reset_peak_memory_stats(i) or True) is True
+
+    def memory_stats(self, index: int | None = None) -> dict:
+        """Memory of device ``index`` (default: this backend's device) in the OmniRT-style shape.
+
+        Returns:
+            ``{"peak_bytes", "allocated_bytes", "reserved_bytes", "total_bytes", "free_bytes"}``:
+            int bytes, each the same figure as :meth:`max_memory_allocated`, :meth:`memory_allocated`,
+            :meth:`memory_reserved`, :meth:`total_memory` and :meth:`free_memory`; None where the
+            device cannot report it (:meth:`why` names the reason under the method's name).
+
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index``.
+        """
+        i = self._index(index)
+        return {
+            "peak_bytes": self.max_memory_allocated(i),
+            "allocated_bytes": self.memory_allocated(i),
+            "reserved_bytes": self.memory_reserved(i),
+            "total_bytes": self.total_memory(i),
+            "free_bytes": self.free_memory(i),
+        }
 
     def empty_cache(self) -> None:
         """Release cached memory; a no-op where there is no cache. Never raises."""
         self._figure("empty_cache", self._impl.empty_cache)
 
-    def synchronize(self) -> None:
-        """Wait for queued work on the device. Never raises."""
-        self._figure("synchronize", lambda: self._impl.synchronize(self.index))
+    def synchronize(self, index: int | None = None) -> None:
+        """Wait for queued work on device ``index`` (default: this backend's device). A device that
+        cannot synchronize is recorded under :meth:`why` (``"synchronize"``), never raised.
+
+        Raises:
+            TypeError / DeviceSelectionError: a bad ``index`` (checked before anything runs).
+        """
+        i = self._index(index)
+        self._figure("synchronize", lambda: self._impl.synchronize(i))
 
     def to_device(self, obj: Any, non_blocking: bool = False) -> Any:
         """Move a tensor, a module, or nested lists/tuples/dicts of tensors to this device.

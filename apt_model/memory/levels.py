@@ -46,12 +46,19 @@ class Level:
     note: str = ""
 
     def __str__(self) -> str:
+        """``Level 0: cuda:0 - 71000MB @ 2900.0GB/s``; the swap level reads
+        ``Level 2: nvme - 32000MB @ 0.7GB/s (/tmp/...; read 0.70, write 0.80 GB/s)`` (MB = 10**6
+        bytes, GB/s = 10**9 bytes/s), its folder and measured figures in the parentheses."""
         bw = f" @ {self.gbps:.1f}GB/s" if self.gbps is not None else " @ (not measured)"
-        extra = ""
-        if self.kind == "nvme" and self.detail:
-            extra = f" (read {self.detail.get('read', 0):.2f}, write {self.detail.get('write', 0):.2f} GB/s)"
+        label, extra = self.device, ""
+        if self.kind == "nvme":
+            label = "nvme"
+            parts = [self.device.split(":", 1)[1] if self.device.startswith("nvme:") else self.device]
+            if self.detail:
+                parts.append(f"read {self.detail.get('read', 0):.2f}, write {self.detail.get('write', 0):.2f} GB/s")
+            extra = f" ({'; '.join(parts)})"
         note = f" [{self.note}]" if self.note else ""
-        return f"Level {self.index}: {self.device} - {self.capacity / 1e6:.0f}MB{bw}{extra}{note}"
+        return f"Level {self.index}: {label} - {self.capacity / 1e6:.0f}MB{bw}{extra}{note}"
 
 
 def resolve_budget(value, env: str, name: str) -> int | None:

@@ -1,5 +1,10 @@
 """Device backend API (seed-era path): one interface over CUDA, ROCm/DCU, NPU, MLU, XPU, MPS and CPU.
 
+The original guide's shapes hold here: ``DeviceBackend(device).device_type``, its figure methods
+taking ``index``, ``memory_stats()``, ``get_device_manager().get_all_devices()`` as a list of
+``torch.device`` and ``get_device_summary()`` with ``total_devices`` / ``cuda_devices`` /
+``npu_devices`` / ``devices`` keyed by device string. The table: ``docs/seed-contract.md``.
+
 Implementation: :mod:`apt_model.devices`.
 """
 from __future__ import annotations

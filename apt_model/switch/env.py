@@ -56,12 +56,14 @@ def activate_from_environment() -> bool:
 
     apply_env_log_level()
     wanted = parse_bool_env("ENABLE_VIRTUAL_BLACKWELL")
-    mode = env_mode()
+    env_mode()  # validated even when the switch stays off
     if not wanted:
         return False
     from apt_model.switch import controller
 
     if controller.is_enabled():
         return True
-    controller.enable(mode, _source="environment")  # None: the .vbrc's mode, else balanced
+    # mode stays unnamed here: build_config reads VB_MODE itself, so get_config() reports
+    # mode_source "environment:VB_MODE" (validated above); unset: the .vbrc's mode, else balanced
+    controller.enable(None, _source="environment")
     return True

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VB_ENV = ("ENABLE_VIRTUAL_BLACKWELL", "VB_MODE", "VB_DEVICE", "VB_ATTENTION", "VB_MIXED_PRECISION", "VB_FP4",
-          "VB_CHECKPOINTING", "VB_ACTIVATION_OFFLOAD", "VB_PAGING", "VB_LOG_LEVEL")
+          "VB_CHECKPOINTING", "VB_ACTIVATION_OFFLOAD", "VB_PAGING", "VB_LOG_LEVEL", "VB_PROBE_CACHE")
 
 
 def data_dir() -> Path:
@@ -26,13 +26,22 @@ def shared_data() -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def probe_cache_dir(tmp_path_factory) -> Path:
+    """One on-disk probe cache for the whole test session (never the user's ~/.cache): probes
+    run once per device and width per session, as a user's second run would see them."""
+    return tmp_path_factory.mktemp("vb-cache")
+
+
 @pytest.fixture(autouse=True)
-def clean_switch(monkeypatch):
-    """Every test starts and ends with the switch off and no VB_* variables set, and reads no
-    .vbrc file (VB_CONFIG=none; the configuration-file tests set their own)."""
+def clean_switch(monkeypatch, probe_cache_dir):
+    """Every test starts and ends with the switch off and no VB_* variables set, reads no
+    .vbrc file (VB_CONFIG=none; the configuration-file tests set their own), and keeps probe
+    results in the session's cache folder (VB_CACHE_DIR, inherited by subprocesses)."""
     for name in VB_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VB_CONFIG", "none")
+    monkeypatch.setenv("VB_CACHE_DIR", str(probe_cache_dir))
     import apt_model.optimization.vb_global as vb
 
     vb.disable()

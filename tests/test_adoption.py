@@ -219,9 +219,12 @@ def test_print_stats_and_report(capsys):
     assert [d["feature"] for d in rep["decisions"]][:2] == ["mode", "device"]
 
 
-def test_probing_directly_while_enabled_does_not_adopt_the_probe_block():
-    from apt_model.devices.capabilities import get_speed
+def test_probing_directly_while_enabled_does_not_adopt_the_probe_block(monkeypatch):
+    from apt_model.devices.capabilities import clear_capability_cache, get_speed
 
+    monkeypatch.setenv("VB_PROBE_CACHE", "0")  # the probe block must really be built and run
+    clear_capability_cache()
     vb.enable("balanced", banner=False)
+    assert get_speed("cpu", 96).to_dict().get("cached") is not True
     get_speed("cpu", 96)  # runs a transformer block under the switch's global hook
     assert vb.get_stats()["adopted_models"] == 0

@@ -2,17 +2,30 @@
 
 Each probe is small (tiny tensors for support checks; one transformer block for speed checks),
 returns plain dicts that go straight into reports, and never raises: a failure becomes the
-exact error text. :mod:`apt_model.devices.capabilities` caches the results per device.
+exact error text. :mod:`apt_model.devices.capabilities` caches the results per device (in memory
+and on disk, see :mod:`apt_model.devices.probe_cache`).
+
+Probes are silent: every trial runs inside ``warnings.catch_warnings(record=True)``, so PyTorch's
+warnings about the kernels being tried ("Flash attention has been runtime disabled", "cuDNN
+attention kernel not used because: ...") never reach the user's stderr. Their text is kept: each
+probe takes an optional ``notes`` dict that receives ``{trial: [warning text, ...]}``, which the
+capability records carry as ``warnings`` (why a backend was not used). ``catch_warnings`` is
+process-wide in Python before 3.14: a warning another thread raises while a probe runs lands in
+the probe's notes instead of on stderr.
 
 Speed probes time forward + backward, interleave the candidates (A, B, A, B, ...), discard a
-warm-up, and compare medians, so a burst of noise hits both sides alike.
+warm-up, and compare medians, so a burst of noise hits both sides alike. They stop as soon as the
+answer is clear (see :func:`_time_interleaved`), so a hopeless candidate costs one or two runs.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import re
 import statistics
 import time
-from typing import Callable
+import warnings
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -48,23 +61,65 @@ def _sync(device: torch.device) -> None:
         mod.synchronize(device)
 
 
-def _try(fn: Callable[[], object]) -> str | None:
-    try:
-        fn()
-        return None
-    except Exception as err:  # noqa: BLE001 - the error text is the probe's answer
-        return short_error(err)
+_TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?\s*$")
+
+
+def warning_text(w: warnings.WarningMessage, limit: int = 300) -> str:
+    """One caught warning as ``"Category: message"``, without PyTorch's "(Triggered internally at
+    <file>:<line>)" suffix, cut to ``limit`` characters."""
+    msg = _TRIGGERED.sub("", str(w.message).replace("\n", " ")).strip()
+    text = f"{w.category.__name__}: {msg}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@contextlib.contextmanager
+def quiet(notes: dict[str, list[str]] | None = None, key: str = "") -> Iterator[list[str]]:
+    """Run the block with every warning caught (none reaches the caller, whatever its filters, even
+    ``-W error``); their texts, de-duplicated in order, are yielded as a list and, when ``notes``
+    is given, stored under ``notes[key]`` (only if there were any).
+
+    Never raises by itself; exceptions of the block propagate unchanged.
+    """
+    texts: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            yield texts
+        finally:
+            for w in caught:
+                t = warning_text(w)
+                if t not in texts:
+                    texts.append(t)
+            if notes is not None and texts:
+                kept = notes.setdefault(key, [])
+                for t in texts:
+                    if t not in kept:
+                        kept.append(t)
+
+
+def _try(fn: Callable[[], object], notes: dict[str, list[str]] | None = None, key: str = "") -> str | None:
+    """Run ``fn`` silently (see :func:`quiet`); return None when it ran, else the error as one line."""
+    with quiet(notes, key):
+        try:
+            fn()
+            return None
+        except Exception as err:  # noqa: BLE001 - the error text is the probe's answer
+            return short_error(err)
 
 
 # ----------------------------------------------------------------------------- support
 
 
-def probe_dtypes(device: torch.device) -> dict[str, dict]:
+def probe_dtypes(device: torch.device, notes: dict[str, list[str]] | None = None) -> dict[str, dict]:
     """Which dtypes can be stored, cast to, and used in a matmul and an add on ``device``.
+
+    Args:
+        device: where to try.
+        notes: optional; receives the warnings each trial raised, under ``"<dtype>/<op>"``.
 
     Returns:
         ``{dtype_name: {"storage": bool, "cast": bool, "matmul": bool, "add": bool, "errors": {...}}}``;
-        dtypes missing from this torch are reported with ``"present": False``.
+        dtypes missing from this torch are reported with ``"present": False``. Never raises.
     """
     out: dict[str, dict] = {}
     for name in PROBED_DTYPES:
@@ -74,45 +129,42 @@ def probe_dtypes(device: torch.device) -> dict[str, dict]:
             continue
         errors: dict[str, str] = {}
         res = {"present": True}
+
+        def trial(op: str, fn: Callable[[], object]) -> None:
+            e = _try(fn, notes, f"{name}/{op}")
+            res[op] = e is None
+            if e:
+                errors[op] = e
+
         if name == "float4_e2m1fn_x2":  # packed pairs: only a byte view, no arithmetic in torch
-            e = _try(lambda: torch.zeros(8, dtype=torch.uint8, device=device).view(dt))
-            res["storage"] = e is None
-            if e:
-                errors["storage"] = e
-            e = _try(lambda: torch.ones(8, device=device).to(dt))
-            res["cast"] = e is None
-            if e:
-                errors["cast"] = e
+            trial("storage", lambda: torch.zeros(8, dtype=torch.uint8, device=device).view(dt))
+            trial("cast", lambda: torch.ones(8, device=device).to(dt))
             res["matmul"] = res["add"] = False
             errors["matmul"] = "packed FP4 has no plain matmul; see fp4_matmul"
         else:
-            e = _try(lambda: torch.zeros(8, dtype=dt, device=device))
-            res["storage"] = e is None
-            if e:
-                errors["storage"] = e
             a = torch.randn(16, 16)
-            e = _try(lambda: a.to(device=device, dtype=dt))
-            res["cast"] = e is None
-            if e:
-                errors["cast"] = e
-            e = _try(lambda: (a.to(device=device, dtype=dt) @ a.to(device=device, dtype=dt)).float().cpu())
-            res["matmul"] = e is None
-            if e:
-                errors["matmul"] = e
-            e = _try(lambda: (a.to(device=device, dtype=dt) + a.to(device=device, dtype=dt)).float().cpu())
-            res["add"] = e is None
-            if e:
-                errors["add"] = e
+            trial("storage", lambda: torch.zeros(8, dtype=dt, device=device))
+            trial("cast", lambda: a.to(device=device, dtype=dt))
+            trial("matmul", lambda: (a.to(device=device, dtype=dt) @ a.to(device=device, dtype=dt)).float().cpu())
+            trial("add", lambda: (a.to(device=device, dtype=dt) + a.to(device=device, dtype=dt)).float().cpu())
         res["errors"] = errors
         out[name] = res
     return out
 
 
-def probe_sdpa_backends(device: torch.device) -> dict[str, dict[str, str]]:
+def probe_sdpa_backends(device: torch.device, notes: dict[str, list[str]] | None = None) -> dict[str, dict[str, str]]:
     """Which SDPA backends run on ``device`` for fp32, bf16 and fp16 (causal, small shapes).
+
+    Each trial is silent: PyTorch's warnings about a backend it cannot use ("Flash attention has
+    been runtime disabled", "... kernel not used because: ...") go to ``notes``, not to stderr.
+
+    Args:
+        device: where to try.
+        notes: optional; receives each trial's warnings under ``"<BACKEND>/<dtype>"``.
 
     Returns:
         ``{backend_name: {dtype_name: "ok" | error_text}}`` for every ``SDPBackend`` except ERROR.
+        Never raises.
     """
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -130,14 +182,19 @@ def probe_sdpa_backends(device: torch.device) -> dict[str, dict[str, str]]:
                     F.scaled_dot_product_attention(q, q, q, is_causal=True)
                 _sync(device)
 
-            err = _try(run)
+            err = _try(run, notes, f"{bname}/{dname}")
             per_dtype[dname] = "ok" if err is None else err
         out[bname] = per_dtype
     return out
 
 
-def probe_fp8_matmul(device: torch.device) -> dict:
-    """Whether ``torch._scaled_mm`` runs with float8_e4m3fn inputs on ``device``."""
+def probe_fp8_matmul(device: torch.device, notes: dict[str, list[str]] | None = None) -> dict:
+    """Whether ``torch._scaled_mm`` runs with float8_e4m3fn inputs on ``device``.
+
+    Returns:
+        ``{"supported": bool, "reason": str}``; the trial's warnings go to ``notes["fp8_matmul"]``.
+        Never raises.
+    """
     if not hasattr(torch, "float8_e4m3fn") or not hasattr(torch, "_scaled_mm"):
         return {"supported": False, "reason": "this torch has no float8_e4m3fn / _scaled_mm"}
 
@@ -148,7 +205,7 @@ def probe_fp8_matmul(device: torch.device) -> dict:
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         _sync(device)
 
-    err = _try(run)
+    err = _try(run, notes, "fp8_matmul")
     return {"supported": err is None, "reason": "torch._scaled_mm ran with float8_e4m3fn" if err is None else err}
 
 
@@ -168,11 +225,12 @@ def fp4_hardware(device: torch.device, properties: dict) -> tuple[bool, str]:
     return False, f"sm_{major}{minor} lacks FP4 tensor cores (Blackwell sm_100+ has them)"
 
 
-def probe_fp4_matmul(device: torch.device, properties: dict) -> dict:
+def probe_fp4_matmul(device: torch.device, properties: dict, notes: dict[str, list[str]] | None = None) -> dict:
     """Native FP4 (MXFP4) matmul: tried only where the hardware has it, never elsewhere.
 
     Returns:
-        ``{"hardware": bool, "supported": bool, "reason": str}``.
+        ``{"hardware": bool, "supported": bool, "reason": str}``; the trial's warnings go to
+        ``notes["fp4_matmul"]``. Never raises.
     """
     hw, why = fp4_hardware(device, properties)
     if not hw:
@@ -190,49 +248,129 @@ def probe_fp4_matmul(device: torch.device, properties: dict) -> dict:
         torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
         _sync(device)
 
-    err = _try(run)
+    err = _try(run, notes, "fp4_matmul")
     return {"hardware": True, "supported": err is None, "reason": why if err is None else f"{why}, but the call failed: {err}"}
 
 
 # ----------------------------------------------------------------------------- speed
 
 
-def _time_interleaved(fns: dict[str, Callable[[], None]], device: torch.device, reps: int,
-                      abort_ratio: float | None = None, baseline: str | None = None) -> dict[str, list[float]]:
-    """Warm each fn up once, then run ``reps`` interleaved rounds; return seconds per timed run.
+class Timings(dict):
+    """What :func:`_time_interleaved` measured: ``{name: [seconds of each timed run]}`` in the order
+    of the candidates (a candidate that raised is absent), plus how the measurement ended.
 
-    With ``abort_ratio`` and a ``baseline``, a candidate that cannot win is dropped early, so a
-    dtype 30x slower than fp32 (bf16 on CPUs without bf16 units) does not blow the time budget:
-    after warm-up if its warm-up took over ``3 * abort_ratio`` times the baseline's (its one timed
-    sample is then the warm-up), and after two rounds if even its fastest run is over
-    ``abort_ratio`` times the baseline's median. Two samples are needed for the second rule, so
-    one noisy run cannot turn an optimization off.
+    Attributes:
+        dropped: ``{name: reason}`` for candidates stopped early as clearly slower than the baseline.
+        errors: ``{name: error text}`` for candidates that raised (the baseline's error propagates).
+        stopped: why the rounds ended before ``reps`` (None when every round ran).
+        rounds: timed rounds run.
     """
-    times: dict[str, list[float]] = {k: [] for k in fns}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.dropped: dict[str, str] = {}
+        self.errors: dict[str, str] = {}
+        self.stopped: str | None = None
+        self.rounds = 0
+
+
+def _time_interleaved(fns: dict[str, Callable[[], None]], device: torch.device, reps: int,
+                      abort_ratio: float | None = None, baseline: str | None = None, *,
+                      budget_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Timings:
+    """Warm each fn up once, then run up to ``reps`` interleaved rounds; return seconds per timed run.
+
+    The measurement stops as soon as its answer is clear, so a hopeless candidate costs one or two
+    runs, not ``reps + 1`` (bf16 on a CPU without bf16 units is 20-50x slower than fp32). With
+    ``abort_ratio`` and a ``baseline``:
+
+    * after warm-up, a candidate whose warm-up took over ``3 * abort_ratio`` times the baseline's
+      is dropped (its one sample is then the warm-up);
+    * from the second round on, a candidate whose *fastest* run is over ``abort_ratio`` times the
+      baseline's median is dropped (two samples at least, so one noisy run cannot turn an
+      optimization off);
+    * from the second round on, the rounds end when no candidate is left beside the baseline, or
+      when every candidate left is over ``abort_ratio`` times faster than the baseline in every run.
+
+    With ``budget_s``, the rounds also end once ``budget_s`` seconds (warm-up included) have passed
+    and at least two rounds ran. A candidate other than the baseline that raises is recorded in
+    ``errors`` and left out.
+
+    Args:
+        fns: candidates by name; each call runs the work once.
+        device: synchronized after each call (accelerators run asynchronously).
+        reps: the most timed rounds.
+        abort_ratio: how much slower (or faster) than the baseline counts as clearly decided.
+        baseline: the name in ``fns`` the others are compared with.
+        budget_s: time budget in seconds, or None.
+        clock: seconds as a float (``time.perf_counter``; tests pass a virtual clock).
+
+    Returns:
+        :class:`Timings`.
+
+    Raises:
+        Exception: whatever a fn raises when it is the baseline, or any fn when there is no baseline.
+    """
+    t = Timings((k, []) for k in fns)
+    start = clock()
+
+    def run(name: str) -> float | None:
+        t0 = clock()
+        try:
+            fns[name]()
+            _sync(device)
+        except Exception as err:  # noqa: BLE001 - a failing candidate is an answer, not a crash
+            if baseline is None or name == baseline:
+                raise
+            t.errors[name] = short_error(err)
+            del t[name]
+            return None
+        return clock() - t0
+
     warm: dict[str, float] = {}
-    for name, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        warm[name] = time.perf_counter() - t0
-    active = list(fns)
-    if abort_ratio and baseline:
+    active: list[str] = []
+    for name in fns:
+        took = run(name)
+        if took is not None:
+            warm[name] = took
+            active.append(name)
+    screen = bool(abort_ratio and baseline)
+    if screen:
         for name in list(active):
             if name != baseline and warm[name] > 3 * abort_ratio * warm[baseline]:
-                times[name] = [warm[name]]
+                t[name] = [warm[name]]
+                t.dropped[name] = (f"its warm-up run took {warm[name] / warm[baseline]:.1f}x the {baseline} one "
+                                   f"(over {3 * abort_ratio:g}x)")
                 active.remove(name)
     for r in range(reps):
         for name in list(active):
-            t0 = time.perf_counter()
-            fns[name]()
-            _sync(device)
-            times[name].append(time.perf_counter() - t0)
-        if abort_ratio and baseline and r == 1:
-            base = statistics.median(times[baseline])
+            took = run(name)
+            if took is None:
+                active.remove(name)
+            else:
+                t[name].append(took)
+        t.rounds = r + 1
+        if r < 1:
+            continue
+        if screen:
+            base = statistics.median(t[baseline])
             for name in list(active):
-                if name != baseline and min(times[name]) > abort_ratio * base:
+                if name != baseline and min(t[name]) > abort_ratio * base:
+                    t.dropped[name] = (f"its fastest of {len(t[name])} runs took {min(t[name]) / base:.1f}x the "
+                                       f"{baseline} median (over {abort_ratio:g}x)")
                     active.remove(name)
-    return times
+            if r + 1 == reps:
+                break
+            others = [n for n in active if n != baseline]
+            if not others:
+                t.stopped = f"no candidate left beside {baseline} after {r + 1} rounds"
+                break
+            if all(max(t[n]) * abort_ratio < min(t[baseline]) for n in others):
+                t.stopped = f"every candidate over {abort_ratio:g}x faster than {baseline} in {r + 1} rounds"
+                break
+        if budget_s is not None and r + 1 < reps and clock() - start > budget_s:
+            t.stopped = f"time budget of {budget_s:g} s used after {r + 1} rounds"
+            break
+    return t
 
 
 def attention_workloads(device: torch.device, batch: int, heads: int, seq: int, head_dim: int) -> dict:
@@ -257,19 +395,44 @@ def attention_workloads(device: torch.device, batch: int, heads: int, seq: int, 
     return {"eager": eager, "sdpa": sdpa}
 
 
-def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int, reps: int = 5) -> dict:
+def _ms(seconds: float) -> float:
+    return round(seconds * 1e3, 3)
+
+
+def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int, reps: int = 5, *,
+                          budget_s: float | None = None, notes: dict[str, list[str]] | None = None) -> dict:
     """Causal attention, forward + backward, fp32: hand-written masked softmax vs SDPA.
 
+    Args:
+        device: where to time.
+        width: model width (heads of 64; head_dim = width // heads).
+        seq, batch: input shape.
+        reps: the most timed rounds (fewer when the answer is clear or ``budget_s`` is used up).
+        budget_s: time budget in seconds (see :func:`_time_interleaved`), or None.
+        notes: optional; receives the warnings the runs raised under ``"attention"``.
+
     Returns:
-        ``{"eager_ms", "sdpa_ms", "speedup"}`` (speedup = eager / sdpa, medians) or ``{"error"}``.
+        ``{"eager_ms", "sdpa_ms", "speedup", "samples"}`` (milliseconds; speedup = eager / sdpa,
+        medians; ``samples`` = timed runs each), with ``"aborted": True`` when SDPA was stopped as
+        over 3x slower and ``"stopped"`` saying why timing ended early; or ``{"error"}``. Never raises.
     """
     heads = max(1, width // 64)
-    try:
-        t = _time_interleaved(attention_workloads(device, batch, heads, seq, width // heads), device, reps)
-    except Exception as err:  # noqa: BLE001
-        return {"error": short_error(err)}
+    with quiet(notes, "attention"):
+        try:
+            t = _time_interleaved(attention_workloads(device, batch, heads, seq, width // heads), device, reps,
+                                  abort_ratio=3.0, baseline="eager", budget_s=budget_s)
+        except Exception as err:  # noqa: BLE001
+            return {"error": short_error(err)}
+    if "sdpa" in t.errors:
+        return {"error": t.errors["sdpa"]}
     e, s = statistics.median(t["eager"]), statistics.median(t["sdpa"])
-    return {"eager_ms": round(e * 1e3, 3), "sdpa_ms": round(s * 1e3, 3), "speedup": round(e / s, 3)}
+    res = {"eager_ms": _ms(e), "sdpa_ms": _ms(s), "speedup": round(e / s, 3),
+           "samples": {"eager": len(t["eager"]), "sdpa": len(t["sdpa"])}}
+    if "sdpa" in t.dropped:
+        res["aborted"] = True
+    if t.dropped or t.stopped:
+        res["stopped"] = t.dropped.get("sdpa") or t.stopped
+    return res
 
 
 def representative_block(width: int, device: torch.device) -> nn.Module:
@@ -282,51 +445,118 @@ def representative_block(width: int, device: torch.device) -> nn.Module:
     return block
 
 
-def probe_autocast_speed(device: torch.device, width: int, seq: int, batch: int,
-                         dtypes: tuple[str, ...] = ("bfloat16",), reps: int = 5) -> dict[str, dict]:
-    """Forward + backward of :func:`representative_block`: fp32 vs autocast to each dtype.
-
-    Returns:
-        ``{dtype_name: {"fp32_ms", "autocast_ms", "speedup"} | {"error"} | {"fp32_ms", "autocast_ms",
-        "speedup", "aborted": True}}``; speedup = fp32 / autocast (medians); ``aborted`` means the
-        dtype was clearly over 3x slower than fp32 and its remaining runs were skipped.
-    """
-    out: dict[str, dict] = {}
-    try:
-        block = representative_block(width, device)
-        x = torch.randn(batch, seq, width, device=device, requires_grad=True)
-        mask = nn.Transformer.generate_square_subsequent_mask(seq, device=device)
-    except Exception as err:  # noqa: BLE001
-        return {d: {"error": short_error(err)} for d in dtypes}
+def _autocast_workloads(block: nn.Module, device: torch.device, width: int, seq: int, batch: int,
+                        dtypes: list[str]) -> dict[str, Callable[[], None]]:
+    """``{"fp32": fn, dtype_name: fn, ...}``: one forward + backward of ``block`` on (batch, seq, width)."""
+    x = torch.randn(batch, seq, width, device=device, requires_grad=True)
+    mask = nn.Transformer.generate_square_subsequent_mask(seq, device=device)
 
     def fp32():
         block(x, src_mask=mask, is_causal=True).sum().backward()
 
     fns: dict[str, Callable[[], None]] = {"fp32": fp32}
     for dname in dtypes:
-        dt = getattr(torch, dname)
-
-        def amp(dt=dt):
+        def amp(dt=getattr(torch, dname)):
             with torch.autocast(device.type, dtype=dt):
                 y = block(x, src_mask=mask, is_causal=True)
             y.float().sum().backward()
 
-        err = _try(amp)
-        if err is not None:
-            out[dname] = {"error": err}
-        else:
-            fns[dname] = amp
-    try:
-        t = _time_interleaved(fns, device, reps, abort_ratio=3.0, baseline="fp32")
-    except Exception as err:  # noqa: BLE001
-        return {d: {"error": short_error(err)} for d in dtypes}
-    base = statistics.median(t["fp32"])
-    for dname in fns:
-        if dname == "fp32":
-            continue
-        amp_t = statistics.median(t[dname])
-        res = {"fp32_ms": round(base * 1e3, 3), "autocast_ms": round(amp_t * 1e3, 3), "speedup": round(base / amp_t, 3)}
-        if len(t[dname]) < reps:
-            res["aborted"] = True
-        out[dname] = res
-    return out
+        fns[dname] = amp
+    return fns
+
+
+def _autocast_record(t: Timings, dname: str) -> dict:
+    base, amp_t = statistics.median(t["fp32"]), statistics.median(t[dname])
+    res = {"fp32_ms": _ms(base), "autocast_ms": _ms(amp_t), "speedup": round(base / amp_t, 3), "samples": len(t[dname])}
+    if dname in t.dropped:
+        res["aborted"] = True
+        res["stopped"] = t.dropped[dname]
+    elif t.stopped:
+        res["stopped"] = t.stopped
+    return res
+
+
+def probe_autocast_speed(device: torch.device, width: int, seq: int, batch: int,
+                         dtypes: tuple[str, ...] = ("bfloat16",), reps: int = 5, *,
+                         budget_s: float | None = None, pilots: tuple[tuple[int, int], ...] = (),
+                         notes: dict[str, list[str]] | None = None) -> dict[str, dict]:
+    """Forward + backward of :func:`representative_block`: fp32 vs autocast to each dtype.
+
+    With ``pilots`` (``(seq, batch)`` shapes, smallest first), the same block is first timed on
+    that few tokens (warm-up and two rounds per pilot): a dtype already over 3x slower than fp32
+    there is reported from the pilot and never run at a larger size (on a CPU without bf16 units
+    one full-size bf16 run can take seconds). With ``budget_s`` as well, a larger stage is only
+    started when its predicted cost (three runs of every remaining candidate, scaled by tokens
+    from the previous stage's medians) fits in what is left of the budget; otherwise the
+    remaining dtypes are decided on the last stage that ran, conservatively: a pilot can rule a
+    dtype out, never in (tiny shapes on a busy machine are mostly noise), so a pilot ratio above
+    1 is reported as ``pilot_speedup`` and ``speedup`` is counted as 1.0 (no gain shown).
+
+    Args:
+        device: where to time.
+        width: block width.
+        seq, batch: full-size input shape.
+        dtypes: autocast dtype names.
+        reps: the most timed rounds at full size.
+        budget_s: time budget in seconds for the whole probe, or None (no budget).
+        pilots: pilot shapes, or () for none.
+        notes: optional; receives the warnings the runs raised under ``"autocast"``.
+
+    Returns:
+        ``{dtype_name: {"fp32_ms", "autocast_ms", "speedup", "samples"} | {"error"}}`` in
+        milliseconds, speedup = fp32 / autocast (medians). A dtype stopped as over 3x slower also
+        has ``"aborted": True``; ``"stopped"`` says why timing ended early; a dtype decided on a
+        pilot has ``"stage": "pilot"``, that pilot's ``"seq"`` and ``"batch"``, and
+        ``"pilot_speedup"`` where its ratio was capped at 1.0. Never raises.
+    """
+    out: dict[str, dict] = {}
+    t_start = time.perf_counter()
+    with quiet(notes, "autocast"):
+        try:
+            block = representative_block(width, device)
+        except Exception as err:  # noqa: BLE001
+            return {d: {"error": short_error(err)} for d in dtypes}
+        remaining = list(dtypes)
+        stages = [(int(s), int(b), 2, True) for s, b in pilots] + [(seq, batch, reps, False)]
+        last: tuple[int, int, Timings] | None = None
+        for s_seq, s_batch, s_reps, is_pilot in stages:
+            if not remaining:
+                break
+            left = None if budget_s is None else budget_s - (time.perf_counter() - t_start)
+            if last is not None and left is not None:
+                l_seq, l_batch, l_t = last
+                scale = (s_seq * s_batch) / (l_seq * l_batch)
+                predicted = 3 * scale * sum(statistics.median(l_t[n]) for n in ["fp32", *remaining])
+                if predicted > left:
+                    why = (f"{s_batch}x{s_seq} tokens would take about {predicted:.2f} s, over the "
+                           f"{max(left, 0.0):.2f} s left of the {budget_s:g} s budget")
+                    for dname in remaining:
+                        res = _autocast_record(l_t, dname)
+                        res["stopped"] = f"{res['stopped']}; {why}" if "stopped" in res else why
+                        if res["speedup"] > 1.0:  # a pilot rules a dtype out, never in
+                            res["pilot_speedup"], res["speedup"] = res["speedup"], 1.0
+                            res["stopped"] += "; a pilot can rule a dtype out, never in: speed-up counted as 1.0"
+                        out[dname] = res | {"stage": "pilot", "seq": l_seq, "batch": l_batch}
+                    remaining = []
+                    break
+            try:
+                fns = _autocast_workloads(block, device, width, s_seq, s_batch, remaining)
+                t = _time_interleaved(fns, device, s_reps, abort_ratio=3.0, baseline="fp32",
+                                      budget_s=None if is_pilot else left)
+            except Exception as err:  # noqa: BLE001 - fp32 itself failed
+                out.update({d: {"error": short_error(err)} for d in remaining})
+                break
+            for dname in list(remaining):
+                if dname in t.errors:
+                    out[dname] = {"error": t.errors[dname]}
+                elif not is_pilot:
+                    out[dname] = _autocast_record(t, dname)
+                elif dname in t.dropped:
+                    res = _autocast_record(t, dname)
+                    res["stopped"] = f"pilot on {s_batch}x{s_seq} tokens: {res['stopped']}"
+                    out[dname] = res | {"stage": "pilot", "seq": s_seq, "batch": s_batch}
+                else:
+                    continue  # not ruled out: timed at the next size
+                remaining.remove(dname)
+            last = (s_seq, s_batch, t)
+    return {d: out[d] for d in dtypes if d in out}

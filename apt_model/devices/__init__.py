@@ -5,7 +5,9 @@
 * :mod:`~apt_model.devices.registry` — ``@register_backend`` and the ``apt_model.backends`` entry points.
 * :mod:`~apt_model.devices.detection` — every candidate with status and reason.
 * :mod:`~apt_model.devices.ranking` — the one ranking policy and ``VB_DEVICE``.
-* :mod:`~apt_model.devices.capabilities` / :mod:`~apt_model.devices.probes` — probed capabilities.
+* :mod:`~apt_model.devices.capabilities` / :mod:`~apt_model.devices.probes` — probed capabilities;
+  :mod:`~apt_model.devices.probe_cache` — their results on disk.
+* :mod:`~apt_model.devices.timing` — device events and the one ``synchronize``.
 * :mod:`~apt_model.devices.plugins` — importing torch so a broken vendor plugin cannot kill it.
 """
 # Attributes resolve lazily: ``apt_model.devices.plugins`` must be importable *before* torch is

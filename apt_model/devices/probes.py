@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from apt_model.devices.plugins import describe_exception
+from apt_model.devices.timing import synchronize
 
 #: dtypes whose support is probed, by their torch names.
 PROBED_DTYPES = (
@@ -53,12 +54,7 @@ def short_error(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cpu":
-        return
-    mod = getattr(torch, device.type, None)
-    if mod is not None and hasattr(mod, "synchronize"):
-        mod.synchronize(device)
+_sync = synchronize  # the device layer's one "wait for the device" (devices/timing.py)
 
 
 _TRIGGERED = re.compile(r"\s*\(Triggered internally at [^)]*\)\.?\s*$")

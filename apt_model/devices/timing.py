@@ -32,17 +32,21 @@ log = logging.getLogger(__name__)
 
 
 def synchronize(device: torch.device | str) -> None:
-    """Block the host until all queued work on ``device``'s kind has finished; no-op on the CPU.
+    """Block the host until all queued work on ``device`` (its current device when it has no
+    index) has finished; no-op on the CPU.
 
     Uses the kind's module (``torch.cuda``, ``torch.xpu``, ``torch.npu``...) when it has
     ``synchronize``; a kind without one is left alone (nothing to wait for that PyTorch exposes).
     """
-    dev_type = torch.device(device).type
-    if dev_type == "cpu":
+    dev = torch.device(device)
+    if dev.type == "cpu":
         return
-    mod = getattr(torch, dev_type, None)
+    mod = getattr(torch, dev.type, None)
     if mod is not None and hasattr(mod, "synchronize"):
-        mod.synchronize()
+        if dev.index is None:
+            mod.synchronize()
+        else:
+            mod.synchronize(dev)
 
 
 class HostClock:

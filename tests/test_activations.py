@@ -237,3 +237,93 @@ def test_memory_mode_cuts_peak_rss_at_seq_1024(tmp_path):
         peaks[mode] = int(proc.stdout.split("PEAK", 1)[1])
     assert peaks["off"] > 100 * 2**20  # the attention maps alone are ~250 MB at this size
     assert peaks["memory"] < 0.75 * peaks["off"], peaks
+
+
+def test_offload_follows_the_models_device_not_the_selected_one(tmp_path):
+    """On the H100 the switch selected cuda:0 while these tests keep their model on the CPU
+    (``m.to("cpu")``): the offloader was built for cuda, the CPU activations were never eligible,
+    and nothing was offloaded. A model's activations are offloaded for the device the model is
+    on — a CPU model straight to the swap files, as on a CPU-only run — whatever was selected.
+    The accelerator is only named here (no CUDA call is made), so this runs on any machine."""
+    from types import SimpleNamespace
+
+    from apt_model.activations.manager import ActivationManager
+    from apt_model.memory.levels import VGPUStack
+    from apt_model.switch.patches import PatchSet
+
+    reference = run(gpt(), steps=2)
+    stack = VGPUStack("cuda:0", device_budget="1MB", host_budget="64MB", swap_dir=str(tmp_path), measure=False)
+    config = SimpleNamespace(activation_checkpointing=False, activation_offload=True, activation_budget="64KB",
+                             offload_min_bytes=4096, checkpoint_policy="all")
+    patches = PatchSet()
+    manager = ActivationManager(config, patches, stack, torch.device("cuda:0"))
+    decisions = []
+    m = gpt()
+    rec = SimpleNamespace(scope="model 1", device="cpu")
+    try:
+        manager.adopt(m, rec, lambda rec, feature, req, chosen, why, tried=None: decisions.append((feature, chosen, why)))
+        got = run(m, steps=2)
+        rep = manager.report()
+    finally:
+        patches.restore_all()
+        stack.close()
+    same(got, reference)
+    off = rep["offload"]
+    assert list(off["devices"]) == ["cpu"] and rep["models"][0]["offload"]["device"] == "cpu"
+    assert off["offloaded_bytes"] > 0 and off["to_disk_bytes"] > 0 and off["loaded_bytes"] > 0
+    assert ("activation_offload", "on") in [(f, c) for f, c, _ in decisions]
+    assert any("swap files" in why for f, _, why in decisions if f == "activation_offload")
+
+
+def _accelerator() -> torch.device:
+    from conftest import best_device
+
+    dev = torch.device(best_device())
+    if dev.type == "cpu":
+        pytest.skip("needs an accelerator (CUDA/ROCm/NPU/XPU/MPS); the ranking picked the CPU here")
+    return dev
+
+
+@pytest.mark.gpu
+def test_offload_on_the_accelerator_goes_to_pinned_host_memory_and_is_exact(tmp_path, monkeypatch):
+    """A model on the accelerator: saved activations beyond the budget go to the pinned host level
+    (device-to-host copies, not the swap files while the host level has room), come back for
+    backward, and the gradients are bitwise those of plain training on the same device under
+    deterministic algorithms."""
+    dev = _accelerator()
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        def run_on(m):
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+            gen = torch.Generator().manual_seed(1)
+            torch.manual_seed(1)
+            losses, grads = [], []
+            for _ in range(3):
+                x = torch.randint(0, 256, (4, 64), generator=gen).to(dev)
+                loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+                opt.zero_grad()
+                loss.backward()
+                grads.append([p.grad.cpu() for p in m.parameters()])
+                opt.step()
+                losses.append(loss.item())
+            return losses, grads
+
+        reference = run_on(gpt().to(dev))
+        m = gpt()
+        vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096,
+                  activation_offload=True, activation_checkpointing=False, **PLAIN)
+        m.to(dev)
+        got = run_on(m)
+        from apt_model.switch.controller import _state
+
+        off = _state.adopter.activations.offloader
+        rep = vb.get_report()["activations"]["offload"]
+        pinned = off.host is not None and all(s.is_pinned() for s in off.host.slabs)
+        vb.disable()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    same(got, reference)
+    assert str(off.device).startswith(dev.type) and off.host is not None and pinned
+    assert rep["offloaded_bytes"] > 0 and rep["loaded_bytes"] > 0

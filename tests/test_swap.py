@@ -179,3 +179,26 @@ def test_a_killed_process_leaves_a_folder_that_the_next_one_cleans(tmp_path):
     nxt = SwapSpace(tmp_path)
     assert not os.path.exists(folder) and any(str(p) == folder for p in nxt.stale_removed)
     nxt.close()
+
+
+def test_the_wait_limit_comes_from_vb_swap_timeout_and_bad_values_are_named(monkeypatch):
+    from apt_model.errors import ConfigError
+    from apt_model.memory import waits
+
+    monkeypatch.delenv("VB_SWAP_TIMEOUT", raising=False)
+    assert waits.wait_timeout() == waits.DEFAULT_TIMEOUT_S == 120.0
+    monkeypatch.setenv("VB_SWAP_TIMEOUT", "2.5")
+    assert waits.wait_timeout() == 2.5
+    for bad in ("soon", "0", "-3", "inf"):
+        monkeypatch.setenv("VB_SWAP_TIMEOUT", bad)
+        with pytest.raises(ConfigError, match=rf"VB_SWAP_TIMEOUT='{bad}' is not a number of seconds > 0"):
+            waits.wait_timeout()
+    assert waits.set_wait_timeout(0.25) is None  # the code's setting wins over the environment
+    try:
+        assert waits.wait_timeout() == 0.25
+        with pytest.raises(ConfigError, match="wait timeout=-1"):
+            waits.set_wait_timeout(-1)
+    finally:
+        waits.set_wait_timeout(None)
+    monkeypatch.setenv("VB_SWAP_TIMEOUT", "7")
+    assert waits.wait_timeout() == 7.0

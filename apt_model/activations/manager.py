@@ -61,7 +61,12 @@ class ActivationManager:
         config: the switch's resolved configuration.
         patches: the switch's undo stack.
         stack: the VGPU stack (its swap space and level-0 capacity), or None when offload is off.
-        device: the compute device.
+        device: the selected compute device.
+
+    Offload follows each model's own device, not only the selected one: a model the script keeps
+    on the CPU of an accelerator machine (``model.to("cpu")``) saves CPU activations, which go
+    straight to the swap files as on a CPU-only run (host RAM is the memory they relieve); a
+    model on the accelerator offloads to the pinned host level first. One offloader per device.
     """
 
     def __init__(self, config, patches, stack, device: torch.device):
@@ -69,28 +74,41 @@ class ActivationManager:
         self.patches = patches
         self.stack = stack
         self.device = torch.device(device)
-        self.offloader: ActivationOffloader | None = None
+        self.offloaders: dict[str, ActivationOffloader] = {}
         self.records: list[dict] = []
 
-    def budget(self) -> int | None:
-        """Bytes of saved activations to keep in memory (setting, else a quarter of level 0)."""
+    @property
+    def offloader(self) -> ActivationOffloader | None:
+        """The first offloader created (the one of the first model adopted with offload), or None."""
+        return next(iter(self.offloaders.values()), None)
+
+    def budget(self, device: torch.device | None = None) -> int | None:
+        """Bytes of saved activations to keep in memory on ``device`` (default: the selected one):
+        the ``activation_budget`` setting, else a quarter of that device's level (level 0, or the
+        host level for a CPU model on an accelerator machine)."""
         from apt_model.memory.sizes import parse_size
 
         if self.config.activation_budget is not None:
             return parse_size(self.config.activation_budget, "activation_budget")
         if self.stack is not None:
+            dev = self.device if device is None else torch.device(device)
+            if dev.type == "cpu" and not self.stack.shared_host:
+                return self.stack.levels[1].capacity // 4
             return self.stack.compute_budget // 4
         return None
 
-    def _offloader(self) -> ActivationOffloader:
-        if self.offloader is None:
+    def _offloader(self, device: torch.device) -> ActivationOffloader:
+        dev = torch.device(device)
+        key = str(dev)
+        if key not in self.offloaders:
             host = None
-            if self.stack is not None and not self.stack.shared_host:
+            if dev.type != "cpu" and self.stack is not None and not self.stack.shared_host:
                 host = self.stack.levels[1].capacity
-            self.offloader = ActivationOffloader(self.budget(), self.stack.swap, self.device,
-                                                 min_bytes=int(self.config.offload_min_bytes), host_budget=host)
-            self.patches.add_undo(self.offloader.close, "activation offloader")
-        return self.offloader
+            off = ActivationOffloader(self.budget(dev), self.stack.swap, dev,
+                                      min_bytes=int(self.config.offload_min_bytes), host_budget=host)
+            self.offloaders[key] = off
+            self.patches.add_undo(off.close, f"activation offloader ({key})")
+        return self.offloaders[key]
 
     # ------------------------------------------------------------------ per model
     def adopt(self, model: nn.Module, rec, decide) -> None:
@@ -180,16 +198,27 @@ class ActivationManager:
         if self.stack is None:
             decide(rec, "activation_offload", req, "off", "no VGPU stack (swap dir) in this session")
             return
-        off = self._offloader()
+        off = self._offloader(torch.device(rec.device))
         hooks = _SavedTensorHooks(off.pack, off.unpack)
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(hooks.enter)), "offload pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
         target = ("the host level (pinned), spilling to the swap files" if off.host is not None
                   else f"the swap files in {self.stack.swap.folder}")
-        record["offload"] = {"budget": off.budget, "min_bytes": off.min_bytes, "target": target}
+        record["offload"] = {"budget": off.budget, "min_bytes": off.min_bytes, "target": target, "device": str(off.device)}
         decide(rec, "activation_offload", req, "on",
                f"saved activations >= {format_size(off.min_bytes)} (not parameters) beyond {format_size(off.budget)} "
                f"in memory go to {target}; backward reads them back ahead of use")
 
     def report(self) -> dict:
-        return {"models": self.records, "offload": self.offloader.stats.to_dict() if self.offloader else None}
+        """``models``: per adopted model, what was checkpointed and offloaded; ``offload``: the
+        offloaders' counters (bytes, counts, seconds) summed over devices (``peak_resident``: the
+        largest), with ``devices`` listing each one's own."""
+        if not self.offloaders:
+            return {"models": self.records, "offload": None}
+        per = {k: off.stats.to_dict() for k, off in self.offloaders.items()}
+        total: dict = {}
+        for stats in per.values():
+            for k, v in stats.items():
+                total[k] = max(total.get(k, 0), v) if k == "peak_resident" else total.get(k, 0) + v
+        total["devices"] = per
+        return {"models": self.records, "offload": total}

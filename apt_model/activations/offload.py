@@ -20,12 +20,21 @@ address, which the caching allocator reuses, so backward could receive another t
 
 Memory is freed by dropping the handle's reference: if the user still holds the tensor, nothing
 is freed (and nothing is lost).
+
+Threads: the pack hook runs on the training thread; on an accelerator the unpack hook runs on
+autograd's device thread, and a handle can be dropped on any thread (autograd's, or an I/O thread
+whose garbage collection frees it). So the I/O jobs hold only the bytes they move (never a handle,
+whose finalizer would then run on the I/O thread), a dropped handle's clean-up is queued and done
+by the next hook call, and every wait — a write or read in flight, the offloader's lock — is
+bounded by ``VB_SWAP_TIMEOUT`` and raises a :class:`~apt_model.memory.swap.SwapTimeoutError`
+naming the activation, its bytes and the I/O queues (:mod:`apt_model.memory.waits`).
 """
 from __future__ import annotations
 
 import itertools
-import threading
+import time
 import weakref
+from collections import deque
 from concurrent.futures import Future
 
 import torch
@@ -35,6 +44,7 @@ from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import cpu_byte_view
 from apt_model.memory.stores import PinnedPool, byte_view
 from apt_model.memory.swap import SwapSpace
+from apt_model.memory.waits import TimedLock, wait_future
 
 RESIDENT, WRITING, HOST, DISK = "resident", "writing", "host", "disk"
 
@@ -116,7 +126,8 @@ class ActivationOffloader:
         self._by_seq: dict[int, weakref.ref] = {}
         self._on_host: dict[int, SavedActivation] = {}  # host copies, oldest first (spilled first)
         self.resident_bytes = 0
-        self._lock = threading.RLock()
+        self._lock = TimedLock(f"activation offloader ({self.device})")
+        self._forgotten: deque[tuple[int, str]] = deque()  # handles dropped on any thread, cleaned up by the next hook
         self._error: BaseException | None = None
         self.closed = False
 
@@ -139,11 +150,12 @@ class ActivationOffloader:
             self.stats.kept_small += 1
             return t
         with self._lock:
+            self._drain_forgotten()
             h = SavedActivation(next(self._seq), t, self._new_key())
             self._hold(h)
             self._evictable[h.seq] = weakref.ref(h)
             self._by_seq[h.seq] = weakref.ref(h)
-            weakref.finalize(h, self._forget, h.seq, h.key)
+            weakref.finalize(h, self._forgotten.append, (h.seq, h.key))
             self.stats.packed += 1
             self.stats.packed_bytes += h.nbytes
             self._offload_to_budget()
@@ -154,6 +166,7 @@ class ActivationOffloader:
             return h
         self._raise_pending()
         with self._lock:
+            self._drain_forgotten()
             t = self._load(h)
             self._prefetch_before(h.seq)
             return t
@@ -170,6 +183,15 @@ class ActivationOffloader:
 
     def _new_key(self) -> str:
         return self._keys.pop() if self._keys else f"act{next(self._key_ids)}"
+
+    def _drain_forgotten(self) -> None:
+        """Clean up after the handles dropped since the last hook (under the lock)."""
+        while self._forgotten:
+            try:
+                seq, key = self._forgotten.popleft()
+            except IndexError:
+                break
+            self._forget(seq, key)
 
     def _forget(self, seq: int, key: str) -> None:
         """The autograd graph dropped a handle: release what it held (memory, host slab, file)."""
@@ -224,9 +246,10 @@ class ActivationOffloader:
                     break
                 if h.future is not None:  # an earlier _reap in this loop may have completed it
                     try:
-                        self._wait(h.future)
-                    except BaseException:  # noqa: BLE001 - _reap records it and keeps the data
-                        pass
+                        self._wait(h.future, h, "write")
+                    except BaseException:  # noqa: BLE001 - _reap records a failed write and keeps the data
+                        if not h.future.done():
+                            raise  # timed out: the write is still running
                 self._reap()
 
     def _offload(self, h: SavedActivation) -> None:
@@ -238,7 +261,10 @@ class ActivationOffloader:
         t = h.tensor
         view = cpu_byte_view(t.untyped_storage())[t.storage_offset() * t.element_size():][:h.nbytes]
         h.state = WRITING
-        h.future = self.io.submit_write(h.nbytes, lambda: self.swap.write(h.key, view))
+        key = h.key
+        # the job holds the tensor (its bytes must outlive the write), never the handle
+        h.future = self.io.submit_write(h.nbytes, lambda t=t: self.swap.write(key, view),
+                                        f"write of saved activation {key} ({h.nbytes} bytes)")
         self._writing[h.seq] = h
         self.stats.to_disk_bytes += h.nbytes
 
@@ -261,30 +287,43 @@ class ActivationOffloader:
         h = self._on_host.pop(next(iter(self._on_host)))
         seg = h.segment
         mv = cpu_byte_view(self.host.slabs[seg.slab].untyped_storage())[seg.offset:seg.offset + h.nbytes]
+        t0 = time.perf_counter()
         self.swap.write(h.key, mv)
+        self.io.write_stats.add(h.nbytes, time.perf_counter() - t0)
         self.stats.to_disk_bytes += h.nbytes
         self.host.release(seg)
         h.segment, h.state = None, DISK
         return True
 
-    def _wait(self, fut: Future) -> None:
-        import time
-
+    def _wait(self, fut: Future, h: SavedActivation, what: str) -> None:
+        """Wait (bounded) for ``h``'s ``what`` ("write", "read"); re-raises the job's error."""
         t0 = time.perf_counter()
-        fut.result()
-        self.stats.stall_s += time.perf_counter() - t0
+        try:
+            wait_future(fut, f"{what} of saved activation {h.key} ({h.nbytes} bytes, shape {tuple(h.shape)}) "
+                             f"{'to' if what == 'write' else 'from'} the swap files in {self.swap.folder}",
+                        self.io.describe())
+        finally:
+            self.stats.stall_s += time.perf_counter() - t0
 
     def _start_read(self, h: SavedActivation) -> None:
         out = torch.empty(h.shape, dtype=h.dtype, device="cpu")
         view = cpu_byte_view(out.untyped_storage())
         h.tensor = out
         self._hold(h)
-        h.future = self.io.submit_read(h.nbytes, lambda: self.swap.read_into(h.key, view))
+        key = h.key
+        # the job holds the destination tensor (the read writes into it), never the handle
+        h.future = self.io.submit_read(h.nbytes, lambda out=out: self.swap.read_into(key, view),
+                                       f"read of saved activation {key} ({h.nbytes} bytes)")
 
     def _load(self, h: SavedActivation) -> torch.Tensor:
         self._reap()
         if h.state == WRITING:  # still in memory: keep it; the copy below is simply not needed
-            self._wait(h.future)
+            try:
+                self._wait(h.future, h, "write")
+            except BaseException as err:  # noqa: BLE001 - a failed write is reported at the next hook
+                if not h.future.done():
+                    raise  # timed out: the write still reads the tensor; it stays WRITING
+                self._error = self._error or err  # the tensor is still here: backward can use it
             self._writing.pop(h.seq, None)
             h.future, h.state = None, RESIDENT
         if h.state == RESIDENT:
@@ -303,10 +342,11 @@ class ActivationOffloader:
         if h.future is None:  # on disk and not prefetched
             self._start_read(h)
         try:
-            self._wait(h.future)
+            self._wait(h.future, h, "read")
         except BaseException:
-            h.tensor, h.future = None, None
-            self._unhold(h.seq)
+            if h.future.done():  # the read failed; a timed-out one still writes into h.tensor: keep it
+                h.tensor, h.future = None, None
+                self._unhold(h.seq)
             raise
         h.future, h.state = None, RESIDENT
         h.version = h.tensor._version
@@ -328,7 +368,13 @@ class ActivationOffloader:
             s -= 1
 
     def close(self) -> None:
-        """Stop the I/O threads (handles still alive keep working from memory or raise)."""
+        """Stop the I/O threads (handles still alive keep working from memory or raise).
+
+        Raises:
+            SwapTimeoutError: an I/O thread did not finish its queued jobs within the wait limit.
+        """
         if not self.closed:
+            with self._lock:
+                self._drain_forgotten()
             self.closed = True
             self.io.close()

@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from apt_model.memory.waits import ENV, TimedLock, timeout_error, wait_timeout
+
 
 _cache: dict[tuple, dict] = {}
-_lock = threading.Lock()
+_lock = TimedLock("bandwidth probe")
 
 
 def _median_time(fn, reps: int = 3) -> float:
@@ -86,17 +87,26 @@ def measure_disk(folder: str | os.PathLike, mb: int = 64, threads: int = 2) -> d
     space = SwapSpace(folder)
     data = memoryview(bytearray(os.urandom(page)))
     outs = [memoryview(bytearray(page)) for _ in range(n)]
+    limit = wait_timeout()
+    ex = ThreadPoolExecutor(threads, thread_name_prefix="vb-bw-disk")
+    stuck = False
     try:
-        with ThreadPoolExecutor(threads) as ex:
-            def write():
-                list(ex.map(lambda i: space.write(f"bw{i}", data), range(n)))
+        def run(what, fn):
+            try:
+                list(ex.map(fn, range(n), timeout=limit))
+            except TimeoutError:
+                raise timeout_error(
+                    f"waited {limit:g} s for the disk bandwidth probe to {what} {n} files of 4 MiB in {space.folder}; "
+                    f"raise {ENV} if the disk is just slow"
+                ) from None
 
-            def read():
-                list(ex.map(lambda i: space.read_into(f"bw{i}", outs[i]), range(n)))
-
-            w = _median_time(write, reps=2)
-            r = _median_time(read, reps=2)
+        w = _median_time(lambda: run("write", lambda i: space.write(f"bw{i}", data)), reps=2)
+        r = _median_time(lambda: run("read", lambda i: space.read_into(f"bw{i}", outs[i])), reps=2)
+    except BaseException:
+        stuck = True
+        raise
     finally:
+        ex.shutdown(wait=not stuck)  # never join threads stuck in the disk
         space.close()
     return {"write": n * page / w / 1e9, "read": n * page / r / 1e9}
 

@@ -6,6 +6,11 @@ direction keep two requests outstanding per direction: measured on the developme
 pages, reads went from 1.13 GB/s (one thread) to 1.57 (two) and 1.73 (four), and mixed reads and
 writes from 1.30 to 1.97 GB/s combined with two of each. Each direction counts bytes and busy
 seconds (summed over its threads), giving achieved GB/s per thread.
+
+Each direction also knows what it is doing — jobs queued, and which thread runs which job — so a
+wait that times out (see :mod:`apt_model.memory.waits`) can say where the job it waited for is.
+Closing is bounded too: threads that do not finish their queued jobs within the wait limit are
+reported with a :class:`~apt_model.memory.swap.SwapTimeoutError`, not joined forever.
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
+
+from apt_model.memory.waits import timeout_error, wait_timeout
 
 
 class IOStats:
@@ -40,36 +47,96 @@ class IOStats:
                 "gbps": round(self.gbps, 3) if self.gbps else None}
 
 
-class IOEngine:
-    """Runs read and write jobs on their own threads and counts them."""
+class _Direction:
+    """One direction's thread pool and what it is doing (jobs queued, job per thread)."""
 
-    def __init__(self, readers: int = 2, writers: int = 2):
-        self._reader = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="vb-swap-read")
-        self._writer = ThreadPoolExecutor(max_workers=writers, thread_name_prefix="vb-swap-write")
-        self.read_stats = IOStats()
-        self.write_stats = IOStats()
-        self._closed = False
+    def __init__(self, name: str, threads: int):
+        self.name = name
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"vb-swap-{name}")
+        self.stats = IOStats()
+        self._lock = threading.Lock()
+        self.queued = 0  # submitted, not started
+        self.running: dict[str, str] = {}  # thread name -> label of the job it runs
 
-    def _timed(self, stats: IOStats, nbytes: int, fn: Callable[[], Any]) -> Callable[[], Any]:
+    def submit(self, nbytes: int, fn: Callable[[], Any], label: str) -> Future:
         def job():
+            me = threading.current_thread().name
+            with self._lock:
+                self.queued -= 1
+                self.running[me] = label
             t0 = time.perf_counter()
-            out = fn()
-            stats.add(nbytes, time.perf_counter() - t0)
+            try:
+                out = fn()
+            finally:
+                with self._lock:
+                    self.running.pop(me, None)
+            self.stats.add(nbytes, time.perf_counter() - t0)
             return out
 
-        return job
+        with self._lock:
+            self.queued += 1
+        try:
+            return self.pool.submit(job)
+        except BaseException:
+            with self._lock:
+                self.queued -= 1
+            raise
 
-    def submit_read(self, nbytes: int, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` (which reads ``nbytes``) on the reader thread."""
-        return self._reader.submit(self._timed(self.read_stats, nbytes, fn))
+    def describe(self) -> str:
+        with self._lock:
+            running = ", ".join(f"{t} on {label}" for t, label in sorted(self.running.items())) or "none running"
+            return f"{self.name} queue: {self.queued} waiting, {running}"
 
-    def submit_write(self, nbytes: int, fn: Callable[[], Any]) -> Future:
-        """Run ``fn`` (which writes ``nbytes``) on the writer thread."""
-        return self._writer.submit(self._timed(self.write_stats, nbytes, fn))
+
+class IOEngine:
+    """Runs read and write jobs on their own threads and counts them.
+
+    Args:
+        readers / writers: threads per direction.
+    """
+
+    def __init__(self, readers: int = 2, writers: int = 2):
+        self._read = _Direction("read", readers)
+        self._write = _Direction("write", writers)
+        self._reader = self._read.pool  # the executors, for callers that queue a marker job
+        self._writer = self._write.pool
+        self.read_stats = self._read.stats
+        self.write_stats = self._write.stats
+        self._closed = False
+
+    def submit_read(self, nbytes: int, fn: Callable[[], Any], label: str = "a read") -> Future:
+        """Run ``fn`` (which reads ``nbytes``) on a reader thread; ``label`` names it in errors."""
+        return self._read.submit(nbytes, fn, label)
+
+    def submit_write(self, nbytes: int, fn: Callable[[], Any], label: str = "a write") -> Future:
+        """Run ``fn`` (which writes ``nbytes``) on a writer thread; ``label`` names it in errors."""
+        return self._write.submit(nbytes, fn, label)
+
+    def describe(self) -> str:
+        """The queues now, for error messages: ``"read queue: 1 waiting, vb-swap-read_0 on ...; write queue: ..."``."""
+        return f"{self._read.describe()}; {self._write.describe()}"
 
     def close(self) -> None:
-        """Finish queued jobs and stop the threads."""
-        if not self._closed:
-            self._closed = True
-            self._reader.shutdown(wait=True)
-            self._writer.shutdown(wait=True)
+        """Finish queued jobs and stop the threads, waiting at most the wait limit in all.
+
+        Raises:
+            SwapTimeoutError: threads still busy after the limit (named, with their jobs); they are
+                left running, as daemon-like workers of a closed engine.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        threads = []
+        for d in (self._read, self._write):
+            d.pool.shutdown(wait=False)
+            threads += list(getattr(d.pool, "_threads", ()))
+        limit = wait_timeout()
+        deadline = time.monotonic() + limit
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        stuck = [t.name for t in threads if t.is_alive()]
+        if stuck:
+            raise timeout_error(
+                f"waited {limit:g} s for the swap I/O threads to finish their queued jobs at close; still busy: "
+                f"{', '.join(stuck)} ({self.describe()})"
+            )

@@ -2,14 +2,28 @@
 rest to and from the level below.
 
 Policy:
-* **Budget.** Resident, loading and writing pages may take ``budget`` bytes. Making room evicts
-  least-recently-used pages that nobody pins; a clean page is freed at once, a dirty one is
-  written in the background and freed when the write lands. A working set larger than the
-  budget (one module's weights bigger than everything allowed) is loaded anyway and counted as
-  ``over_budget_bytes`` — training does not stop for it.
+* **Budget (a promise).** Resident, loading and writing pages may take ``budget`` bytes; the
+  training state the placement plan keeps resident outside the pages (``kept_bytes``) is counted
+  on the level too. Every path that adds bytes keeps the level within ``budget`` plus the one page
+  that is arriving: ``acquire`` makes room before loading; a page created by torch (a gradient
+  from backward, an optimizer state from the step) makes room as it is registered, waiting for
+  write-behind to land if it must; a prefetch only uses room that is free; the optimizer makes
+  room for the states a step will create before it runs (see paging/optimizer.py). The placement
+  plan refuses a budget smaller than its smallest working set (see :mod:`~apt_model.memory.placement`);
+  only a forced plan (``paging="always"``) or pins taken outside the hooks (a page faulted in
+  during a forward stays pinned to the end of its backward) can go over, and the excess is counted
+  as ``over_budget_bytes``.
 * **Pins.** A page pinned by a running forward, backward or optimizer chunk is never evicted.
 * **Prefetch.** Loads can start ahead of use on the reader thread; ``acquire`` waits for them.
 * **Writes never race compute.** Acquiring a page whose write is in flight waits for the write.
+  A write that completed at once (the host level's device-to-host copy) frees the page at once.
+* **Bounded waits.** Every wait (a read, a write, the lock) gives up after ``VB_SWAP_TIMEOUT``
+  seconds with a :class:`~apt_model.memory.swap.SwapTimeoutError` naming the page, its bytes, the
+  level and the I/O queues (:mod:`apt_model.memory.waits`).
+* **Any thread may drop an alias.** Releases requested by finalizers (an alias of a page that
+  user code held, garbage-collected on whatever thread drops it last: an I/O thread, autograd's
+  device thread) are queued and applied by the next pager call, never under the finalizer: the
+  training thread may hold the pager lock while it waits for that very I/O thread.
 
 The level below is a store (:mod:`apt_model.memory.stores`): the swap files directly on a
 CPU-only run (where the compute level *is* host RAM), or host RAM with its own budget and the swap
@@ -19,8 +33,8 @@ files under it on an accelerator. Memory freed by eviction on the CPU is returne
 from __future__ import annotations
 
 import sys
-import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from concurrent.futures import Future
 
@@ -30,8 +44,9 @@ from apt_model.log import get_logger
 from apt_model.memory.host import release_free_memory
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage
-from apt_model.memory.stores import DiskStore, byte_view
+from apt_model.memory.stores import DiskStore, HostLevelFullError, byte_view
 from apt_model.memory.swap import SwapSpace
+from apt_model.memory.waits import TimedLock, wait_future
 
 log = get_logger(__name__)
 
@@ -39,7 +54,8 @@ _TRIM_EVERY = 64 * 2**20  # return freed heap memory to the OS after this many b
 
 
 class LevelStats:
-    """Counters of the compute level (level 0) kept by the pager."""
+    """Counters of the compute level (level 0) kept by the pager. Resident figures include the
+    training state kept resident outside the pages (``kept_bytes``)."""
 
     def __init__(self):
         self.loads = 0  # misses: a page had to be read from below
@@ -48,8 +64,8 @@ class LevelStats:
         self.bytes_in = 0
         self.bytes_out = 0  # bytes freed from this level by eviction
         self.stall_s = 0.0  # seconds the training thread waited for I/O
-        self.peak_resident = 0
-        self.over_budget_bytes = 0  # largest excess over the budget forced by pinned working sets
+        self.peak_resident = 0  # bytes: pages resident, loading or writing, plus kept state
+        self.over_budget_bytes = 0  # largest excess of the above over the level's budget
 
     def to_dict(self) -> dict:
         return {"hits": self.hits, "misses": self.loads, "faults": self.faults, "bytes_in": self.bytes_in,
@@ -67,11 +83,16 @@ class Pager:
         store: the level right below (default: the swap files, for a CPU compute level); pass a
             :class:`~apt_model.memory.stores.HostStore` for an accelerator.
         device: the compute device (default: CPU).
+
+    Attributes:
+        kept_bytes: training state kept resident on this level outside the pages (set by the
+            paging session from the placement plan); reported with the level, not paged.
     """
 
     def __init__(self, budget: int, swap: SwapSpace, io: IOEngine | None = None, store=None,
                  device: torch.device | str = "cpu"):
         self.budget = int(budget)
+        self.kept_bytes = 0
         self.swap = swap
         self.io = io or IOEngine()
         self.store = store if store is not None else DiskStore(swap, self.io)
@@ -79,11 +100,12 @@ class Pager:
         self.pages: dict[str, Page] = {}
         self.by_tensor: dict[int, Page] = {}  # id(live tensor) -> page, for fault handling
         self.stats = LevelStats()
-        self._lock = threading.RLock()
+        self._lock = TimedLock(f"pager ({self.device} level)")
         self._tick = 0
         self._resident = 0
         self._writing = 0  # bytes of resident pages whose copies below are being written
         self._freed_since_trim = 0
+        self._deferred: deque[Page] = deque()  # releases asked for by finalizers, applied by the next call
         self._closed = False
 
     # ------------------------------------------------------------------ bookkeeping
@@ -91,6 +113,26 @@ class Pager:
     def resident_bytes(self) -> int:
         """Bytes the managed pages hold on this level now (kept as a running total)."""
         return self._resident
+
+    @property
+    def largest_page(self) -> int:
+        """Bytes of the largest managed page (0 if none)."""
+        return max((p.nbytes for p in self.pages.values()), default=0)
+
+    def defer_release(self, page: Page) -> None:
+        """Unpin ``page`` at the next pager call. Safe from any thread and from finalizers: takes no
+        lock (a finalizer may run on an I/O thread while the training thread holds the pager lock
+        waiting for that thread)."""
+        self._deferred.append(page)
+
+    def _drain_deferred(self) -> None:
+        """Apply the releases queued by :meth:`defer_release` (under the lock)."""
+        while self._deferred:
+            try:
+                page = self._deferred.popleft()
+            except IndexError:
+                break
+            page.pins = max(0, page.pins - 1)
 
     def _set(self, page: Page, state: State) -> None:
         before = page.occupies
@@ -106,12 +148,21 @@ class Pager:
         page.last_use = self._tick
 
     def _note_resident(self) -> None:
-        r = self.resident_bytes
+        r = self.resident_bytes + self.kept_bytes
         self.stats.peak_resident = max(self.stats.peak_resident, r)
-        self.stats.over_budget_bytes = max(self.stats.over_budget_bytes, r - self.budget)
+        self.stats.over_budget_bytes = max(self.stats.over_budget_bytes, r - self.budget - self.kept_bytes)
 
     def register(self, category: Category, tensor_of, label: str, keep: bool = False) -> Page:
-        """Start managing a resident tensor (returned by ``tensor_of()``). It has no lower copy yet."""
+        """Start managing a resident tensor (returned by ``tensor_of()``). It has no lower copy yet.
+
+        The tensor already occupies the level (torch created it: a gradient, an optimizer state),
+        so room is made right after, evicting other unpinned pages and waiting for their writes
+        if need be: the level stays within the budget plus this page.
+
+        Raises:
+            ValueError: the tensor is missing or on another device type than this pager's.
+            SwapTimeoutError: a write that had to land for the room did not finish in time.
+        """
         t = tensor_of()
         if t is None or t.device.type != self.device.type:
             raise ValueError(f"page {label}: this pager manages {self.device.type} tensors, got {None if t is None else t.device}")
@@ -122,6 +173,8 @@ class Pager:
             self.by_tensor[id(t)] = page
             self._touch(page)
             self._note_resident()
+            if self.resident_bytes > self.budget:
+                self.make_room(0, protect=[page])
             return page
 
     def rebind(self, page: Page) -> None:
@@ -138,6 +191,7 @@ class Pager:
                     before = page.occupies
                     page.nbytes = n
                     self._resident += page.occupies - before
+                    self._note_resident()
 
     def unregister(self, page: Page) -> None:
         """Stop managing ``page``: bring it back to memory first if it has data below."""
@@ -152,11 +206,16 @@ class Pager:
                 del self.by_tensor[page.tensor_id]
 
     # ------------------------------------------------------------------ I/O primitives
-    def _wait(self, fut: Future) -> None:
+    def _wait(self, fut: Future, page: Page, what: str) -> None:
+        """Wait (bounded) for ``page``'s ``what`` ("read", "write") to finish; re-raises its error."""
         if not fut.done():
             t0 = time.perf_counter()
-            fut.result()
-            self.stats.stall_s += time.perf_counter() - t0
+            try:
+                wait_future(fut, f"{what} of page {page.label} ({page.key}, {page.nbytes} bytes) "
+                                 f"{'from' if what == 'read' else 'to'} the {self.store.level_kind} level below "
+                                 f"{self.device}", self.io.describe())
+            finally:
+                self.stats.stall_s += time.perf_counter() - t0
         else:
             fut.result()  # re-raise I/O errors
 
@@ -168,15 +227,39 @@ class Pager:
             self._set(page, State.RESIDENT)
             page.dirty, page.zero_on_load, page.future = True, False, None
             return
-        page.future = self.store.start_read(page, storage)
+        try:
+            try:
+                page.future = self.store.start_read(page, storage)
+            except HostLevelFullError as err:
+                # the host level is full of this pager's own loads (prefetches) whose host-to-device
+                # copies only this thread makes: finish them — that frees their room — and retry
+                loading = [p for p in self.pages.values() if p.state is State.LOADING and p is not page]
+                if not err.in_flight or not loading:
+                    raise
+                for p in loading:
+                    self._finish_load(p)
+                page.future = self.store.start_read(page, storage)
+        except BaseException:
+            free_storage(storage)  # nothing was loaded: the page stays below
+            raise
         self._set(page, State.LOADING)
         self.stats.loads += 1
         self.stats.bytes_in += page.nbytes
 
     def _finish_load(self, page: Page) -> None:
-        fut, page.future = page.future, None
+        fut = page.future
         try:
-            self._wait(fut)
+            self._wait(fut, page, "read")
+        except BaseException:
+            if not fut.done():  # timed out: the read still writes into the storage; keep both
+                raise
+            page.future = None
+            self.store.abort_read(page)
+            free_storage(page.storage())
+            self._set(page, State.LOWER)
+            raise
+        page.future = None
+        try:
             self.store.finish_read(page, page.storage())
         except BaseException:
             self.store.abort_read(page)
@@ -217,6 +300,8 @@ class Pager:
         if page.dirty or not self.store.has(page):
             page.future = self.store.start_write(page, storage)
             self._set(page, State.WRITING)
+            if page.future.done():  # the host level copies synchronously: free the device bytes now
+                self._finish_write(page, wait=False)
         else:
             self._free(page)
 
@@ -237,12 +322,15 @@ class Pager:
             return True
         if not wait and not fut.done():
             return False
-        page.future = None
         try:
-            self._wait(fut)
+            self._wait(fut, page, "write")
         except BaseException:
-            self._set(page, State.RESIDENT)  # the data is still in memory: nothing lost
+            if fut.done():  # the write failed: the data is still in memory, nothing lost
+                page.future = None
+                self._set(page, State.RESIDENT)
+            # a timed-out write is still running and reading the page's memory: it stays WRITING
             raise
+        page.future = None
         page.scales = []  # the new lower copy already has every scaling applied
         if page.pins > 0:
             self._set(page, State.RESIDENT)
@@ -252,8 +340,9 @@ class Pager:
         return True
 
     def reap(self) -> None:
-        """Free the pages whose background writes have completed."""
+        """Free the pages whose background writes have completed (and apply deferred releases)."""
         with self._lock:
+            self._drain_deferred()
             for page in list(self.pages.values()):
                 if page.state is State.WRITING:
                     self._finish_write(page, wait=False)
@@ -261,7 +350,12 @@ class Pager:
     # ------------------------------------------------------------------ policy
     def make_room(self, nbytes: int, protect: Iterable[Page] = (), wait: bool = True) -> None:
         """Evict until ``nbytes`` more fit in the budget (as far as unpinned pages allow). With
-        ``wait=False`` the writes of evicted dirty pages are started but not waited for."""
+        ``wait=False`` the writes of evicted dirty pages are started but not waited for.
+
+        Raises:
+            SwapFullError / SwapError: a write failed (the page stays resident, nothing is lost).
+            SwapTimeoutError: a write that had to land did not within ``VB_SWAP_TIMEOUT`` seconds.
+        """
         with self._lock:
             self.reap()
             protected = {id(p) for p in protect}
@@ -290,9 +384,13 @@ class Pager:
         Raises:
             SwapCorruptionError / SwapError: a page's swap file failed its checks; the page
                 stays on the lower level.
+            SwapTimeoutError: a read or write did not finish within ``VB_SWAP_TIMEOUT`` seconds
+                (the page stays loading or writing; a later call picks it up), or the pager's
+                lock was held by another thread that long.
         """
         pages = [p for p in pages if p is not None]
         with self._lock:
+            self._drain_deferred()
             missing = sum(p.nbytes for p in pages if p.state is State.LOWER)
             if missing:
                 self.make_room(missing, protect=pages)
@@ -322,6 +420,7 @@ class Pager:
     def release(self, pages: Iterable[Page], evict: bool = False) -> None:
         """Unpin ``pages``; with ``evict``, start writing them out now (write-behind)."""
         with self._lock:
+            self._drain_deferred()
             for p in pages:
                 if p is None:
                     continue
@@ -331,24 +430,25 @@ class Pager:
             if self.resident_bytes > self.budget:
                 self.make_room(0)
 
-    def prefetch(self, pages: Iterable[Page]) -> None:
-        """Start loading ``pages`` in the background if they fit without evicting pinned pages.
+    def prefetch(self, pages: Iterable[Page], reserve: int = 0) -> None:
+        """Start loading ``pages`` in the background, in order, as far as they fit in the budget
+        with ``reserve`` bytes left free (room the caller is about to need, e.g. for optimizer
+        states a step will create).
 
-        A prefetch never blocks the training thread. Pages whose writes are in flight are about to
-        be freed, so a prefetch may use their room early — up to a quarter of the budget: the
-        level can exceed its budget by that much while the write-behind drains.
+        A prefetch never blocks the training thread: it starts the writes of least-recently-used
+        unpinned pages to make room, but only uses room that is free now — never the room of
+        pages whose writes are still in flight, which would put the level over its budget.
         """
         with self._lock:
             self.reap()
             todo = [p for p in pages if p is not None and p.state is State.LOWER]
             if not todo:
                 return
-            need = sum(p.nbytes for p in todo)
+            need = sum(p.nbytes for p in todo) + reserve
             if self.resident_bytes + need > self.budget:
                 self.make_room(need, protect=todo, wait=False)
-            allowance = self.budget + min(self._writing, self.budget // 4)
             for p in todo:
-                if self.resident_bytes + p.nbytes > allowance and self.resident_bytes > 0:
+                if self.resident_bytes + p.nbytes + reserve > self.budget and self.resident_bytes > 0:
                     break
                 self._start_load(p)
                 self._touch(p)
@@ -357,6 +457,7 @@ class Pager:
     def evict_now(self, pages: Iterable[Page]) -> None:
         """Write out (if dirty) and free unpinned ``pages`` now."""
         with self._lock:
+            self._drain_deferred()
             for p in pages:
                 if p is not None and p.pins == 0 and not p.keep and p.state is State.RESIDENT:
                     self._evict(p)
@@ -373,14 +474,20 @@ class Pager:
             page.dirty, page.zero_on_load, page.scales, page.cached_norm = False, False, [], None
 
     def revive(self, page: Page) -> None:
-        """An ABSENT page's tensor exists again (a new gradient): it is resident and dirty."""
+        """An ABSENT page's tensor exists again (a new gradient): it is resident and dirty. Room is
+        made right after, as for :meth:`register`."""
         with self._lock:
             self._set(page, State.RESIDENT)
             page.dirty = True
+            self._touch(page)
+            self._note_resident()
+            if self.resident_bytes > self.budget:
+                self.make_room(0, protect=[page])
 
     def flush(self) -> None:
         """Wait for every background read and write to finish, and give freed memory back to the OS."""
         with self._lock:
+            self._drain_deferred()
             for p in list(self.pages.values()):
                 if p.state is State.LOADING:
                     self._finish_load(p)
@@ -428,6 +535,9 @@ class Pager:
         self.store.close()
 
     def report(self) -> dict:
+        """The level's figures in bytes: ``budget`` (the level's: pages plus kept state),
+        ``page_budget``, ``kept_bytes``, ``resident_bytes`` and ``peak_resident`` (pages plus kept
+        state), ``largest_page``, per-category page figures, and the :class:`LevelStats` counters."""
         by_cat: dict[str, dict] = {}
         for p in self.pages.values():
             c = by_cat.setdefault(p.category.value, {"pages": 0, "bytes": 0, "resident": 0, "kept": 0})
@@ -435,5 +545,6 @@ class Pager:
             c["bytes"] += p.nbytes
             c["resident"] += p.occupies
             c["kept"] += p.nbytes if p.keep else 0
-        return {"budget": self.budget, "resident_bytes": self.resident_bytes, "categories": by_cat,
-                **self.stats.to_dict()}
+        return {"budget": self.budget + self.kept_bytes, "page_budget": self.budget, "kept_bytes": self.kept_bytes,
+                "largest_page": self.largest_page, "categories": by_cat, **self.stats.to_dict(),
+                "resident_bytes": self.resident_bytes + self.kept_bytes}

@@ -13,7 +13,7 @@ host-to-device copy after a disk read), plus ``has``, ``remove``, ``read_to_cpu`
 """
 from __future__ import annotations
 
-import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -22,6 +22,7 @@ import torch
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import Page, cpu_byte_view
 from apt_model.memory.swap import SwapSpace
+from apt_model.memory.waits import TimedLock
 
 _ALIGN = 4096
 
@@ -53,12 +54,14 @@ class DiskStore:
         return self.swap.has(page.key)
 
     def start_write(self, page: Page, storage: torch.UntypedStorage) -> Future:
-        view = cpu_byte_view(storage)
-        return self.io.submit_write(page.nbytes, lambda: self.swap.write(page.key, view))
+        view, key = cpu_byte_view(storage), page.key
+        return self.io.submit_write(page.nbytes, lambda: self.swap.write(key, view),
+                                    f"write of page {page.label} ({page.nbytes} bytes)")
 
     def start_read(self, page: Page, storage: torch.UntypedStorage) -> Future:
-        view = cpu_byte_view(storage)
-        return self.io.submit_read(page.nbytes, lambda: self.swap.read_into(page.key, view))
+        view, key = cpu_byte_view(storage), page.key
+        return self.io.submit_read(page.nbytes, lambda: self.swap.read_into(key, view),
+                                   f"read of page {page.label} ({page.nbytes} bytes)")
 
     def finish_read(self, page: Page, storage: torch.UntypedStorage) -> None:
         return None
@@ -79,6 +82,16 @@ class DiskStore:
     def close(self) -> None:
         self.io.close()
         self.swap.close()
+
+
+class HostLevelFullError(MemoryError):
+    """The pinned host level has no room for a page: everything left in it is a page read from
+    disk whose copy to the device has not been made yet (``in_flight`` of them). The pager
+    finishes those loads (which is what frees them) and tries again before giving up."""
+
+    def __init__(self, message: str, in_flight: int = 0):
+        super().__init__(message)
+        self.in_flight = in_flight
 
 
 @dataclass
@@ -169,7 +182,7 @@ class HostStore:
         self.on_disk: set[str] = set()  # pages whose disk copy is current
         self._lru: dict[str, int] = {}
         self._tick = 0
-        self._lock = threading.RLock()
+        self._lock = TimedLock("host level (pinned pool)")
         self.hits = self.misses = self.spills = 0
         self.bytes_in = self.bytes_out = 0
         self._nbytes: dict[str, int] = {}
@@ -194,7 +207,10 @@ class HostStore:
             return False
         key = victims[0]
         if key not in self.on_disk:
-            self.disk.swap.write(key, self._host_memoryview(key))
+            nbytes = self._nbytes[key]
+            t0 = time.perf_counter()
+            self.disk.swap.write(key, self._host_memoryview(key))  # on this thread: the room is needed now
+            self.disk.io.write_stats.add(nbytes, time.perf_counter() - t0)  # the NVMe level's counters
             self.on_disk.add(key)
             self.spills += 1
         self.pool.release(self.entries.pop(key))
@@ -212,9 +228,10 @@ class HostStore:
             if seg is not None:
                 break
             if not self._spill_one(protect=key):
-                raise MemoryError(
-                    f"the host level ({self.pool.budget} bytes) cannot hold a {nbytes}-byte page next to the "
-                    f"{len(self._inflight)} page(s) in flight; raise VB_HOST_BUDGET"
+                raise HostLevelFullError(
+                    f"the host level ({self.pool.budget} bytes, {self.pool.used} in use) cannot hold the "
+                    f"{nbytes}-byte page {key} next to the {len(self._inflight)} page(s) read into it and not yet "
+                    "copied to the device; raise VB_HOST_BUDGET", in_flight=len(self._inflight)
                 )
         self.entries[key] = seg
         self._nbytes[key] = nbytes
@@ -243,8 +260,9 @@ class HostStore:
             self.misses += 1
             self._segment_for(page.key, page.nbytes)
             self._inflight.add(page.key)
-            view = self._host_memoryview(page.key)
-            return self.disk.io.submit_read(page.nbytes, lambda: self.disk.swap.read_into(page.key, view))
+            view, key = self._host_memoryview(page.key), page.key
+            return self.disk.io.submit_read(page.nbytes, lambda: self.disk.swap.read_into(key, view),
+                                            f"read of page {page.label} ({page.nbytes} bytes) into the host level")
 
     def finish_read(self, page: Page, storage: torch.UntypedStorage) -> None:
         with self._lock:

@@ -39,6 +39,7 @@ import psutil
 
 from apt_model.errors import ConfigError, VBError
 from apt_model.log import get_logger
+from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
 
@@ -94,6 +95,11 @@ class SwapFullError(SwapError):
 
 class SwapCorruptionError(SwapError):
     """A swap file is truncated, altered, or missing."""
+
+
+class SwapTimeoutError(SwapError):
+    """A wait of the memory stack (a page's read or write, a lock) did not end within
+    ``VB_SWAP_TIMEOUT`` seconds; the message names what was awaited (see :mod:`apt_model.memory.waits`)."""
 
 
 @dataclass
@@ -189,7 +195,7 @@ class SwapSpace:
         # counted against the budget and truncated when room is needed (see remove())
         self._stale: dict[Path, int] = {}
         self.stale_bytes = 0
-        self._lock = threading.Lock()
+        self._lock = TimedLock(f"swap folder {self.folder}")
         self._closed = False
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
         atexit.register(self.close)
@@ -270,7 +276,10 @@ class SwapSpace:
                 try:
                     off = 0
                     while off < n:
-                        off += os.pwrite(fd, data[off:off + _CHUNK], off)
+                        wrote = os.pwrite(fd, data[off:off + _CHUNK], off)
+                        if wrote <= 0:  # never loop forever on a write that makes no progress
+                            raise OSError(errno.EIO, f"write of {n} bytes made no progress at byte {off}")
+                        off += wrote
                     os.ftruncate(fd, n)
                     os.fdatasync(fd) if hasattr(os, "fdatasync") else os.fsync(fd)
                     _fadvise_dontneed(fd)

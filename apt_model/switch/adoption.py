@@ -286,7 +286,7 @@ class Adopter:
             rec.features["paging"]["plan"] = plan.to_dict()
             return
         bw = self.stack.measure()
-        plan = plan_placement(model, budget, bw["disk"], force=req == "always")
+        plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=self.stack.levels, device=dev)
         if self.session is None:
             from apt_model.memory.paging.session import PagingSession
 

@@ -111,7 +111,7 @@ class PagedModel:
         self._seen_this_pass = set()
         self.session.resume_faults()  # in case a state_dict() call raised half-way
         if not self.session.forward_depth:
-            self.session.release_backward_pins()  # a forward without backward in between: let them go
+            self.session.forward_starts()  # pins of a backward that never ended are let go
         self.session.forward_depth += 1
 
     def _root_post(self) -> None:

@@ -16,6 +16,11 @@ call, is refused with a clear error rather than stepped differently.
 
 ``optimizer.state_dict()`` materializes paged states (copies) so it can be saved;
 ``optimizer.load_state_dict()`` pages the loaded states again.
+
+The budget holds through the first step too, when the optimizer creates its states: a chunk's
+size counts the states its step will create (:func:`expected_state_bytes`: Adam's m and v, SGD's
+momentum buffer...), room for them is made before the chunk runs, and the next chunk's prefetch
+leaves that room free.
 """
 from __future__ import annotations
 
@@ -36,6 +41,29 @@ PER_PARAMETER = (
 
 class PagedOptimizerError(VBError, RuntimeError):
     """An optimizer that cannot be stepped in chunks holds paged state."""
+
+
+def _state_copies(opt: torch.optim.Optimizer, group: dict) -> int:
+    """How many tensors of a parameter's size ``opt``'s step creates as state for one parameter."""
+    if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return 3 if group.get("amsgrad") else 2
+    if isinstance(opt, torch.optim.SGD):
+        return 1 if group.get("momentum", 0) else 0
+    if isinstance(opt, torch.optim.RMSprop):
+        return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
+    if isinstance(opt, torch.optim.Adagrad):
+        return 1
+    return 2  # Adamax (exp_avg, exp_inf), NAdam, RAdam, Adadelta (square_avg, acc_delta)
+
+
+def expected_state_bytes(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> int:
+    """Bytes of state ``opt``'s next step will create for ``p`` on its device: 0 when the state
+    exists already, else the state tensors of ``p``'s size the optimizer creates (scalars such as
+    Adam's ``step`` are not counted)."""
+    st = opt.state.get(p)
+    if st and any(isinstance(v, torch.Tensor) and v.numel() >= 2 for v in st.values()):
+        return 0
+    return _state_copies(opt, group) * p.numel() * p.element_size()
 
 
 class OptimizerPaging:
@@ -135,12 +163,23 @@ class OptimizerPaging:
         read = [g] if g is not None and g.state is not State.ABSENT else []
         return write, read
 
-    def _chunks(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    def _new_state_bytes(self, opt, group: dict, params) -> int:
+        """Bytes of paged state the step will create for ``params`` (0 when states stay resident:
+        those are counted as kept by the session)."""
+        if not self.page_states:
+            return 0
+        return sum(expected_state_bytes(opt, group, p) for p in params)
+
+    def _chunks(self, opt, group: dict, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Split ``params`` into chunks of at most a third of the page budget each — pages the step
+        reads and writes plus the states it will create — so a chunk, the next one's prefetch and
+        the previous one's write-behind fit together."""
         limit = max(self.session.pager.budget // 3, 1)
         chunks, cur, size = [], [], 0
         for p in params:
             w, r = self._pages_of(p)
-            nbytes = sum(pg.nbytes for pg in w + r) or p.untyped_storage().nbytes()
+            nbytes = (sum(pg.nbytes for pg in w + r) or p.untyped_storage().nbytes()) \
+                + self._new_state_bytes(opt, group, [p])
             if cur and size + nbytes > limit:
                 chunks.append(cur)
                 cur, size = [], 0
@@ -157,8 +196,9 @@ class OptimizerPaging:
         self._in_step = True
         try:
             for gi, group_params in enumerate(originals):
+                group = opt.param_groups[gi]
                 with_grad = [p for p in group_params if p.grad is not None]
-                chunks = self._chunks(with_grad)
+                chunks = self._chunks(opt, group, with_grad)
                 for ci, chunk in enumerate(chunks):
                     write, read = [], []
                     for p in chunk:
@@ -169,12 +209,15 @@ class OptimizerPaging:
                         self.first_chunk = write + read
                     pager.acquire(write, for_write=True)
                     pager.acquire(read)
+                    creates = self._new_state_bytes(opt, group, chunk)
+                    if creates:  # the step allocates these on the device: make their room first
+                        pager.make_room(creates, protect=write + read)
                     if ci + 1 < len(chunks):
                         nxt = []
                         for p in chunks[ci + 1]:
                             w, r = self._pages_of(p)
                             nxt += w + r
-                        pager.prefetch(nxt)
+                        pager.prefetch(nxt, reserve=creates)
                     try:
                         for gj, g in enumerate(opt.param_groups):
                             g["params"] = chunk if gj == gi else []

@@ -7,7 +7,6 @@ into memory, removes the hooks and deletes the swap folder.
 """
 from __future__ import annotations
 
-import threading
 import weakref
 
 import torch
@@ -21,7 +20,9 @@ from apt_model.memory.paging.fault import PageFaultMode
 from apt_model.memory.paging.model import PagedModel
 from apt_model.switch.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
+from apt_model.memory.sizes import format_size
 from apt_model.memory.swap import SwapSpace
+from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
 
@@ -30,15 +31,22 @@ class PagingSession:
     """Pages parameters, gradients and optimizer states of adopted models.
 
     Args:
-        budget: bytes of training state the compute level may hold (level 0).
+        budget: bytes of training state the compute level may hold (level 0): the pages and the
+            categories the placement plan keeps resident (see :meth:`page_model`).
         swap: the swap space (level below).
         patches: the switch's undo stack.
         page_states: whether optimizer states are paged (decided by the placement plan).
+        device: the compute device whose memory is level 0.
+        host_budget: bytes of the host level below an accelerator (default: ``budget``).
+        host_level: put the host level between the device and the swap files (default: on any
+            device but the CPU; the tests set it to run the accelerator path with the CPU
+            standing in for the device).
     """
 
     def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True,
                  device: torch.device | str = "cpu", host_budget: int | None = None, host_level: bool | None = None):
         device = torch.device(device)
+        self.level_budget = int(budget)
         store = None
         if host_level if host_level is not None else device.type != "cpu":
             from apt_model.memory.io_engine import IOEngine
@@ -58,9 +66,10 @@ class PagingSession:
         self.labels: dict[int, str] = {}
         self.optimizers = OptimizerPaging(self, page_states)
         self._bw_pinned: dict[int, Page] = {}
-        self._callback_queued = False
+        self._callback_queued = False  # the end-of-backward callback is queued on the running backward
+        self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
         self.forward_depth = 0  # > 0 while a paged model's forward runs
-        self._lock = threading.RLock()
+        self._lock = TimedLock("paging session")
         self.mode = PageFaultMode(self.pager.by_tensor, self)
         self.mode.__enter__()
         self._install_global()
@@ -79,9 +88,17 @@ class PagingSession:
             self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
             self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
 
-    def page_model(self, model: nn.Module, page_params: bool, page_grads: bool) -> PagedModel:
+    def page_model(self, model: nn.Module, page_params: bool, page_grads: bool,
+                   state_factor: float = 2.0) -> PagedModel:
         """Start paging ``model``'s parameters and/or gradients (optimizer states are paged when
-        its optimizer first steps)."""
+        its optimizer first steps).
+
+        What the plan keeps resident — the parameters when they are not paged, the gradients
+        when they are not, and the optimizer states (``state_factor`` bytes per trainable byte,
+        Adam's m and v by default) when states are not paged — stays on level 0 outside the
+        pages, so the pages get the budget minus those bytes: level 0 as a whole keeps the budget.
+        """
+        self._keep_resident(model, page_params, page_grads, state_factor)
         pm = PagedModel(self, model, page_params, page_grads)
         pm.install(self.patches)
         for p in pm.params:
@@ -104,6 +121,21 @@ class PagingSession:
                 f"paging load post-hook {unit.name}")
         return pm
 
+    def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> None:
+        from apt_model.memory.placement import model_state_sizes
+
+        p_bytes, t_bytes = model_state_sizes(model)
+        kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
+                "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
+        self.kept.append({k: v for k, v in kept.items() if v})
+        total = sum(sum(k.values()) for k in self.kept)
+        self.pager.kept_bytes = total
+        self.pager.budget = max(self.level_budget - total, 0)
+        if total >= self.level_budget:
+            log.warning("the training state kept resident (%s) fills the level-0 budget %s: pages get no room "
+                        "and every paged tensor will be loaded over it", format_size(total),
+                        format_size(self.level_budget))
+
     def param_label(self, p: torch.Tensor) -> str:
         return self.labels.get(id(p), f"param@{id(p):x}")
 
@@ -119,6 +151,9 @@ class PagingSession:
 
     # ------------------------------------------------------------------ backward bookkeeping
     def pin_for_backward(self, pages: list[Page]) -> None:
+        """Pin a unit's pages for its backward (called from autograd: on accelerators, on autograd's
+        device thread) and make sure the end-of-backward callback is queued on this backward (once:
+        a backward nested in it, such as reentrant checkpointing's, must not release its pins)."""
         with self._lock:
             fresh = [p for p in pages if id(p) not in self._bw_pinned]
             if fresh:
@@ -128,6 +163,18 @@ class PagingSession:
             if not self._callback_queued:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def forward_starts(self) -> None:
+        """A paged model's outermost forward begins (outside any backward): pages still pinned for
+        a backward are let go, and no end-of-backward callback is pending any more — a backward
+        that raised (an out-of-memory, a hook's error) never ran its callback, and without this
+        the next backward would not queue its own and would keep its pages pinned through the
+        optimizer step."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed inside a backward (reentrant checkpointing)
+        with self._lock:
+            self._callback_queued = False
+        self.release_backward_pins()
 
     def unpin_for_backward(self, page: Page) -> None:
         with self._lock:
@@ -229,8 +276,11 @@ class PagingSession:
                     self.pager.release([page])
 
     def _release_alias(self, page: Page) -> None:
+        # a finalizer: it runs on whatever thread drops the alias last (an I/O thread's garbage
+        # collection, autograd's device thread), possibly while the training thread holds the
+        # pager lock waiting for that thread, so it only queues the release (no lock taken here)
         if not self.pager._closed:
-            self.pager.release([page])
+            self.pager.defer_release(page)
 
     # ------------------------------------------------------------------ state_dict
     def _pause_faults(self) -> None:
@@ -274,5 +324,6 @@ class PagingSession:
                      "stale_bytes": self.swap.stale_bytes,
                      "written": self.pager.io.write_stats.to_dict(), "read": self.pager.io.read_stats.to_dict()},
             "models": [m.describe() for m in self.models],
+            "kept_resident": self.kept,
             "optimizer_steps": self.optimizers.steps,
         }

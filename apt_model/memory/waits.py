@@ -1,0 +1,142 @@
+"""Bounded waits for the memory stack: no wait of the pager, the stores, the I/O engine or the
+activation offloader can block forever.
+
+Every place that blocks — waiting for a background read or write (``Future.result``), taking a
+lock another thread may hold, joining the I/O threads at close — goes through this module and
+gives up after :func:`wait_timeout` seconds with a :class:`~apt_model.memory.swap.SwapTimeoutError`
+(a :class:`~apt_model.memory.swap.SwapError`) that names what it waited for: the page or saved
+activation, its size in bytes, the level it was moving to or from, and the state of the I/O
+queues (jobs waiting and running, and which thread runs which job) or the thread holding the lock.
+
+The limit is ``VB_SWAP_TIMEOUT`` (seconds, default 120 — generous: one wait covers one page's
+read or write, or one lock hand-over, never a whole training step), or :func:`set_wait_timeout`
+(which tests use to make a stuck wait fail in a fraction of a second).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+#: Seconds a wait may block when neither ``VB_SWAP_TIMEOUT`` nor :func:`set_wait_timeout` says otherwise.
+DEFAULT_TIMEOUT_S = 120.0
+ENV = "VB_SWAP_TIMEOUT"
+
+_override: float | None = None
+
+
+def _check(seconds, source: str) -> float:
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        from apt_model.errors import ConfigError
+
+        raise ConfigError(f"{source}={seconds!r} is not a number of seconds > 0 (e.g. 120 or 0.5)")
+    return value
+
+
+def timeout_error(message: str):
+    """A :class:`~apt_model.memory.swap.SwapTimeoutError` with ``message`` (for callers to raise)."""
+    from apt_model.memory.swap import SwapTimeoutError  # swap.py uses TimedLock: import here, not at the top
+
+    return SwapTimeoutError(message)
+
+
+def wait_timeout() -> float:
+    """Seconds any single wait of the memory stack may block: the value given to
+    :func:`set_wait_timeout`, else ``VB_SWAP_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`.
+
+    Raises:
+        ConfigError: ``VB_SWAP_TIMEOUT`` is not a positive, finite number of seconds.
+    """
+    if _override is not None:
+        return _override
+    raw = os.environ.get(ENV)
+    return _check(raw, ENV) if raw else DEFAULT_TIMEOUT_S
+
+
+def set_wait_timeout(seconds: float | None) -> float | None:
+    """Set the wait limit in seconds for this process (None: back to ``VB_SWAP_TIMEOUT`` or the
+    default). Returns the previous override (None if there was none).
+
+    Raises:
+        ConfigError: ``seconds`` is not a positive, finite number.
+    """
+    global _override
+    previous = _override
+    _override = None if seconds is None else _check(seconds, "wait timeout")
+    return previous
+
+
+def wait_future(fut: Future, what: str, queues: str = "") -> Any:
+    """The result of ``fut`` (re-raising its exception), waiting at most :func:`wait_timeout` seconds.
+
+    Args:
+        fut: the background job's future.
+        what: what is awaited, for the error (``"read of page blocks.0.weight (65536 bytes) from the nvme level"``).
+        queues: the I/O queues' state, for the error (see :meth:`IOEngine.describe`).
+
+    Raises:
+        SwapTimeoutError: the job did not finish in time (it keeps running; nothing was freed).
+        whatever the job raised.
+    """
+    limit = wait_timeout()
+    try:
+        return fut.result(timeout=limit)
+    except TimeoutError:
+        if fut.done():  # the job itself raised a TimeoutError (an OSError with ETIMEDOUT): re-raise it
+            raise
+        raise timeout_error(
+            f"waited {limit:g} s for the {what}, which has not finished"
+            + (f"; {queues}" if queues else "")
+            + f"; raise {ENV} if the disk is just slow, else look for a stuck swap disk or a blocked I/O thread"
+        ) from None
+
+
+class TimedLock:
+    """A re-entrant lock whose acquisition gives up after :func:`wait_timeout` seconds.
+
+    Used as ``with lock:``; the error names the lock and the thread holding it.
+
+    Args:
+        name: what the lock protects, for the error (``"pager (level 0)"``).
+
+    Raises:
+        SwapTimeoutError: (on ``__enter__``) the lock was not free within the limit.
+    """
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.RLock()
+        self._owner: str | None = None
+        self._depth = 0
+
+    def __enter__(self) -> "TimedLock":
+        if not self._lock.acquire(blocking=False):
+            limit = wait_timeout()
+            t0 = time.monotonic()
+            if not self._lock.acquire(timeout=limit):
+                raise timeout_error(
+                    f"waited {time.monotonic() - t0:.3g} s for the {self.name} lock, held by thread "
+                    f"{self._owner!r} all that time (thread {threading.current_thread().name!r} wanted it); "
+                    f"raise {ENV} if that thread is only slow"
+                )
+        if self._depth == 0:
+            self._owner = threading.current_thread().name
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self._owner = None
+        self._lock.release()
+
+    @property
+    def owner(self) -> str | None:
+        """Name of the thread holding the lock, or None."""
+        return self._owner

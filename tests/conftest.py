@@ -10,7 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 VB_ENV = ("ENABLE_VIRTUAL_BLACKWELL", "VB_MODE", "VB_DEVICE", "VB_ATTENTION", "VB_MIXED_PRECISION", "VB_FP4",
-          "VB_CHECKPOINTING", "VB_ACTIVATION_OFFLOAD", "VB_PAGING", "VB_LOG_LEVEL", "VB_PROBE_CACHE")
+          "VB_CHECKPOINTING", "VB_ACTIVATION_OFFLOAD", "VB_PAGING", "VB_LOG_LEVEL", "VB_PROBE_CACHE",
+          "VB_SWAP_TIMEOUT")
 
 
 def data_dir() -> Path:

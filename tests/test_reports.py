@@ -52,9 +52,10 @@ def test_report_schema_and_steps(tmp_path, cpu_device):
     assert STEPS_KEYS <= set(s) and STEP_TIME_KEYS <= set(s["step_time"])
     assert s["device"] == "cpu" and rep["device"]["selection"]["device"] == "cpu"
     assert s["count"] == 5 and s["optimizers"] == 1 and s["kept"] == 5 and s["stride"] == 1
-    assert s["levels"] == [] and s["memory_fields"] == ["process_rss"]
+    assert s["levels"] == [] and s["memory_fields"] == ["process_rss", "process_rss_peak"]
     assert [r["step"] for r in s["records"]] == [1, 2, 3, 4, 5]
-    assert all(RECORD_KEYS <= set(r) and set(r["memory"]) == {"process_rss"} for r in s["records"])
+    assert all(RECORD_KEYS <= set(r) and set(r["memory"]) == {"process_rss", "process_rss_peak"} for r in s["records"])
+    assert all(r["memory"]["process_rss_peak"] >= r["memory"]["process_rss"] for r in s["records"])
     assert s["records"][0]["step_s"] is None and all(r["step_s"] > 0 for r in s["records"][1:])
     assert all(r["optimizer_s"] > 0 and r["memory"]["process_rss"] > 0 for r in s["records"])
     assert s["step_time"]["n"] == 4 and s["step_time"]["p25_s"] <= s["step_time"]["median_s"] <= s["step_time"]["p75_s"]
@@ -74,8 +75,8 @@ def test_report_steps_record_the_accelerators_memory():
     rep = json.loads(json.dumps(vb.get_report()))
     s = rep["steps"]
     assert s["device"] == dev == rep["device"]["selection"]["device"] and s["count"] == 5
-    assert s["memory_fields"] == ["process_rss", "device_allocated"] and s["levels"] == []
-    assert all(set(r["memory"]) == {"process_rss", "device_allocated"} for r in s["records"])
+    assert s["memory_fields"] == ["process_rss", "process_rss_peak", "device_allocated"] and s["levels"] == []
+    assert all(set(r["memory"]) == {"process_rss", "process_rss_peak", "device_allocated"} for r in s["records"])
     assert all(r["memory"]["device_allocated"] > 0 for r in s["records"])  # the model and its AdamW state
     assert s["memory_peak"]["device_allocated"] >= max(r["memory"]["device_allocated"] for r in s["records"])
 
@@ -168,3 +169,50 @@ def test_png_without_steps_and_without_matplotlib(tmp_path, monkeypatch):
     with pytest.raises(ImportError, match=r"pip install 'apt_model\[plot\]'"):
         write_report({"steps": None}, tmp_path / "forced.json", png=True)
     assert (tmp_path / "forced.json").exists()
+
+
+def test_png_memory_panel_draws_the_per_step_rss_peak(tmp_path, monkeypatch):
+    """A step whose forward holds 256 MiB that is freed before the optimizer step: the RSS at the
+    step's end misses it; the panel's data (what is handed to the plot) has the per-step peak."""
+    import time
+
+    from apt_model.reports import plot
+
+    rec = StepRecorder("cpu")
+    rec.install()
+    try:
+        p = torch.zeros(4, requires_grad=True)
+        opt = torch.optim.SGD([p], lr=0.1)
+        for _ in range(3):
+            big = torch.ones(64 * 2**20)  # 256 MiB, touched, as activations would be
+            time.sleep(0.2)  # the sampler (every 5 ms) sees it even on a busy machine
+            del big
+            p.grad = torch.ones(4)
+            opt.step()
+    finally:
+        rec.remove()
+    steps = rec.to_dict()
+    data = plot.plot_data({"steps": steps}, losses=[(1, 3.0), (2, 2.0)], evals=[(0, 3.5), (3, 1.5)])
+    peaks = dict(data["memory"]["process_rss_peak"])
+    ends = dict(data["memory"]["process_rss"])
+    assert sorted(peaks) == [1, 2, 3]
+    assert all(peaks[s] - ends[s] > 200 * 2**20 for s in peaks), (peaks, ends)
+    assert steps["memory_peak"]["process_rss_peak"] == max(peaks.values())
+    assert data["loss"] == {"train": [(1, 3.0), (2, 2.0)], "held-out": [(0, 3.5), (3, 1.5)]}
+    pytest.importorskip("matplotlib")
+    drawn = []
+    real = plot._lines
+    monkeypatch.setattr(plot, "_lines", lambda ax, series, what: (drawn.append((what, series)), real(ax, series, what)))
+    from matplotlib.figure import Figure
+
+    figures = []
+    real_save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), real_save(fig, *a, **k))[1])
+    plot.plot_report({"steps": steps}, tmp_path / "r.png", losses=[(1, 3.0)], evals=[(0, 3.5), (3, 1.5)])
+    memory = dict(drawn)["process memory"]
+    assert dict(memory["process_rss_peak"]) == peaks  # the panel plots the per-step peak
+    is_png(tmp_path / "r.png")
+    ticks = figures[0].axes[-1].get_xticks()
+    assert all(float(t).is_integer() for t in ticks)  # optimizer steps: no 2.5, 7.5
+    labels = [line.get_label() for line in figures[0].axes[-1].get_lines()]
+    assert "held-out loss" in labels and "training loss" in labels

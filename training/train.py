@@ -8,8 +8,16 @@
 
 Writes ``checkpoint.pt`` (model, optimizer, scheduler, config, step), ``report.json`` (config,
 device, switch decisions, throughput, losses, per-step time and memory) and, with matplotlib
-installed (``pip install 'apt_model[plot]'``), ``report.png`` (memory per level, step time and
-loss over the steps) to ``--out``. The report's fields: docs/reports.md.
+installed (``pip install 'apt_model[plot]'``), ``report.png`` (memory per level, the per-step peak
+RSS, step time, training and held-out loss over the steps) to ``--out``; without matplotlib the
+last lines say why there is no PNG. The report's fields: docs/reports.md.
+
+Output: the switch's short banner, a progress bar (stderr), and one closing line (held-out loss,
+time, tokens/s — under torchrun per rank and for the job), plus ``no report.png: ...`` when the
+PNG could not be drawn and ``note: the CPU cores look shared ...`` when the CPU time the job got
+(on an accelerator: the load average) says other processes were using its cores
+(:mod:`apt_model.bench.contention`). A mistake in a flag, a ``VB_*``
+variable or a ``.vbrc`` is one line naming it, exit status 2.
 
 Under ``torchrun --nproc_per_node=N`` it runs unchanged: the switch initializes the process
 group and trains the model with DDP; each rank draws its own batches (``--batch-size`` is per
@@ -29,10 +37,13 @@ import torch
 import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
+from apt_model.bench.contention import CoreShare
 from apt_model.core.system import get_device, set_seed
 from apt_model.data.text import ByteCorpus, load_text_bytes
 from apt_model.devices.device_backend import DeviceBackend
+from apt_model.devices.ranking import select_device
 from apt_model.distributed import process_rank
+from apt_model.errors import USAGE_EXIT, USER_ERRORS, ConfigError, report_user_error
 from apt_model.models.gpt import GPT, PRESETS, GPTConfig
 
 VB_MODES = ("off", "performance", "speed", "balanced", "memory", "full")
@@ -40,7 +51,9 @@ SEQ_DEFAULT = {"tiny": 128, "small": 256, "medium": 512}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Train a GPT-style model on real text with Virtual Blackwell.")
+    from apt_model.cli.errors import OneLineArgumentParser  # usage errors as one line, exit status 2
+
+    p = OneLineArgumentParser(prog="train.py", description="Train a GPT-style model on real text with Virtual Blackwell.")
     p.add_argument("--vb-mode", default=None, choices=VB_MODES,
                    help="switch mode, or 'off' for plain PyTorch (default: VB_MODE, else the .vbrc mode, else balanced)")
     p.add_argument("--data", default=None, help="text file or folder of text files (default: the Python stdlib source)")
@@ -57,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
     p.add_argument("--device", default=None, help="device (e.g. cpu, cuda:0, npu:1); default: the ranking policy's choice")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice); on cores shared with other jobs, fewer is faster")
     p.add_argument("--device-budget", default=None, help="level-0 budget for training state, e.g. 256MB (paging beyond it)")
     p.add_argument("--host-budget", default=None, help="host-level budget, e.g. 8GiB")
     p.add_argument("--swap-dir", default=None, help="folder for swap files (default: VB_SWAP_DIR or the temp folder)")
@@ -77,9 +91,10 @@ def build_model(args, seq_len: int) -> torch.nn.Module:
     if args.hf_model is None:
         return GPT(GPTConfig(vocab_size=256, seq_len=seq_len, **shape))
     try:
+        hide_unused_torchao()
         import transformers
     except ImportError:
-        raise SystemExit("--hf-model needs transformers: pip install 'apt_model[hf]'") from None
+        raise ConfigError(f"--hf-model {args.hf_model} needs transformers: pip install 'apt_model[hf]'") from None
     d, layers, heads = shape["d_model"], shape["n_layers"], shape["n_heads"]
     if args.hf_model == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=256, n_positions=seq_len, n_embd=d, n_layer=layers, n_head=heads,
@@ -121,11 +136,60 @@ def lr_lambda(args):
     return f
 
 
+def hide_unused_torchao() -> None:
+    """Keep an installed torchao out of transformers' sight in this job (it is only the FP4 interop
+    tests' reference): transformers imports it when present, which prints "Failed to load
+    ..._C_mxfp8.so" and two torch ``_pytree`` deprecation warnings on a CPU build. Nothing in the
+    job uses it; a process that already imported torchao is left alone."""
+    if "torchao" not in sys.modules:
+        sys.modules["torchao"] = None  # importlib.util.find_spec("torchao") is None; import torchao raises ImportError
+
+
+def check_flags(args) -> None:
+    """Check the flags before anything runs, so a mistake is reported as the flag the user typed.
+
+    Raises:
+        ConfigError: a non-positive count, a malformed size, a missing ``--swap-dir`` or ``--data``,
+            a malformed device or unknown device kind (naming the flag and the valid forms).
+        DeviceSelectionError: ``--device`` names a device that is not usable here.
+    """
+    from apt_model.memory.sizes import parse_size
+
+    for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--eval-every", args.eval_every),
+                        ("--eval-batches", args.eval_batches), ("--threads", args.threads),
+                        ("--max-bytes", args.max_bytes), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{flag} {value} must be a positive integer")
+    for flag, value in (("--device-budget", args.device_budget), ("--host-budget", args.host_budget)):
+        if value is not None:
+            parse_size(value, flag)
+    if args.swap_dir is not None and not Path(args.swap_dir).is_dir():
+        raise ConfigError(f"--swap-dir {args.swap_dir!r} is not an existing folder; create it, or leave the flag out "
+                          "to use VB_SWAP_DIR or the system temp folder")
+    if args.data is not None and not Path(args.data).exists():
+        raise ConfigError(f"--data {args.data!r} does not exist; give a text file or a folder of text files")
+    if args.device is not None:
+        select_device(device=args.device, label="--device")
+
+
 def main(argv: list[str] | None = None) -> dict:
-    """Run the job; returns the report (also written to ``--out/report.json``)."""
+    """Run the job; returns the report (also written to ``--out/report.json``).
+
+    A mistake in a flag, a ``VB_*`` variable or a ``.vbrc`` (:data:`apt_model.errors.USER_ERRORS`)
+    ends the job with one line on stderr naming it and the valid forms, and ``SystemExit(2)``;
+    ``VB_LOG_LEVEL=DEBUG`` adds the traceback.
+    """
     args = build_parser().parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.eval_every < 1:
-        raise SystemExit("--steps, --batch-size and --eval-every must be positive")
+    try:
+        return run(args)
+    except USER_ERRORS as err:
+        report_user_error(err, "train.py")
+        raise SystemExit(USAGE_EXIT) from None
+
+
+def run(args) -> dict:
+    """The job for parsed ``args`` (see :func:`main`)."""
+    check_flags(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     set_seed(args.seed)
@@ -144,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict:
         device = vb.device()
     else:
         vb.disable()  # plain PyTorch, even if the environment enabled the switch
-        device = torch.device(args.device) if args.device else get_device()
+        device = select_device(device=args.device, label="--device").device if args.device else get_device()
         from apt_model.switch.steps import StepRecorder
 
         recorder = StepRecorder(device)  # per-step time and memory, as the switch records them
@@ -166,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
     from tqdm.auto import tqdm
 
     bar = tqdm(range(1, args.steps + 1), desc="train", disable=args.quiet, mininterval=1.0, dynamic_ncols=True)
+    share = CoreShare(torch.get_num_threads(), on_cpu=device.type == "cpu")  # are the cores shared? (said at the end)
     t_start = time.perf_counter()
     for step in bar:
         t0 = time.perf_counter()
@@ -189,9 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
                         peak=f"{(peak or 0) / 2**20:,.0f}MiB")
     train_s = time.perf_counter() - t_start
     bar.close()
+    contention = share.stop()
 
     steady = step_times[min(5, len(step_times) - 1):] or step_times
     med = statistics.median(steady)
+    job_tps = job_tokens_per_s(tokens_per_step / med, world, device)  # under torchrun: summed over the ranks
     vb_report = vb.get_report() if vb.is_enabled() else None
     if recorder is not None:
         recorder.remove()
@@ -208,7 +275,9 @@ def main(argv: list[str] | None = None) -> dict:
         "corpus": {"source": args.data or "python stdlib", "train_bytes": len(corpus.train), "val_bytes": len(corpus.val),
                    "load_seconds": round(load_s, 3)},
         "throughput": {"step_time_median_s": round(med, 5), "tokens_per_s_median": round(tokens_per_step / med, 1),
+                       "tokens_per_s_job": None if job_tps is None else round(job_tps, 1),
                        "train_seconds": round(train_s, 2)},
+        "contention": contention,
         "memory": {"peak_bytes": backend.max_memory_allocated(), "peak_note": backend.why("max_memory_allocated")},
         "losses": losses,
         "eval": evals,
@@ -227,19 +296,46 @@ def main(argv: list[str] | None = None) -> dict:
     written = write_report(report, out / ("report.json" if rank == 0 else f"report.rank{rank}.json"), png=False)
     plot_input = {"steps": steps, "decisions": (vb_report or {}).get("decisions"),
                   "config": (vb_report or {}).get("config") or {"mode": "off", "device": str(device)}}
+    no_png = None  # why there is no report.png, said at the end
     if args.plot != "off" and rank == 0:
         try:
-            written["png"] = str(plot_report(plot_input, out / "report.png", losses=losses))
+            written["png"] = str(plot_report(plot_input, out / "report.png", losses=losses, evals=evals))
         except ImportError:
             if args.plot == "on":
                 raise
+            no_png = "matplotlib is not installed (pip install 'apt_model[plot]', or -e '.[plot]' in a checkout)"
     if not args.quiet:
+        tps = report["throughput"]["tokens_per_s_median"]
+        if world > 1:
+            speed = f"{tps:,.0f} tokens/s per rank (rank {rank} of {world})"
+            speed += f", {job_tps:,.0f} tokens/s for the job" if job_tps is not None else ""
+        else:
+            speed = f"{tps:,.0f} tokens/s"
         print(f"held-out loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f} nats/byte ({100 * report['eval_drop']:.1f}% lower) "
-              f"in {train_s:.1f} s; {report['throughput']['tokens_per_s_median']:,.0f} tokens/s on {device}; "
+              f"in {train_s:.1f} s; {speed} on {device}; "
               f"report: {written['json']}" + (f" and {written['png']}" if written["png"] else ""))
+        if no_png:
+            print(f"no report.png: {no_png}")
+        if contention["note"]:
+            print(f"note: {contention['note']}")
     if vb.is_enabled():
         vb.disable()
     return report
+
+
+def job_tokens_per_s(per_rank: float, world: int, device: torch.device) -> float | None:
+    """The job's tokens/s under a multi-process launcher: every rank's median summed (a collective:
+    every rank calls it). None for a single process, or when no process group is initialized
+    (``--vb-mode off`` under torchrun: each rank trains alone)."""
+    if world <= 1:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    t = torch.tensor([per_rank], dtype=torch.float32, device=device if device.type != "cpu" else "cpu")
+    dist.all_reduce(t)
+    return float(t.item())
 
 
 if __name__ == "__main__":

@@ -408,10 +408,10 @@ def _fmt(r: dict | None) -> str:
         return "skipped"
     if "error" in r:
         return "error"
+    flag = " ~" if r.get("noisy") else ""  # every result the footer counts as noisy is marked
     if "speedup" in r:
         s, p = r["sdpa"], r["plain"]
-        return f"SDPA {s['median']:.1f} / plain {p['median']:.1f} ms ({r['speedup']:.2f}x)"
-    flag = " ~" if r.get("noisy") else ""
+        return f"SDPA {s['median']:.1f} / plain {p['median']:.1f} ms ({r['speedup']:.2f}x){flag}"
     return f"{r['median']:.1f} ({r['p25']:.1f}-{r['p75']:.1f}){flag}"
 
 
@@ -436,7 +436,7 @@ def format_table(result: dict) -> str:
         if "write" in disk:
             w, r = disk["write"], disk["read"]
             out.append(f"{'disk ' + disk['folder']:<{width}}{'GB/s':<9}write {w['median']:.2f} ({w['p25']:.2f}-{w['p75']:.2f}), "
-                       f"cold read {r['median']:.2f} ({r['p25']:.2f}-{r['p75']:.2f})")
+                       f"cold read {r['median']:.2f} ({r['p25']:.2f}-{r['p75']:.2f})" + (" ~" if disk.get("noisy") else ""))
         else:
             out.append(f"{'disk':<{width}}{'GB/s':<9}{disk.get('skipped') or disk.get('error')}")
     skipped = [(d, n, r["skipped"]) for d in devs for n, r in result["devices"][d]["cases"].items() if "skipped" in r]

@@ -26,8 +26,9 @@ from apt_model._version import __version__
 def build_parser() -> argparse.ArgumentParser:
     """The ``apt-vb`` argument parser with every sub-command."""
     from apt_model.cli import bench, config, optimize, selftest
+    from apt_model.cli.errors import OneLineArgumentParser  # usage errors as one line, exit status 2
 
-    p = argparse.ArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info, benchmarks, "
+    p = OneLineArgumentParser(prog="apt-vb", description="Virtual Blackwell: device info, benchmarks, "
                                                            "self-test, configuration and the switch launcher.")
     p.add_argument("--version", action="version", version=f"apt_model {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -95,13 +96,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
+    from apt_model.cli.errors import check_flags, report_cli_error
+
     try:
+        check_flags(args)  # --device / --mode errors name the flag
         return _dispatch(parser, args)
     except (ConfigError, DeviceSelectionError, ValueError) as err:
         if args.command == "run" and not isinstance(err, (ConfigError, DeviceSelectionError)):
             raise  # a script's own ValueError keeps its traceback
-        print(f"apt-vb {args.command}: error: {err}", file=sys.stderr)
-        return 2
+        return report_cli_error(err, args)  # one line (the traceback with VB_LOG_LEVEL=DEBUG), exit status 2
 
 
 if __name__ == "__main__":

@@ -89,8 +89,11 @@ def rank(candidates: list[Candidate], prefer: tuple[str, ...] = ()) -> list[Cand
     return sorted((c for c in candidates if c.available), key=key)
 
 
-def parse_device_spec(spec: str | torch.device, candidates: list[Candidate] | None = None) -> tuple[str, int | None]:
+def parse_device_spec(spec: str | torch.device, candidates: list[Candidate] | None = None,
+                      label: str = "device") -> tuple[str, int | None]:
     """Parse ``"npu:1"``, ``"cpu"``, ``"cuda"`` or a ``torch.device`` into ``(kind_or_type, index)``.
+
+    ``label`` is how messages name what the user wrote (``device``, ``VB_DEVICE``, ``--device``).
 
     Raises:
         ConfigError: for a malformed string or a name that is no known kind or device type.
@@ -101,16 +104,16 @@ def parse_device_spec(spec: str | torch.device, candidates: list[Candidate] | No
     else:
         m = _SPEC.match(str(spec))
         if not m:
-            raise ConfigError(f"device {spec!r} is malformed; write KIND or KIND:INDEX, e.g. 'cpu', 'cuda:0', 'npu:1'")
+            raise ConfigError(f"{label}={str(spec)!r} is malformed; write KIND or KIND:INDEX, e.g. 'cpu', 'cuda:0', 'npu:1'")
         name, index = m.group(1).lower(), (int(m.group(2)) if m.group(2) is not None else None)
     known = _known_names(candidates)
     if name not in known:
-        raise ConfigError(f"device {str(spec)!r}: unknown kind {name!r}; valid kinds: {', '.join(known)}")
+        raise ConfigError(f"{label}={str(spec)!r}: unknown kind {name!r}; valid kinds: {', '.join(known)}")
     return name, index
 
 
 def _resolve(spec: str | torch.device, candidates: list[Candidate], label: str, source: str, order: tuple[str, ...]) -> Selection:
-    name, index = parse_device_spec(spec, candidates)
+    name, index = parse_device_spec(spec, candidates, label)
     matching = [c for c in candidates if name in (c.kind, c.device_type)]
     usable = [c for c in matching if c.available]
     if not usable:
@@ -136,11 +139,13 @@ def select_device(
     device: str | torch.device | None = None,
     force_cpu: bool = False,
     candidates: list[Candidate] | None = None,
+    label: str = "device",
 ) -> Selection:
     """Choose the device for this process.
 
     Precedence: ``force_cpu`` > ``device`` argument > ``VB_DEVICE`` environment variable >
-    ranking (``prefer`` first, then priority). ``"auto"`` (argument or variable) means the ranking. Under a launcher that sets ``LOCAL_RANK``, an
+    ranking (``prefer`` first, then priority). ``"auto"`` (argument or variable) means the ranking.
+    ``label`` names the ``device`` argument in messages (an entry point passes its flag, ``--device``). Under a launcher that sets ``LOCAL_RANK``, an
     accelerator chosen without an index is the rank's local device (see
     :func:`apt_model.distributed.binding.local_device_index`); an explicit index is kept.
 
@@ -160,7 +165,7 @@ def select_device(
         cpu = next(c for c in candidates if c.device_type == "cpu")
         return Selection(torch.device("cpu"), cpu, "force_cpu", "force_cpu=True", order)
     if device is not None and str(device).strip().lower() not in ("", "auto"):  # "auto": the ranking's choice
-        return _resolve(device, candidates, "device", "argument", order)
+        return _resolve(device, candidates, label, "argument", order)
     env = os.environ.get("VB_DEVICE", "").strip()
     if env and env.lower() != "auto":
         return _resolve(env, candidates, "VB_DEVICE", "VB_DEVICE", order)

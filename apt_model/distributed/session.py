@@ -28,6 +28,7 @@ the switch already pages to DDP, FSDP2 or DataParallel raises :class:`Distribute
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import weakref
@@ -103,10 +104,31 @@ class DistributedSession:
             if not root.is_dir():
                 return swap_dir  # the memory stack reports a missing or bad swap dir as usual
             folder = root / rank_folder_name(self.env.rank)
+            created = not folder.exists()
             folder.mkdir(exist_ok=True)
         except OSError:
             return swap_dir
+        if created:  # removed again when empty: at disable() (after the stack's own folder) or at exit
+            self._made_swap_dir = folder
+            atexit.register(self.release_swap_dir)  # registered before the swap folder's: runs after it
         return str(folder)
+
+    def release_swap_dir(self) -> None:
+        """Remove the rank's swap folder made by :meth:`swap_dir` if it is empty (the swap level
+        removes its own folder inside it first); a folder still holding files — another job's on
+        this host — is left alone. Safe to call more than once."""
+        folder = getattr(self, "_made_swap_dir", None)
+        if folder is None:
+            return
+        self._made_swap_dir = None
+        try:
+            atexit.unregister(self.release_swap_dir)
+        except Exception:  # noqa: BLE001
+            pass
+        try:
+            folder.rmdir()
+        except OSError as err:  # not empty (another job's folder), or already gone
+            log.debug("rank swap folder %s kept: %s", folder, err.strerror or err)
 
     def start(self, log_, patches) -> None:
         """Record the setup, make the rank's device current, install the patches."""

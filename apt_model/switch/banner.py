@@ -1,22 +1,151 @@
-"""Text shown to the user: the enable banner and the ``print_stats()`` table."""
+"""Text shown to the user: the enable banner and the ``print_stats()`` table.
+
+The banner (printed by ``enable()``, once per job, by rank 0 only) comes in two forms:
+
+* short (the default): one header line (version, mode, device) and one line per feature giving
+  the requested value and, in a few words, what the switch will do with it on this device;
+* long (``verbose=True``, or the ``apt_model`` logger at INFO or DEBUG, e.g. ``VB_LOG_LEVEL=INFO``):
+  the device choice with every candidate, each feature's source and description, the settings
+  that differ from their defaults with their sources, and the ``.vbrc`` files read.
+
+Every feature line says what the switch *will* do, which for most features depends on the model
+and the device's probes: such lines say "where ..." and name the condition, never plain "on".
+"""
 from __future__ import annotations
 
 from apt_model._version import __version__
 
-_STATUS_WORD = {"off": "off", "requested": "on (decided per model on the device's probes)",
-                "not built": "NOT BUILT in this version (requested by the mode; nothing is done)"}
+#: What the banner says for a requested feature this version does not implement.
+NOT_BUILT = "NOT BUILT in this version (requested by the mode; nothing is done)"
 
 
-def format_banner(config: dict, selection) -> str:
-    """The enable banner: mode, device and why, and one line per feature with its status."""
-    lines = [f"Virtual Blackwell {__version__} enabled: mode={config['mode']}, device={config['device']}"]
-    if selection is not None:
-        lines.append(f"  device: {selection.reason}")
+def _size(n) -> str:
+    from apt_model.memory.sizes import format_size
+
+    return format_size(n)
+
+
+def _device_note(selection, facts: dict) -> str:
+    """A few words on why this device (the long form has the whole ranking)."""
+    if selection is None:
+        return ""
+    src = selection.source
+    if src == "argument":
+        note = "as asked by device="
+    elif src == "VB_DEVICE":
+        note = "from VB_DEVICE"
+    elif src == "force_cpu":
+        note = "force_cpu=True"
+    elif selection.device.type == "cpu" and len(selection.ranking) <= 1:  # the CPU is the only usable kind
+        note = "no accelerator found"
+    else:
+        note = "first of the usable devices by the ranking"
+    world = facts.get("world_size") or 1
+    if world > 1:
+        note += f"; {world} ranks sharing the CPU" if selection.device.type == "cpu" else f"; {world} ranks, each on its own device"
+    return note
+
+
+def feature_effect(name: str, value, config: dict, facts: dict) -> str:
+    """What the switch will do with feature ``name`` at ``value`` on this device, in a few words.
+
+    Args:
+        name: a feature of :data:`apt_model.switch.modes.FEATURES`.
+        value: its requested value.
+        config: ``vb.get_config()`` (settings such as ``autocast_min_speedup`` and ``fp4_policy``).
+        facts: ``device_type`` (``cpu``, ``cuda``...), ``budget`` (level-0 bytes for training
+            state, or None when the switch built no memory stack), ``activation_budget`` (bytes or None).
+
+    Returns:
+        One line of text (no newline).
+    """
+    settings = {k: v.get("value") for k, v in (config.get("settings") or {}).items()}
+    dev = facts.get("device_type") or "this device"
+    budget = facts.get("budget")
+    if value in (False, "off"):
+        return "off"
+    if name == "attention":
+        if value == "sdpa":
+            return f"SDPA for hand-written attention wherever SDPA runs on {dev}"
+        return f"SDPA for hand-written attention where a probe on {dev} finds it as fast"
+    if name == "mixed_precision":
+        if value == "auto":
+            probe = f"a probe (>={float(settings.get('autocast_min_speedup') or 1.1):.2f}x)"
+            if settings.get("autocast_trial_calls") == 0:  # no on-line trial: the probe alone decides
+                return f"bf16 only where {probe} finds it faster"
+            return f"bf16 only where {probe} and a trial on the model find it faster"
+        return f"{value} autocast wherever it runs on {dev} (forced" + ("; use a GradScaler)" if value == "fp16" else ")")
+    if name == "fp4":
+        fmt = str((settings.get("fp4_policy") or {}).get("format") or "nvfp4").upper()
+        native_here = dev == "cuda"  # the only device type with FP4 matrix units (probed per model)
+        storage = f"frozen nn.Linear weights in {fmt}; a model with no frozen layer is unchanged"
+        if value == "storage":
+            return storage
+        if value == "native":
+            if native_here:
+                return "FP4 matmul for frozen layers where the probe finds FP4 units; else unchanged"
+            return f"{dev} has no FP4 matmul: no layer changes"
+        if native_here:
+            return storage + "; FP4 matmul where the probe finds FP4 units"
+        return f"frozen nn.Linear weights in {fmt} ({dev} has no FP4 matmul); none frozen: unchanged"
+    if name == "activation_checkpointing":
+        return f"repeated blocks recompute activations in backward (policy {settings.get('checkpoint_policy') or 'all'})"
+    if name == "activation_offload":
+        ab = facts.get("activation_budget")
+        return f"saved activations beyond {_size(ab) if ab else 'activation_budget'} go to host/swap until backward"
+    if name == "paging":
+        level0 = _size(budget) if budget else "the level-0 budget"
+        text = (f"training state always paged (level 0: {level0})" if value == "always" else
+                f"by budget: training state paged only if over {level0} (level 0)")
+        if (facts.get("world_size") or 1) > 1 and settings.get("distributed", "auto") == "auto":
+            text += "; never for a model under DDP"
+        return text
+    return str(value)
+
+
+def banner_lines(config: dict, selection, facts: dict | None = None, long: bool = False) -> list[str]:
+    """The enable banner as lines (see the module docstring for the two forms).
+
+    Args:
+        config: ``vb.get_config()``.
+        selection: the :class:`~apt_model.devices.ranking.Selection` (None: no device line detail).
+        facts: see :func:`feature_effect`; also ``world_size``.
+        long: the long form.
+
+    Returns:
+        The lines, without newlines: 1 + one per feature in the short form.
+    """
+    facts = facts or {}
+    note = _device_note(selection, facts)
+    lines = [f"Virtual Blackwell {__version__} enabled: mode={config['mode']}, device={config['device']}"
+             + (f" ({note})" if note else "")]
+    if long:
+        lines.append(f"  mode from: {config.get('mode_source')}")
+        if selection is not None:
+            lines.append(f"  device: {selection.reason}")
+    width = max((len(n) for n in config["features"]), default=10) + 2
     for name, f in config["features"].items():
         value = f["value"]
-        lines.append(f"  {name:<25} {str(value):<12} {_STATUS_WORD[f['status']]}")
-    lines.append("  decisions: vb.get_report()['decisions'] or vb.print_stats()")
-    return "\n".join(lines)
+        effect = NOT_BUILT if f["status"] == "not built" else feature_effect(name, value, config, facts)
+        lines.append(f"  {name:<{width}}{str(value):<13}{effect}")
+        if long:
+            lines.append(f"  {'':<{width}}{'':<13}(from {f.get('source')}) {f.get('description', '')}")
+    if long:
+        from apt_model.switch.config import SETTINGS
+
+        changed = [(k, s) for k, s in (config.get("settings") or {}).items()
+                   if s.get("source") not in (None, "default") and k in SETTINGS]
+        for k, s in changed:
+            lines.append(f"  setting {k} = {s['value']!r} (from {s['source']})")
+        files = config.get("config_files") or []
+        lines.append(f"  configuration files: {', '.join(files) if files else 'none'}")
+        lines.append("  decisions: vb.get_report()['decisions'] or vb.print_stats()")
+    return lines
+
+
+def format_banner(config: dict, selection, facts: dict | None = None, long: bool = False) -> str:
+    """:func:`banner_lines` joined with newlines."""
+    return "\n".join(banner_lines(config, selection, facts, long))
 
 
 def _fmt_bytes(n) -> str:
@@ -58,6 +187,12 @@ def format_stats(report: dict) -> str:
                 f"{gbps_txt:>11} {lv.get('stall_s', 0) or 0:>8.2f}")
     for m in report["models"]:
         lines.append(f"  model {m['name']}#{m['id']} ({m['parameters']:,} params on {m['device']}, via {m['trigger']}):")
-        for feat, d in m["features"].items():
-            lines.append(f"    {feat:<25} {str(d['chosen']):<10} {d['reason']}")
+        feats = m["features"]
+        name_w = max((len(f) for f in feats), default=10) + 2
+        chosen_w = max((len(str(d["chosen"])) for d in feats.values()), default=8) + 2
+        for feat, d in feats.items():
+            chosen, reason = str(d["chosen"]), str(d["reason"])
+            if reason.startswith(chosen + ":"):  # "single process: single process: ..." reads as a glitch
+                reason = reason[len(chosen) + 1:].lstrip()
+            lines.append(f"    {feat:<{name_w}}{chosen:<{chosen_w}}{reason}")
     return "\n".join(lines)

@@ -73,21 +73,35 @@ SETTING_ENV = {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDG
 ALIASES = {"checkpointing": "activation_checkpointing", "offload": "activation_offload"}
 
 
+def _what(name: str, source: str) -> str:
+    """How a message names the value the user wrote: the variable (``VB_DEVICE_BUDGET``) for the
+    environment, else ``<source>: <name>`` (``enable(): device_budget``, ``path:3: host_budget``)."""
+    if source.startswith("environment "):
+        return source[len("environment "):]
+    return f"{source}: {name}"
+
+
 def _validate_setting(name: str, value, source: str):
     if name == "adopt" and value not in ("auto", "explicit"):
         raise ConfigError(f"{source}: adopt={value!r} is not valid; valid values: auto, explicit")
     if name == "checkpoint_policy":
         from apt_model.activations.checkpoint import parse_policy
 
-        parse_policy(value)
+        try:
+            parse_policy(value)
+        except ConfigError as err:  # name what the user wrote (the variable, the file line)
+            text = str(err)
+            if text.startswith("checkpoint_policy="):
+                text = text[len("checkpoint_policy"):]
+            raise ConfigError(f"{_what(name, source)}{text}") from None
     if name == "offload_min_bytes":
         from apt_model.memory.sizes import parse_size
 
-        value = parse_size(value, f"{source} offload_min_bytes")
+        value = parse_size(value, _what("offload_min_bytes", source))
     if name in ("device_budget", "host_budget", "swap_budget", "activation_budget") and value is not None:
         from apt_model.memory.sizes import parse_size
 
-        parse_size(value, f"{source} {name}")
+        parse_size(value, _what(name, source))
     if name == "swap_dir" and value is not None and not isinstance(value, (str, os.PathLike)):
         raise ConfigError(f"{source}: swap_dir={value!r} must be a folder path")
     if name == "autocast_trial_calls":

@@ -8,7 +8,10 @@ step it records:
 * ``step_s``: wall time since the same optimizer's previous step ended (the whole loop
   iteration: data, forward, backward, step); None for an optimizer's first step;
 * ``optimizer_s``: the time inside ``optimizer.step()`` (with paging: the streamed step);
-* ``memory``: process RSS, and on an accelerator the bytes allocated on the device
+* ``memory``: process RSS at the step's end (``process_rss``) and its peak since the previous
+  step's end (``process_rss_peak``: a background thread samples the RSS every ``sample_interval``
+  seconds while the hooks are installed, so the forward/backward peak between two steps is seen),
+  and on an accelerator the bytes allocated on the device
   (:class:`~apt_model.devices.device_backend.DeviceBackend` figures);
 * ``levels``: while paging is active, the bytes of training state on each level of the VGPU
   stack (level 0 resident pages, pinned host pool, bytes in swap files).
@@ -37,6 +40,71 @@ log = get_logger(__name__)
 #: Defaults: records kept (then decimated), and steps in the median/quartile window.
 MAX_RECORDS = 1000
 WINDOW = 1024
+#: Seconds between two RSS samples of the per-step peak (a read of /proc/self/statm: ~20 us).
+SAMPLE_INTERVAL = 0.005
+
+
+class RssPeakSampler:
+    """The process's peak RSS between two :meth:`take` calls, sampled by a daemon thread.
+
+    Args:
+        interval: seconds between samples (> 0); a peak shorter than this may be missed.
+
+    Raises:
+        ValueError: ``interval`` <= 0.
+    """
+
+    def __init__(self, interval: float = SAMPLE_INTERVAL):
+        if not interval > 0:
+            raise ValueError(f"interval={interval!r} must be > 0 seconds")
+        self.interval = interval
+        self._proc = psutil.Process()
+        self._lock = threading.Lock()
+        self._peak = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> int:
+        rss = int(self._proc.memory_info().rss)
+        with self._lock:
+            if rss > self._peak:
+                self._peak = rss
+        return rss
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._sample()
+            except Exception as err:  # noqa: BLE001 - a report figure must never break training
+                log.debug("rss sampler: %s", err)
+                return
+
+    def start(self) -> None:
+        """Start sampling (no-op when running)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="apt_model-rss-peak", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop sampling and wait for the thread (safe to call more than once)."""
+        self._stop.set()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout=1.0)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def take(self, current: int | None = None) -> int:
+        """The peak RSS (bytes) since the previous call, at least ``current`` (sampled now when None);
+        the next peak starts from zero."""
+        now = self._sample() if current is None else current
+        with self._lock:
+            peak, self._peak = max(self._peak, now), 0
+        return peak
 
 
 def level_residency(stack, session) -> dict[str, int] | None:
@@ -71,13 +139,14 @@ class StepRecorder:
             None records no levels.
         max_records: records kept before decimating (>= 2).
         window: step times the median and quartiles are computed over (>= 1).
+        sample_interval: seconds between RSS samples for ``process_rss_peak`` while installed (> 0).
 
     Raises:
-        ValueError: ``max_records`` < 2 or ``window`` < 1.
+        ValueError: ``max_records`` < 2, ``window`` < 1 or ``sample_interval`` <= 0.
     """
 
     def __init__(self, device: torch.device | str = "cpu", levels: Callable[[], dict | None] | None = None,
-                 max_records: int = MAX_RECORDS, window: int = WINDOW):
+                 max_records: int = MAX_RECORDS, window: int = WINDOW, sample_interval: float = SAMPLE_INTERVAL):
         if max_records < 2 or window < 1:
             raise ValueError(f"max_records={max_records!r} must be >= 2 and window={window!r} >= 1")
         self.device = torch.device(device)
@@ -90,6 +159,7 @@ class StepRecorder:
 
             self._backend = DeviceBackend(self.device)
         self._proc = psutil.Process()
+        self._sampler = RssPeakSampler(sample_interval)
         self._lock = threading.Lock()
         self.start = time.perf_counter()
         self.records: list[dict] = []
@@ -113,17 +183,21 @@ class StepRecorder:
         """Register the global optimizer hooks; with ``patches`` (a PatchSet) their removal is in its undo stack."""
         pre = register_optimizer_step_pre_hook(self._pre)
         post = register_optimizer_step_post_hook(self._post)
+        self._sampler.take()  # the first step's peak counts from here
+        self._sampler.start()
         if patches is not None:
             patches.add_handle(pre, "step recorder: optimizer step pre-hook")
             patches.add_handle(post, "step recorder: optimizer step post-hook")
+            patches.add_undo(self._sampler.stop, "step recorder: RSS peak sampler thread")
         else:
             self._handles += [pre, post]
 
     def remove(self) -> None:
-        """Remove hooks installed without a PatchSet."""
+        """Remove hooks installed without a PatchSet (and stop the RSS sampler)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._sampler.stop()
 
     def _pre(self, opt, args, kwargs):
         self._began[id(opt)] = time.perf_counter()
@@ -138,7 +212,8 @@ class StepRecorder:
 
     # ------------------------------------------------------------------ recording
     def _memory(self) -> tuple[dict, dict | None]:
-        mem = {"process_rss": int(self._proc.memory_info().rss)}
+        rss = int(self._proc.memory_info().rss)
+        mem = {"process_rss": rss, "process_rss_peak": self._sampler.take(rss)}
         if self._backend is not None:
             alloc = self._backend.memory_allocated()
             if alloc is not None:
@@ -211,7 +286,7 @@ class StepRecorder:
                 "stride": self.stride,
                 "max_records": self.max_records,
                 "device": str(self.device),
-                "memory_fields": ["process_rss"] + (["device_allocated"] if self._backend is not None else []),
+                "memory_fields": ["process_rss", "process_rss_peak"] + (["device_allocated"] if self._backend is not None else []),
                 "levels": list(self.level_labels),
                 "step_time": summary,
                 "optimizer_time_total_s": round(self._opt_total, 6),

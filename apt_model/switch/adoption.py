@@ -226,7 +226,8 @@ class Adopter:
         tried = [f"{dname} matmul/add on {dev}: {'run' if computes else 'fail'}"]
         if "speedup" in probe:
             tried.append(f"probe width {speed.width}: fp32 {probe['fp32_ms']} ms vs {want} autocast {probe['autocast_ms']} ms"
-                         + (" (stopped early: over 3x slower)" if probe.get("aborted") else ""))
+                         + (" (stopped early: over 3x slower)" if probe.get("aborted") else "")
+                         + (f" ({probe['stopped']})" if probe.get("stopped") else ""))
         if not computes or "error" in probe:
             err = probe.get("error") or support.dtypes.get(dname, {}).get("errors")
             self._decide(rec, "mixed_precision", req, "fp32", f"{want} autocast does not run on {dev}: {err}", tried)
@@ -236,6 +237,9 @@ class Adopter:
             note = "; fp16 is never chosen automatically (it needs loss scaling in the training loop)"
             if ratio < self.config.autocast_min_speedup:
                 slower = f"{1 / ratio:.1f}x slower than" if ratio < 1 else f"only {ratio:.2f}x the speed of"
+                if "pilot_speedup" in probe:  # a small pilot looked faster; too small to rule bf16 in
+                    slower = (f"not shown faster than (a {probe['pilot_speedup']:.2f}x pilot on a small shape "
+                              f"cannot rule it in; the full-size run did not fit the probe's time budget)")
                 self._decide(rec, "mixed_precision", req, "fp32",
                              f"bf16 autocast off: probe {slower} fp32 on {dev} "
                              f"(threshold {self.config.autocast_min_speedup:.2f}x){note}", tried)

@@ -94,20 +94,26 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
     distributed = DistributedSession(config, selection)  # reads the launcher variables; changes nothing yet
     with _state.lock:
         if _state.enabled:
-            disable()
+            _disable(forget_banner=False)  # a reconfiguration: the banner then shows only what changed
         st = _state
         stack = None
         if config.paging != "off" or config.activation_offload:  # the swap folder is checked now: errors at enable
             from apt_model.memory.levels import HEADROOM, VGPUStack
 
-            stack = VGPUStack(selection.device, config.device_budget, config.host_budget, distributed.swap_dir(config.swap_dir),
-                              config.swap_budget, headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"],
-                              measure=False)
+            try:
+                stack = VGPUStack(selection.device, config.device_budget, config.host_budget,
+                                  distributed.swap_dir(config.swap_dir), config.swap_budget,
+                                  headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"], measure=False)
+            except BaseException:
+                distributed.release_swap_dir()
+                raise
         st.config, st.selection, st.source = config, selection, source
         st.log = DecisionLog(echo=config.verbose)
         st.patches = PatchSet()
         st.stack = stack
         if stack is not None:
+            # undone newest first: the rank's (then empty) swap folder goes after the stack's own folder
+            st.patches.add_undo(distributed.release_swap_dir, "the rank's swap folder, when empty")
             st.patches.add_undo(stack.close, "VGPU stack swap folder")
         st.adopter = Adopter(config, selection.device, st.log, st.patches, stack)
         st.distributed = distributed
@@ -128,25 +134,96 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         distributed.attach(st.adopter)
         st.enabled = True
     if config.banner:
-        from apt_model.switch.banner import format_banner
-
-        print(format_banner(get_config(), _state.selection))  # the enable banner: the user asked for it
+        _print_banner(config, distributed, stack)
     log.info("Virtual Blackwell enabled: mode=%s device=%s", config.mode, selection.device)
     return config
 
 
+#: The lines of the last banner this process printed (so a job prints it once, and a
+#: reconfiguration only what changed); forgotten by a user's ``disable()``.
+_banner_shown: tuple[str, list[str]] | None = None
+
+
+def banner_is_long(config: VBConfig) -> bool:
+    """Whether ``enable()`` prints the long banner: ``verbose=True``, or the ``apt_model`` logger at
+    INFO or DEBUG (``VB_LOG_LEVEL=INFO``)."""
+    import logging
+
+    from apt_model.log import ROOT_LOGGER
+
+    return bool(config.verbose) or logging.getLogger(ROOT_LOGGER).getEffectiveLevel() <= logging.INFO
+
+
+def _print_banner(config: VBConfig, distributed, stack) -> None:
+    """Print the enable banner (the user asked for it: ``banner=True``) on rank 0 only, once per
+    process: a later ``enable()`` with the same result prints nothing, one that changes something
+    prints a ``reconfigured`` header and the lines that changed."""
+    global _banner_shown
+    from apt_model.switch.banner import banner_lines
+
+    env = distributed.env
+    rank = env.rank if env is not None and env.multi_process else 0
+    if rank not in (None, 0):
+        log.debug("enable banner left to rank 0 (this is rank %s)", rank)
+        return
+    act_budget = None
+    if config.activation_budget is not None:
+        from apt_model.memory.sizes import parse_size
+
+        act_budget = parse_size(config.activation_budget, "activation_budget")
+    elif stack is not None:
+        act_budget = stack.compute_budget // 4  # the activation manager's default
+    facts = {"device_type": _state.selection.device.type, "budget": stack.compute_budget if stack is not None else None,
+             "activation_budget": act_budget, "world_size": (env.world_size if env is not None else None) or 1}
+    cfg = get_config()
+    long = banner_is_long(config)
+    # what the banner states, without the free-memory figures that drift between two enable() calls
+    key = repr((long, cfg["mode"], cfg["device"], sorted((k, repr(f["value"])) for k, f in cfg["features"].items()),
+                sorted((k, repr(v["value"])) for k, v in cfg["settings"].items())))
+    lines = banner_lines(cfg, _state.selection, facts, long=long)
+    last = _banner_shown
+    if last is not None and last[0] == key:
+        return
+    shown = lines
+    if last is not None:
+        changed = [line for line in lines[1:] if line not in last[1]]
+        shown = [lines[0].replace(" enabled: ", " reconfigured: ", 1), *changed]
+    _banner_shown = (key, lines)
+    print("\n".join(shown), flush=True)  # the enable banner: the user asked for it
+
+
 def disable() -> None:
     """Turn the switch off and restore every patch. Adopted models keep their placement and
-    parameters, and keep working (their hooks are removed, attention implementations restored)."""
+    parameters, and keep working (their hooks are removed, attention implementations restored).
+    The next ``enable()`` prints its banner in full again.
+
+    Raises:
+        PagingRecoveryError: (``apt_model.memory.swap``) paged tensors whose bytes could not be
+            read back (a corrupt or missing swap file), named with their files; everything else
+            was restored and the switch is off; the swap folder is kept for inspection.
+    """
+    _disable(forget_banner=True)
+
+
+def _disable(forget_banner: bool) -> None:
+    global _banner_shown
+    if forget_banner:
+        _banner_shown = None
     with _state.lock:
         if not _state.enabled:
             return
-        failures = _state.patches.restore_all()
+        raised = None
+        try:
+            failures = _state.patches.restore_all()
+        except Exception as err:  # a critical undo failed (paging: PagingRecoveryError); the rest is undone
+            failures, raised = list(getattr(err, "undo_failures", [])), err
         _state.enabled = False
         _state.redirect_target = None
         _state.log.record("switch", "mode", _state.config.mode, "off", "disabled")
         for f in failures:
             log.warning("could not undo a patch: %s", f)
+        if raised is not None:
+            raise raised
 
 
 def is_enabled() -> bool:

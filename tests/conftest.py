@@ -68,6 +68,30 @@ def best_device() -> str:
     return str(select_device().device)
 
 
+def accelerator():
+    """The accelerator PyTorch sees here (``torch.device`` of its kind, index 0), or None on a
+    CPU-only machine: for ``gpu`` tests. Use :data:`needs_accelerator` to skip without one, or
+    :func:`require_accelerator` inside a test."""
+    import torch
+
+    acc = torch.accelerator.current_accelerator()
+    return torch.device(acc.type, 0) if acc is not None and acc.type != "cpu" else None
+
+
+#: ``@needs_accelerator`` skips a test cleanly on a machine without an accelerator.
+needs_accelerator = pytest.mark.skipif(accelerator() is None, reason="needs an accelerator (CUDA/ROCm/NPU/XPU/MPS)")
+
+
+def require_accelerator():
+    """The device the switch's ranking picks here, skipping the test when that is the CPU."""
+    import torch
+
+    dev = torch.device(best_device())
+    if dev.type == "cpu":
+        pytest.skip("needs an accelerator (CUDA/ROCm/NPU/XPU/MPS); the ranking picked the CPU here")
+    return dev
+
+
 def clean_env(**extra: str) -> dict:
     """This environment without VB_* switch variables and with VB_CONFIG=none (no .vbrc), plus ``extra``."""
     env = {k: v for k, v in os.environ.items() if k not in VB_ENV or k == "VB_DEVICE"}

@@ -276,12 +276,9 @@ def test_offload_follows_the_models_device_not_the_selected_one(tmp_path):
 
 
 def _accelerator() -> torch.device:
-    from conftest import best_device
+    from conftest import require_accelerator
 
-    dev = torch.device(best_device())
-    if dev.type == "cpu":
-        pytest.skip("needs an accelerator (CUDA/ROCm/NPU/XPU/MPS); the ranking picked the CPU here")
-    return dev
+    return require_accelerator()
 
 
 @pytest.mark.gpu

@@ -113,9 +113,7 @@ def test_eager_attention_is_routed_to_sdpa_and_matches(name, cpu_device):
     _eager_routed_matches(name, atol=1e-5)
 
 
-def _accelerator():
-    acc = torch.accelerator.current_accelerator()
-    return acc if acc is not None and acc.type != "cpu" else None
+from conftest import accelerator as _accelerator  # noqa: E402
 
 
 @pytest.mark.gpu

@@ -50,9 +50,7 @@ def test_an_inner_adopted_model_and_the_outer_one_add_one_line_between_them(cpu_
     assert _text(info.value).count("apt_model: this model") == 1
 
 
-def _accelerator():
-    acc = torch.accelerator.current_accelerator()
-    return acc if acc is not None and acc.type != "cpu" else None
+from conftest import accelerator as _accelerator  # noqa: E402
 
 
 @pytest.mark.gpu

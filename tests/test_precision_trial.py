@@ -278,9 +278,7 @@ def test_clock_for_each_kind_of_device():
         AutocastHooks("cpu", torch.bfloat16, max_lag=-1)
 
 
-def _accelerator():
-    acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-    return acc if acc is not None and acc.type != "cpu" else None
+from conftest import accelerator as _accelerator  # noqa: E402
 
 
 @pytest.mark.gpu

@@ -2,6 +2,7 @@
 import copy
 import io
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
 from apt_model.errors import ConfigError
-from apt_model.memory.swap import SwapCorruptionError, SwapFullError
+from apt_model.memory.swap import PagingRecoveryError, SwapCorruptionError, SwapFullError
 from apt_model.models.gpt import GPT, GPTConfig
 from conftest import clean_env
 
@@ -249,6 +250,10 @@ def test_a_corrupted_swap_file_is_reported_not_loaded(tmp_path):
     with pytest.raises(SwapCorruptionError, match=str(path)):
         train(m, opt, 1)
     assert w.untyped_storage().nbytes() == 0  # nothing half-loaded
+    with pytest.raises(PagingRecoveryError, match="blocks.0.attn.qkv.weight") as info:
+        vb.disable()  # that page's bytes are lost: disable() names it (it is never logged and forgotten)
+    assert set(info.value.lost) == {"blocks.0.attn.qkv.weight"} and w.untyped_storage().nbytes() > 0
+    shutil.rmtree(info.value.folder)  # kept for inspection
 
 
 def test_disk_full_while_evicting_keeps_the_state_in_memory(tmp_path, monkeypatch):

@@ -13,8 +13,11 @@ from dataclasses import asdict, dataclass, field
 import psutil
 import torch
 
+from apt_model.log import get_logger
 from apt_model.memory.sizes import format_size, parse_size
 from apt_model.memory.swap import SwapSpace
+
+log = get_logger(__name__)
 
 #: Fraction of free memory left alone by default ("over_budget" paging) and in "tight" mode.
 HEADROOM = {"over_budget": 0.10, "tight": 0.50}
@@ -69,6 +72,56 @@ def resolve_budget(value, env: str, name: str) -> int | None:
     return None if value is None else parse_size(value, name)
 
 
+def _device_total(device: torch.device) -> int | None:
+    from apt_model.devices.device_backend import DeviceBackend
+
+    try:
+        total = DeviceBackend(device).total_memory()
+    except Exception:  # noqa: BLE001 - a figure the backend cannot give: no check
+        return None
+    return int(total) if total else None
+
+
+def capacity_warnings(device: torch.device, device_budget: int | None, host_budget: int | None,
+                      swap_budget: int | None, swap_free: int | None) -> list[str]:
+    """Budgets larger than what their level has, each as a sentence naming the level's capacity
+    and what will happen (the switch trusts a budget: it pages nothing that fits under it).
+
+    Args:
+        device: the compute device. device_budget / host_budget / swap_budget: bytes or None.
+        swap_free: free bytes on the swap folder's disk (None: unknown).
+    """
+    ram = int(psutil.virtual_memory().total)
+    out = []
+
+    def size(n: int) -> str:
+        return f"{n} bytes ({format_size(n)})"
+
+    if device.type == "cpu":
+        for name, value in (("device_budget", device_budget), ("host_budget", host_budget)):
+            if value and value > ram:
+                out.append(f"{name} {size(value)} exceeds this machine's RAM ({format_size(ram)}): on a CPU-only run "
+                           f"level 0 is host RAM, and training state up to {format_size(value)} is treated as fitting "
+                           "and never paged, so a larger model will be swapped by the OS or killed for memory instead "
+                           f"of paged to the swap files; set it below {format_size(ram)} or leave it unset")
+    else:
+        total = _device_total(device)
+        if device_budget and total and device_budget > total:
+            out.append(f"device_budget {size(device_budget)} exceeds {device}'s memory ({format_size(total)}): training "
+                       f"state up to {format_size(device_budget)} is treated as fitting and never paged, so a model "
+                       "that does not fit the device fails with an out-of-memory error instead of being paged to "
+                       f"host RAM; set it below {format_size(total)} or leave it unset")
+        if host_budget and host_budget > ram:
+            out.append(f"host_budget {size(host_budget)} exceeds this machine's RAM ({format_size(ram)}): the host "
+                       "level will try to pin more memory than there is, and fail or push the system into its own "
+                       f"swap; set it below {format_size(ram)} or leave it unset")
+    if swap_budget and swap_free is not None and swap_budget > swap_free:
+        out.append(f"swap_budget {size(swap_budget)} exceeds the free space of the swap folder's disk "
+                   f"({format_size(swap_free)}): once the disk fills, evictions fail with SwapFullError (the pages "
+                   "stay in memory, nothing is lost, but memory goes over its budget); free space or lower it")
+    return out
+
+
 def _device_free(device: torch.device) -> int:
     from apt_model.devices.device_backend import DeviceBackend
 
@@ -89,8 +142,13 @@ class VGPUStack:
         measure: measure bandwidths now (else the levels show "not measured" until
             :meth:`measure` is called).
 
+    Budgets above what their level has (more than the machine's RAM, the device's memory, the
+    swap disk's free space) are accepted with a warning naming the capacity and the consequence
+    (:func:`capacity_warnings`; also in :attr:`warnings` and :meth:`describe`).
+
     Raises:
-        ConfigError: a malformed budget, or a swap dir that is missing or not writable.
+        ConfigError: a malformed budget (not a whole number of bytes >= 1), or a swap dir that is
+            missing or not writable.
     """
 
     def __init__(self, device: torch.device | str = "cpu", device_budget=None, host_budget=None,
@@ -101,6 +159,10 @@ class VGPUStack:
         self.host_budget = resolve_budget(host_budget, _ENV["host_budget"], "host_budget")
         self.swap_budget = resolve_budget(swap_budget, _ENV["swap_budget"], "swap_budget")
         self.swap = SwapSpace(swap_dir, self.swap_budget)
+        self.warnings = capacity_warnings(self.device, self.device_budget, self.host_budget, self.swap_budget,
+                                          self.swap.free_bytes())
+        for w in self.warnings:
+            log.warning("%s", w)
         self.bandwidths: dict | None = None
         self.levels: list[Level] = []
         self._build()
@@ -137,7 +199,9 @@ class VGPUStack:
             link = bw.get("link") or {}
             levels.append(Level(1, "host", "host (pinned)", host_cap, min(link.values()) if link else None, dict(link),
                                 "reached over the host<->device link"))
-        levels.append(Level(len(levels), "nvme", f"nvme:{self.swap.folder}", swap_cap, nvme_gbps, dict(disk)))
+        probe_note = (bw.get("disk_probe") or {}).get("note", "")
+        levels.append(Level(len(levels), "nvme", f"nvme:{self.swap.folder}", swap_cap, nvme_gbps, dict(disk),
+                            probe_note))
         self.levels = levels
 
     def measure(self, refresh: bool = False) -> dict:
@@ -154,7 +218,8 @@ class VGPUStack:
     def describe(self) -> dict:
         return {"device": str(self.device), "shared_host": self.shared_host,
                 "levels": [asdict(level) for level in self.levels], "bandwidths": self.bandwidths,
-                "swap_folder": str(self.swap.folder), "stale_folders_removed": [str(p) for p in self.swap.stale_removed]}
+                "swap_folder": str(self.swap.folder),
+                "stale_folders_removed": [str(p) for p in self.swap.stale_removed], "warnings": list(self.warnings)}
 
     def summary_lines(self) -> list[str]:
         return [f"{lv.kind:<6} {format_size(lv.capacity):>10}  {lv.device}" for lv in self.levels]

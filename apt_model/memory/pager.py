@@ -20,6 +20,23 @@ Policy:
 * **Bounded waits.** Every wait (a read, a write, the lock) gives up after ``VB_SWAP_TIMEOUT``
   seconds with a :class:`~apt_model.memory.swap.SwapTimeoutError` naming the page, its bytes, the
   level and the I/O queues (:mod:`apt_model.memory.waits`).
+* **The user's tensors may change under a page.** A gradient set to None, replaced
+  (``p.grad = p.grad * 0.5``) or an optimizer state replaced is noticed the next time the pager
+  touches the page (each page holds a weak reference to the tensor it manages, its *binding*):
+  the old binding is settled first — I/O in flight finished; its bytes loaded back into the old
+  tensor if anything still holds it, else forgotten — and the page then manages the new tensor
+  (resident, dirty) or none. No tensor is ever left with 0-byte storage that someone can reach,
+  and no background job ever touches freed memory (jobs hold the storage they move).
+* **Steps are transactions.** :meth:`begin_step` / :meth:`protect` / :meth:`commit` /
+  :meth:`rollback`: before an optimizer chunk modifies a page, the page's lower copy (its pre-step
+  version) is set aside under another key — a rename, no I/O — and new versions are written
+  beside it; a step that fails anywhere rolls every protected page back to that copy, and one that
+  completes drops the old copies. A page whose pre-step bytes exist only in memory is written
+  first. So a paging fault inside a step leaves the step either fully applied or not at all.
+* **Faults lose nothing they did not have to.** A failed write leaves the page in memory (dirty);
+  a failed read leaves it below, its file untouched. :meth:`close` brings back every page it can
+  and lists the rest in a :class:`~apt_model.memory.swap.PagingRecoveryError` — after giving them
+  memory (NaN-filled) and keeping the swap folder, never deleting the only copy of anything.
 * **Any thread may drop an alias.** Releases requested by finalizers (an alias of a page that
   user code held, garbage-collected on whatever thread drops it last: an I/O thread, autograd's
   device thread) are queued and applied by the next pager call, never under the finalizer: the
@@ -45,12 +62,45 @@ from apt_model.memory.host import release_free_memory
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage
 from apt_model.memory.stores import DiskStore, HostLevelFullError, byte_view
-from apt_model.memory.swap import SwapSpace
+from apt_model.memory.swap import PagingRecoveryError, SwapError, SwapSpace
 from apt_model.memory.waits import TimedLock, wait_future
 
 log = get_logger(__name__)
 
 _TRIM_EVERY = 64 * 2**20  # return freed heap memory to the OS after this many bytes were freed
+_BACKUP = "~pre"  # suffix of the key under which a protected page's pre-step copy is kept
+
+
+def _labelled(err: BaseException, page: Page) -> BaseException:
+    """``err`` (a swap error) with the page's tensor named in front of its message, same type."""
+    if not isinstance(err, SwapError) or isinstance(err, PagingRecoveryError) or page.label in str(err):
+        return err
+    try:
+        new = type(err)(f"{page.label} ({page.category.value}, {page.nbytes} bytes): {err}")
+    except Exception:  # noqa: BLE001 - an error type with another signature: keep it as it is
+        return err
+    new.__cause__ = err.__cause__ or err
+    return new
+
+
+def fut_done_or_absent(fut: Future | None) -> bool:
+    """Whether a job is over (or never started): only then may its buffer be freed."""
+    return fut is None or fut.done()
+
+
+def fill_lost(t: torch.Tensor | None, storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give ``storage`` ``nbytes`` of memory filled with NaN (zeros for integer and bool dtypes):
+    what a tensor whose bytes were lost holds, so that using it by mistake shows at once."""
+    alloc_storage(storage, nbytes)
+    dtype = t.dtype if t is not None else torch.uint8
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        if (dtype.is_floating_point or dtype.is_complex) and nbytes % dtype.itemsize == 0:
+            view = torch.empty(0, dtype=dtype, device=storage.device)
+            view.set_(storage, 0, (nbytes // dtype.itemsize,), (1,))
+            view.fill_(float("nan"))
+        else:
+            byte_view(storage).zero_()
+
 
 
 class LevelStats:
@@ -71,6 +121,18 @@ class LevelStats:
         return {"hits": self.hits, "misses": self.loads, "faults": self.faults, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "stall_s": round(self.stall_s, 4), "peak_resident": self.peak_resident,
                 "over_budget_bytes": self.over_budget_bytes}
+
+
+class _Saved:
+    """What :meth:`Pager.rollback` needs to put one protected page back as it was before the step."""
+
+    __slots__ = ("backup", "scales", "cached_norm", "zero_on_load")
+
+    def __init__(self, page: Page, backup: bool):
+        self.backup = backup  # the pre-step copy is kept under page.key + _BACKUP
+        self.scales = list(page.scales)
+        self.cached_norm = page.cached_norm
+        self.zero_on_load = page.zero_on_load
 
 
 class Pager:
@@ -106,6 +168,7 @@ class Pager:
         self._writing = 0  # bytes of resident pages whose copies below are being written
         self._freed_since_trim = 0
         self._deferred: deque[Page] = deque()  # releases asked for by finalizers, applied by the next call
+        self._txn: dict[str, tuple[Page, _Saved]] | None = None  # protected pages of the step under way
         self._closed = False
 
     # ------------------------------------------------------------------ bookkeeping
@@ -167,7 +230,8 @@ class Pager:
         if t is None or t.device.type != self.device.type:
             raise ValueError(f"page {label}: this pager manages {self.device.type} tensors, got {None if t is None else t.device}")
         with self._lock:
-            page = Page(category, tensor_of, int(t.untyped_storage().nbytes()), label, keep=keep, tensor_id=id(t))
+            page = Page(category, tensor_of, int(t.untyped_storage().nbytes()), label, keep=keep)
+            page.bind(t)
             self._resident += page.occupies
             self.pages[page.key] = page
             self.by_tensor[id(t)] = page
@@ -177,33 +241,134 @@ class Pager:
                 self.make_room(0, protect=[page])
             return page
 
-    def rebind(self, page: Page) -> None:
-        """The page's tensor object changed (a new gradient tensor): update size and lookup."""
+    # ------------------------------------------------------------------ bindings
+    def _live(self, page: Page) -> torch.Tensor | None:
+        """The tensor ``page`` manages, after reconciling its binding with ``tensor_of()`` (under
+        the lock). None when there is none (the page is then ABSENT).
+
+        Raises:
+            SwapError: the old binding is still referenced by someone and its bytes could not be
+                read back into it (they are lost: it is NaN-filled, never left at 0 bytes).
+            SwapTimeoutError: I/O in flight on the old binding did not finish in time.
+        """
+        t = page.tensor_of()
+        if page.ref is not None and t is not None and t is page.ref():
+            return t
+        if page.ref is None and t is None:
+            return None
+        self._rebind(page, t)
+        return page.bound()
+
+    def _settle(self, page: Page, keep_errors: bool = False) -> None:
+        """Finish the I/O in flight on ``page`` without freeing it: a write leaves it RESIDENT (its
+        data is in memory whether or not the write worked), a read RESIDENT or, failed, LOWER.
+        Errors of failed I/O are swallowed unless ``keep_errors``; a timeout always raises."""
+        if page.state is State.WRITING and page.future is not None:
+            fut = page.future
+            try:
+                self._wait(fut, page, "write")
+            except BaseException:
+                if not fut.done():
+                    raise
+            page.future = None
+            self._set(page, State.RESIDENT)
+            if fut.exception() is None:
+                page.dirty = False
+                page.scales = []
+            elif keep_errors:
+                raise _labelled(fut.exception(), page)
+        elif page.state is State.LOADING:
+            try:
+                self._finish_load(page)
+            except BaseException:
+                if page.state is State.LOADING or keep_errors:
+                    raise
+
+    def _rebind(self, page: Page, new: torch.Tensor | None) -> None:
+        """``page.tensor_of()`` is no longer the tensor the page manages: settle the old binding and
+        bind ``new`` (None: the page becomes ABSENT). Under the lock."""
+        old = page.bound()
+        # I/O in flight on the old binding finishes first (a job holds its storage; a failed read
+        # leaves the page LOWER, and the old tensor, if still held, is read back below)
+        self._settle(page)
+        if old is not None and page.state is State.LOWER:
+            # someone still holds the old tensor: its bytes go back into it before the page lets go
+            storage = old.untyped_storage()
+            try:
+                self._load_into(page, storage)
+            except BaseException as err:
+                fill_lost(old, storage, page.nbytes)
+                log.error("the replaced tensor %s could not be read back (%s); it was filled with NaN", page.label, err)
+                raise _labelled(err, page) from None
+        if self.by_tensor.get(page.tensor_id) is page:
+            del self.by_tensor[page.tensor_id]
+        if self._txn is None or page.key not in self._txn:
+            self.store.remove(page)
+        else:  # the pre-step copy stays (under its backup key) for a roll-back
+            self.store.discard(page.key)
+        self._set(page, State.ABSENT)
+        page.pins = 0  # pins were taken on the old tensor; their releases are clamped at 0
+        page.dirty, page.zero_on_load, page.scales, page.cached_norm, page.future = False, False, [], None, None
+        n = int(new.untyped_storage().nbytes()) if new is not None else 0
+        page.bind(new if n else None)
+        if n:
+            page.nbytes = n
+            self.by_tensor[id(new)] = page
+            self._set(page, State.RESIDENT)
+            page.dirty = True
+            self._touch(page)
+            self._note_resident()
+
+    def sync(self, page: Page) -> torch.Tensor | None:
+        """Reconcile ``page`` with its tensor now (see :meth:`_live`) and make room if a new tensor
+        put the level over its budget. Returns the tensor, or None."""
         with self._lock:
-            if self.by_tensor.get(page.tensor_id) is page:
-                del self.by_tensor[page.tensor_id]
-            t = page.tensor_of()
-            if t is not None:
-                page.tensor_id = id(t)
-                self.by_tensor[id(t)] = page
-                n = int(t.untyped_storage().nbytes())
-                if n:  # a paged-out tensor reports 0 bytes: keep the recorded size
-                    before = page.occupies
-                    page.nbytes = n
-                    self._resident += page.occupies - before
-                    self._note_resident()
+            t = self._live(page)
+            if t is not None and self.resident_bytes > self.budget:
+                self.make_room(0, protect=[page])
+            return t
+
+    def rebind(self, page: Page) -> None:
+        """The page's tensor object may have changed (a new gradient tensor): see :meth:`sync`."""
+        self.sync(page)
 
     def unregister(self, page: Page) -> None:
-        """Stop managing ``page``: bring it back to memory first if it has data below."""
+        """Stop managing ``page``: its tensor gets its bytes back first if it has data below.
+
+        Raises:
+            SwapError: the bytes could not be read back (the tensor is NaN-filled, not left empty).
+        """
         with self._lock:
-            if page.state in (State.LOWER, State.LOADING, State.WRITING):
-                self.acquire([page])
-                page.pins -= 1
-            self.store.remove(page)
-            if self.pages.pop(page.key, None) is not None:
-                self._resident -= page.occupies
-            if self.by_tensor.get(page.tensor_id) is page:
-                del self.by_tensor[page.tensor_id]
+            try:
+                t = self._live(page)
+                self._settle(page)
+                if t is not None and page.state is State.LOWER:
+                    storage = t.untyped_storage()
+                    try:
+                        self._load_into(page, storage)
+                    except BaseException as err:
+                        fill_lost(t, storage, page.nbytes)
+                        raise _labelled(err, page) from None
+            finally:
+                self._forget(page)
+
+    def discard(self, page: Page) -> None:
+        """Stop managing ``page`` and forget its lower copy, without reading it back: for pages
+        whose tensor is being thrown away (states created by a step that is rolled back)."""
+        with self._lock:
+            try:
+                self._settle(page)
+            finally:
+                self._forget(page)
+
+    def _forget(self, page: Page) -> None:
+        self.store.remove(page)
+        if self._txn is not None:
+            self._txn.pop(page.key, None)
+        if self.pages.pop(page.key, None) is not None:
+            self._set(page, State.ABSENT)
+        if self.by_tensor.get(page.tensor_id) is page:
+            del self.by_tensor[page.tensor_id]
 
     # ------------------------------------------------------------------ I/O primitives
     def _wait(self, fut: Future, page: Page, what: str) -> None:
@@ -219,8 +384,33 @@ class Pager:
         else:
             fut.result()  # re-raise I/O errors
 
+    def _load_into(self, page: Page, storage: torch.UntypedStorage) -> None:
+        """Read ``page``'s lower copy into ``storage`` now (allocating it), scalings applied; the
+        page's own state is not changed. On failure ``storage`` is left empty and the error raised."""
+        alloc_storage(storage, page.nbytes)
+        if page.zero_on_load:
+            byte_view(storage).zero_()
+            return
+        try:
+            fut = self.store.start_read(page, storage)
+            self._wait(fut, page, "read")
+            self.store.finish_read(page, storage)
+        except BaseException:
+            if fut_done_or_absent(locals().get("fut")):
+                self.store.abort_read(page)
+                free_storage(storage)
+            raise
+        bound = page.bound()
+        if page.scales and bound is not None:
+            with torch._C.DisableTorchFunction():
+                view = torch.empty(0, dtype=bound.dtype, device=storage.device).set_(
+                    storage, bound.storage_offset(), bound.shape, bound.stride())
+            self._apply_scales(page, view)
+
     def _start_load(self, page: Page) -> None:
         storage = page.storage()
+        if storage is None:
+            raise RuntimeError(f"page {page.label} has no tensor to load into")
         alloc_storage(storage, page.nbytes)
         if page.zero_on_load:
             byte_view(storage).zero_()
@@ -248,24 +438,29 @@ class Pager:
 
     def _finish_load(self, page: Page) -> None:
         fut = page.future
+        storage = page.storage()
         try:
             self._wait(fut, page, "read")
-        except BaseException:
+        except BaseException as err:
             if not fut.done():  # timed out: the read still writes into the storage; keep both
                 raise
             page.future = None
             self.store.abort_read(page)
-            free_storage(page.storage())
+            if storage is not None:
+                free_storage(storage)
             self._set(page, State.LOWER)
-            raise
+            raise _labelled(err, page) from None
         page.future = None
         try:
-            self.store.finish_read(page, page.storage())
-        except BaseException:
+            if storage is None:
+                raise RuntimeError(f"page {page.label} lost its tensor while loading")
+            self.store.finish_read(page, storage)
+        except BaseException as err:
             self.store.abort_read(page)
-            free_storage(page.storage())
+            if storage is not None:
+                free_storage(storage)
             self._set(page, State.LOWER)
-            raise
+            raise _labelled(err, page) from None
         self._set(page, State.RESIDENT)
         page.dirty = False
         self._apply_scales(page)
@@ -277,7 +472,9 @@ class Pager:
         The page stays clean: the lower copy plus ``page.scales`` is the current value."""
         if not page.scales:
             return
-        t = page.tensor_of() if t is None else t
+        t = page.bound() if t is None else t
+        if t is None:
+            return
         with torch.no_grad(), torch._C.DisableTorchFunction():
             for factor, foreach in page.scales:
                 if foreach:
@@ -289,13 +486,15 @@ class Pager:
         """Multiply a paged-out page by ``factor`` lazily (on its next load). Returns False if the
         page is resident (the caller multiplies it in place instead)."""
         with self._lock:
-            if page.state is not State.LOWER:
+            if self._live(page) is None or page.state is not State.LOWER:
                 return False
             page.scales.append((factor, foreach))
             page.cached_norm = None
             return True
 
     def _evict(self, page: Page) -> None:
+        if self._live(page) is None or page.state is not State.RESIDENT:
+            return  # its tensor is gone (or was replaced and is being written): nothing to free here
         storage = page.storage()
         if page.dirty or not self.store.has(page):
             page.future = self.store.start_write(page, storage)
@@ -306,7 +505,9 @@ class Pager:
             self._free(page)
 
     def _free(self, page: Page) -> None:
-        free_storage(page.storage())
+        storage = page.storage()
+        if storage is not None:
+            free_storage(storage)
         self._set(page, State.LOWER)
         page.dirty = False
         self.stats.bytes_out += page.nbytes
@@ -324,23 +525,30 @@ class Pager:
             return False
         try:
             self._wait(fut, page, "write")
-        except BaseException:
+        except BaseException as err:
             if fut.done():  # the write failed: the data is still in memory, nothing lost
                 page.future = None
                 self._set(page, State.RESIDENT)
+                raise _labelled(err, page) from None
             # a timed-out write is still running and reading the page's memory: it stays WRITING
             raise
         page.future = None
         page.scales = []  # the new lower copy already has every scaling applied
-        if page.pins > 0:
+        if page.pins > 0 or page.bound() is None:
             self._set(page, State.RESIDENT)
             page.dirty = False
+            if page.bound() is None:
+                self._live(page)  # the tensor was dropped while it was written: settle the page now
         else:
             self._free(page)
         return True
 
     def reap(self) -> None:
-        """Free the pages whose background writes have completed (and apply deferred releases)."""
+        """Free the pages whose background writes have completed (and apply deferred releases).
+
+        Raises:
+            SwapFullError / SwapError: a write failed (the page stays resident, nothing is lost).
+        """
         with self._lock:
             self._drain_deferred()
             for page in list(self.pages.values()):
@@ -368,8 +576,11 @@ class Pager:
             for victim in victims:
                 if need <= 0:
                     break
+                if victim.state is not State.RESIDENT or victim.pins:
+                    continue  # settled meanwhile (a replaced tensor's page)
                 self._evict(victim)
-                need -= victim.nbytes
+                if victim.state is not State.RESIDENT:  # written behind, freed, or its tensor was gone
+                    need -= victim.nbytes
             if not wait:
                 return
             # evicted dirty pages still hold memory until their writes land: wait for enough of them
@@ -380,10 +591,12 @@ class Pager:
 
     def acquire(self, pages: Iterable[Page], for_write: bool = False) -> None:
         """Make ``pages`` resident and pin them (waits for their loads and in-flight writes).
+        Pages whose tensor is gone (a gradient set to None) are skipped: there is nothing to load.
+        Either every page is pinned or, when this raises, none is.
 
         Raises:
             SwapCorruptionError / SwapError: a page's swap file failed its checks; the page
-                stays on the lower level.
+                stays on the lower level. The message names the tensor.
             SwapTimeoutError: a read or write did not finish within ``VB_SWAP_TIMEOUT`` seconds
                 (the page stays loading or writing; a later call picks it up), or the pager's
                 lock was held by another thread that long.
@@ -391,44 +604,60 @@ class Pager:
         pages = [p for p in pages if p is not None]
         with self._lock:
             self._drain_deferred()
+            pages = [p for p in pages if self._live(p) is not None]
             missing = sum(p.nbytes for p in pages if p.state is State.LOWER)
             if missing:
                 self.make_room(missing, protect=pages)
-            for p in pages:
-                if p.state is State.WRITING:
-                    p.pins += 1  # keeps _finish_write from freeing it
-                    try:
-                        self._finish_write(p, wait=True)
-                    finally:
-                        p.pins -= 1
-                if p.state is State.LOWER:
-                    self._start_load(p)
-                elif p.state is State.RESIDENT:
-                    self.stats.hits += 1
-            for p in pages:
-                if p.state is State.LOADING:
-                    self._finish_load(p)
-                if p.state is State.ABSENT:
-                    raise RuntimeError(f"page {p.label} has no data (its tensor was released)")
-                p.pins += 1
-                if for_write:
-                    p.dirty = True
-                    p.cached_norm = None
-                self._touch(p)
+            pinned: list[Page] = []
+            try:
+                for p in pages:
+                    if p.state is State.WRITING:
+                        p.pins += 1  # keeps _finish_write from freeing it
+                        try:
+                            self._finish_write(p, wait=True)  # a failed write raises; the page stays in memory
+                        finally:
+                            p.pins -= 1
+                    if p.state is State.LOWER:
+                        self._start_load(p)
+                    elif p.state is State.RESIDENT:
+                        self.stats.hits += 1
+                for p in pages:
+                    if p.state is State.LOADING:
+                        self._finish_load(p)
+                    if p.state is not State.RESIDENT:
+                        continue  # dropped meanwhile
+                    p.pins += 1
+                    pinned.append(p)
+                    if for_write:
+                        p.dirty = True
+                        p.cached_norm = None
+                    self._touch(p)
+            except BaseException:
+                for p in pinned:
+                    p.pins = max(0, p.pins - 1)
+                raise
             self._note_resident()
 
     def release(self, pages: Iterable[Page], evict: bool = False) -> None:
         """Unpin ``pages``; with ``evict``, start writing them out now (write-behind)."""
         with self._lock:
             self._drain_deferred()
-            for p in pages:
-                if p is None:
-                    continue
+            pages = [p for p in pages if p is not None]
+            for p in pages:  # every pin goes first: an eviction below may raise
                 p.pins = max(0, p.pins - 1)
-                if evict and p.pins == 0 and not p.keep and p.state is State.RESIDENT:
-                    self._evict(p)
+            if evict:
+                for p in pages:
+                    if p.pins == 0 and not p.keep and p.state is State.RESIDENT:
+                        self._evict(p)
             if self.resident_bytes > self.budget:
                 self.make_room(0)
+
+    def unpin(self, pages: Iterable[Page]) -> None:
+        """Unpin ``pages`` and do nothing else (no eviction, no I/O): for failure paths."""
+        with self._lock:
+            for p in pages:
+                if p is not None:
+                    p.pins = max(0, p.pins - 1)
 
     def prefetch(self, pages: Iterable[Page], reserve: int = 0) -> None:
         """Start loading ``pages`` in the background, in order, as far as they fit in the budget
@@ -441,13 +670,16 @@ class Pager:
         """
         with self._lock:
             self.reap()
-            todo = [p for p in pages if p is not None and p.state is State.LOWER]
+            todo = [p for p in pages if p is not None and p.state is State.LOWER and self._live(p) is not None
+                    and p.state is State.LOWER]
             if not todo:
                 return
             need = sum(p.nbytes for p in todo) + reserve
             if self.resident_bytes + need > self.budget:
                 self.make_room(need, protect=todo, wait=False)
             for p in todo:
+                if p.state is not State.LOWER:
+                    continue
                 if self.resident_bytes + p.nbytes + reserve > self.budget and self.resident_bytes > 0:
                     break
                 self._start_load(p)
@@ -463,26 +695,13 @@ class Pager:
                     self._evict(p)
 
     def drop(self, page: Page) -> None:
-        """Forget the page's data (its tensor was set to None): delete the lower copy."""
-        with self._lock:
-            if page.state is State.WRITING:
-                self._finish_write(page, wait=True)
-            if page.state is State.LOADING:
-                self._finish_load(page)
-            self.store.remove(page)
-            self._set(page, State.ABSENT)
-            page.dirty, page.zero_on_load, page.scales, page.cached_norm = False, False, [], None
+        """Forget the page's data (its tensor was set to None): see :meth:`sync`, which settles a
+        page whose tensor is gone — its bytes go back into the old tensor if anything holds it."""
+        self.sync(page)
 
     def revive(self, page: Page) -> None:
-        """An ABSENT page's tensor exists again (a new gradient): it is resident and dirty. Room is
-        made right after, as for :meth:`register`."""
-        with self._lock:
-            self._set(page, State.RESIDENT)
-            page.dirty = True
-            self._touch(page)
-            self._note_resident()
-            if self.resident_bytes > self.budget:
-                self.make_room(0, protect=[page])
+        """An ABSENT page's tensor exists again (a new gradient): see :meth:`sync`."""
+        self.sync(page)
 
     def flush(self) -> None:
         """Wait for every background read and write to finish, and give freed memory back to the OS."""
@@ -501,37 +720,247 @@ class Pager:
         self._freed_since_trim = 0
 
     def materialize(self, page: Page) -> torch.Tensor:
-        """A new CPU tensor with the page's current data (the page stays where it is)."""
+        """A new CPU tensor with the page's current data (the page stays where it is).
+
+        Raises:
+            SwapCorruptionError / SwapError: the page is only below and its copy cannot be read;
+                the message names the tensor and the file.
+            RuntimeError: the page has no tensor any more.
+        """
         with self._lock:
-            t = page.tensor_of()
+            t = self._live(page)
+            if t is None:
+                raise RuntimeError(f"page {page.label} has no tensor (it was set to None)")
             if page.state in (State.RESIDENT, State.WRITING, State.LOADING):
                 if page.state is State.LOADING:
                     self._finish_load(page)
-                with torch._C.DisableTorchFunction():
-                    return t.detach().to("cpu", copy=True)
+                if page.state is not State.LOWER:
+                    with torch._C.DisableTorchFunction():
+                        return t.detach().to("cpu", copy=True)
             out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
             if page.zero_on_load:
                 out.zero_()
             else:
-                self.store.read_to_cpu(page, out)
+                try:
+                    self.store.read_to_cpu(page, out)
+                except BaseException as err:
+                    raise _labelled(err, page) from None
                 self._apply_scales(page, out)
             return out
 
-    def close(self) -> None:
-        """Bring every page back to memory, stop the I/O threads, delete the swap folder."""
-        if self._closed:
-            return
+    # ------------------------------------------------------------------ step transactions
+    def begin_step(self) -> None:
+        """Start a step transaction: pages passed to :meth:`protect` until :meth:`commit` or
+        :meth:`rollback` keep their pre-step copy."""
         with self._lock:
+            if self._txn:
+                self.commit()
+            self._txn = {}
+
+    def protect(self, pages: Iterable[Page]) -> None:
+        """Keep the current version of ``pages`` (acquired: resident and pinned) as their pre-step
+        copy before the step modifies them. A clean page's lower copy is renamed aside (no I/O); a
+        page whose current bytes are only in memory is written first, synchronously. The pages are
+        dirty afterwards: their next eviction writes a new version beside the old one.
+
+        Raises:
+            SwapFullError / SwapError: the pre-step bytes of a page held only in memory could not
+                be written (nothing was modified; the caller rolls back what it already did).
+            RuntimeError: no step transaction is open, or a page is not resident.
+        """
+        with self._lock:
+            if self._txn is None:
+                raise RuntimeError("protect() outside a step transaction (call begin_step() first)")
+            for page in pages:
+                if page is None or page.key in self._txn or self._live(page) is None:
+                    continue
+                if page.state is not State.RESIDENT:
+                    raise RuntimeError(f"page {page.label} must be acquired before it is protected")
+                if page.dirty and not page.zero_on_load:
+                    page.pins += 1
+                    try:
+                        page.future = self.store.start_write(page, page.storage())
+                        self._set(page, State.WRITING)
+                        self._finish_write(page, wait=True)
+                    finally:
+                        page.pins -= 1
+                saved = _Saved(page, backup=self.store.rename(page.key, page.key + _BACKUP))
+                self._txn[page.key] = (page, saved)
+                page.dirty = True
+                page.cached_norm = None
+                page.scales = []  # the bytes in memory have every scaling applied already
+
+    def commit(self) -> None:
+        """The step completed: forget the pre-step copies of the protected pages."""
+        with self._lock:
+            txn, self._txn = self._txn or {}, None
+            for page, saved in txn.values():
+                if saved.backup:
+                    self.store.discard(page.key + _BACKUP)
+
+    def rollback(self) -> dict[str, str]:
+        """The step failed: every protected page goes back to its pre-step copy (its new bytes, in
+        memory or below, are dropped). Returns ``{label: why}`` for pages that could not be put
+        back — only possible for a page someone else keeps pinned whose copy cannot be read."""
+        lost: dict[str, str] = {}
+        with self._lock:
+            txn, self._txn = self._txn or {}, None
+            for page, saved in txn.values():
+                try:
+                    self._settle(page)
+                except BaseException as err:  # a timed-out write: it still reads the page's memory
+                    lost[page.label] = (f"its write did not finish ({err}); "
+                                        f"the pre-step copy is kept as {page.key}{_BACKUP}")
+                    continue
+                self.store.discard(page.key)
+                if saved.backup:
+                    self.store.rename(page.key + _BACKUP, page.key)
+                page.scales, page.cached_norm, page.zero_on_load = saved.scales, saved.cached_norm, saved.zero_on_load
+                if page.state is State.RESIDENT:
+                    if page.pins == 0:
+                        self._free(page)
+                        self.stats.bytes_out -= page.nbytes  # a roll-back, not traffic
+                    else:  # held by someone (an alias): give it the pre-step bytes in place
+                        storage = page.storage()
+                        try:
+                            self._load_into(page, storage)
+                            page.dirty = False
+                        except BaseException as err:
+                            fill_lost(page.bound(), storage, page.nbytes)
+                            lost[page.label] = f"its pre-step copy could not be read: {err}"
+                elif page.state is State.LOWER and not (saved.backup or saved.zero_on_load):
+                    lost[page.label] = "it had no pre-step copy"
+        return lost
+
+    # copies of tensors the plan keeps resident (not pages): written straight from their memory
+    def copy_out(self, t: torch.Tensor, label: str) -> Page:
+        """Start writing ``t``'s bytes to the level below as a copy (not a managed page: ``t``
+        keeps its memory). Returns the copy's handle for :meth:`copy_wait` / :meth:`copy_in` /
+        :meth:`copy_drop`. ``t`` must not be modified until :meth:`copy_wait` returned."""
+        copy = Page(Category.STATE, (lambda t=t: t), int(t.untyped_storage().nbytes()), f"{label} (pre-step copy)")
+        copy.bind(t)
+        with self._lock:
+            copy.future = self.store.start_write(copy, t.untyped_storage())
+        return copy
+
+    def copy_wait(self, copy: Page) -> None:
+        """Wait for :meth:`copy_out`'s write.
+
+        Raises:
+            SwapFullError / SwapError: the copy could not be written (named).
+            SwapTimeoutError: it did not finish within ``VB_SWAP_TIMEOUT`` seconds.
+        """
+        fut = copy.future
+        if fut is None:
+            return
+        try:
+            self._wait(fut, copy, "write")
+        except BaseException as err:
+            if fut.done():
+                copy.future = None
+            raise _labelled(err, copy) from None
+        copy.future = None
+
+    def copy_in(self, copy: Page, t: torch.Tensor) -> None:
+        """Read the copy back into ``t``'s memory (the pre-step value).
+
+        Raises:
+            SwapError: the copy cannot be read (the message names the tensor).
+        """
+        self.copy_wait(copy)
+        storage = t.untyped_storage()
+        with self._lock:
+            try:
+                fut = self.store.start_read(copy, storage)
+                self._wait(fut, copy, "read")
+                self.store.finish_read(copy, storage)
+            except BaseException as err:
+                self.store.abort_read(copy)
+                raise _labelled(err, copy) from None
+
+    def copy_drop(self, copy: Page) -> None:
+        """Forget the copy (waiting for its write first, whatever its outcome)."""
+        try:
+            if copy.future is not None:
+                self.copy_wait(copy)
+        except SwapError:
+            pass
+        finally:
+            self.store.discard(copy.key)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a step transaction is open."""
+        return self._txn is not None
+
+    # ------------------------------------------------------------------ teardown
+    def recover(self) -> dict[str, str]:
+        """Bring every page back into memory for good, as far as its bytes can be read; returns
+        ``{label: why}`` for the pages whose bytes could not (their tensors get NaN-filled memory,
+        never 0 bytes) — a corrupt, missing or unreadable file, or a read that did not finish.
+        Every page is tried, whatever failed before it. The pager manages nothing afterwards."""
+        lost: dict[str, str] = {}
+        with self._lock:
+            self._drain_deferred()
+            if self._txn:
+                for label, why in self.rollback().items():
+                    lost[label] = why
             self.budget = sys.maxsize  # everything comes back: nothing may be evicted meanwhile
             for p in list(self.pages.values()):
-                if p.state in (State.LOWER, State.LOADING, State.WRITING):
-                    self.acquire([p])
-                    p.pins -= 1
+                try:
+                    t = self._live(p)
+                except BaseException as err:  # noqa: BLE001 - an old binding that could not be read back
+                    lost[p.label] = str(err)
+                    continue
+                if t is None:
+                    continue
+                try:
+                    self._settle(p)
+                except BaseException as err:  # noqa: BLE001 - a read that timed out is still running
+                    lost[p.label] = f"its read did not finish: {err}"
+                    continue
+                if p.state is State.LOWER:
+                    storage = t.untyped_storage()
+                    where = self.store.describe(p.key)
+                    try:
+                        self._load_into(p, storage)
+                    except BaseException as err:  # noqa: BLE001
+                        fill_lost(t, storage, p.nbytes)
+                        lost[p.label] = str(err) if where.split(" ")[-1] in str(err) else f"{where}: {err}"
+                        log.error("paged tensor %s could not be brought back (%s): it holds NaN now", p.label, err)
+                        continue
+                    self._set(p, State.RESIDENT)
             self.pages.clear()
             self.by_tensor.clear()
             self._resident = 0
             self._writing = 0
-            self._closed = True
+        return lost
+
+    def close(self) -> None:
+        """Bring every page back to memory, stop the I/O threads, delete the swap folder — unless a
+        page's bytes were lost: then the folder is kept (:meth:`SwapSpace.retain`) and this raises.
+
+        Raises:
+            PagingRecoveryError: pages whose bytes could not be brought back, each named with the
+                file and the reason; everything else was brought back first.
+            SwapTimeoutError: the I/O threads did not stop within ``VB_SWAP_TIMEOUT`` seconds.
+        """
+        if self._closed:
+            return
+        lost = self.recover()
+        self._closed = True
+        if lost:
+            folder = self.swap.retain(lost)
+            try:
+                self.io.close()
+            except BaseException as err:  # noqa: BLE001 - the lost pages are the news
+                log.warning("swap I/O threads did not stop: %s", err)
+            names = ", ".join(lost)
+            raise PagingRecoveryError(
+                f"{len(lost)} paged tensor(s) could not be brought back into memory and hold NaN now: {names}. "
+                f"Every other tensor was restored. Their swap folder {folder} is kept for inspection "
+                f"(see RECOVERY.txt there): " + "; ".join(f"{k}: {v}" for k, v in lost.items()),
+                lost=lost, folder=folder)
         self.store.close()
 
     def report(self) -> dict:

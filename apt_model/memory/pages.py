@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import itertools
+import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,7 +49,11 @@ class Page:
         key: unique name of the page (also its swap file's name).
         category: param, grad or state.
         tensor_of: returns the live tensor (a gradient or optimizer state can be replaced by
-            torch between steps, so pages look the tensor up instead of holding it).
+            torch or by user code between steps, so pages look the tensor up instead of holding it).
+        ref: weak reference to the tensor whose storage the page manages now (its *binding*).
+            When ``tensor_of()`` returns another object (``p.grad = p.grad * 0.5``) or None
+            (``zero_grad(set_to_none=True)``), the pager settles the old binding first — its bytes
+            go back to the old tensor if anything still holds it — and binds the new tensor.
         nbytes: size of the tensor's storage in bytes.
         label: human name (``blocks.0.mlp.0.weight:grad``).
         state: where the bytes are.
@@ -75,9 +80,20 @@ class Page:
     scales: list = field(default_factory=list)
     #: ``torch._foreach_norm([t], 2.0)[0]`` of the current data, or None when unknown/stale.
     cached_norm: torch.Tensor | None = None
+    ref: weakref.ref | None = None
+
+    def bound(self) -> torch.Tensor | None:
+        """The tensor whose storage this page manages (None once it was garbage-collected)."""
+        return None if self.ref is None else self.ref()
+
+    def bind(self, t: torch.Tensor | None) -> None:
+        """Manage ``t``'s storage from now on (None: no tensor)."""
+        self.ref = None if t is None else weakref.ref(t)
+        self.tensor_id = 0 if t is None else id(t)
 
     def storage(self) -> torch.UntypedStorage | None:
-        t = self.tensor_of()
+        """The bound tensor's storage (the bytes this page moves), or None."""
+        t = self.bound()
         return None if t is None else t.untyped_storage()
 
     @property

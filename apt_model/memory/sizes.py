@@ -1,11 +1,14 @@
 """Byte sizes as users write them: ``512MB``, ``4GiB``, ``1.5 GB``, ``1048576``.
 
 Decimal units (KB, MB, GB, TB = 10^3...) and binary units (KiB, MiB, GiB, TiB = 2^10...) are both
-accepted, case-insensitively; a bare number is bytes.
+accepted, case-insensitively; a bare number is bytes. A size is a whole number of bytes, at
+least 1: fractions of a byte, NaN, infinities and bools are refused with the accepted forms.
 """
 from __future__ import annotations
 
+import math
 import re
+from fractions import Fraction
 
 from apt_model.errors import ConfigError
 
@@ -18,17 +21,28 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
+_FORMS = "write a whole number of bytes with an optional unit, e.g. 512MB, 4GiB, 1.5GB or 1048576"
+
+
 def parse_size(value: str | int | float, name: str = "size") -> int:
-    """Parse a byte size; returns bytes (int, > 0).
+    """Parse a byte size; returns a whole number of bytes (int, >= 1).
+
+    Accepts ints, floats and strings with an optional unit (decimal KB/MB/GB/TB, binary
+    KiB/MiB/GiB/TiB, K/M/G/T meaning the binary ones, B or none for bytes), as long as the result
+    is a whole number of bytes: ``"1.5GB"`` and ``"1.5KiB"`` (1536) are sizes, ``3.5`` and
+    ``"0.5B"`` are not — a fraction of a byte is never silently cut off.
 
     Raises:
-        ConfigError: for anything that is not a positive number with an optional unit, naming
-            ``name`` and the accepted forms.
+        ConfigError: for bools, NaN, infinities, negative or zero sizes, fractions of a byte, and
+            anything that is not a number with an optional unit — naming ``name``, the value and
+            the accepted forms.
     """
     if isinstance(value, bool):
-        raise ConfigError(f"{name}={value!r} is not a size; write e.g. 512MB, 4GiB or 1048576 (bytes)")
+        raise ConfigError(f"{name}={value!r} is not a size; {_FORMS}")
     if isinstance(value, (int, float)):
-        number, unit = float(value), ""
+        number, unit = value, ""
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}={value!r} is not a size; {_FORMS}")
     else:
         m = _PATTERN.match(str(value))
         if not m or m.group(2).lower() not in _UNITS:
@@ -36,10 +50,15 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
                 f"{name}={value!r} is not a size; write a number with an optional unit "
                 "(B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K/M/G/T mean KiB/MiB/GiB/TiB), e.g. 512MB or 4GiB"
             )
-        number, unit = float(m.group(1)), m.group(2).lower()
-    size = int(number * _UNITS[unit])
+        number, unit = m.group(1), m.group(2).lower()
+    exact = Fraction(number) * _UNITS[unit]  # exact: 1.1KiB is 1126.4 bytes, not a rounding of it
+    if exact.denominator != 1:
+        raise ConfigError(
+            f"{name}={value!r} is {float(exact):g} bytes, not a whole number of bytes; {_FORMS}"
+        )
+    size = int(exact)
     if size <= 0:
-        raise ConfigError(f"{name}={value!r} must be a positive size")
+        raise ConfigError(f"{name}={value!r} must be a positive size (at least 1 byte); {_FORMS}")
     return size
 
 

@@ -9,7 +9,13 @@
 A store moves bytes between a page's storage on the compute device and itself:
 ``start_write(page, storage) -> Future``, ``start_read(page, storage) -> Future`` and
 ``finish_read(page, storage)`` (the part that must run on the training thread, e.g. the
-host-to-device copy after a disk read), plus ``has``, ``remove``, ``read_to_cpu`` and ``close``.
+host-to-device copy after a disk read), plus ``has``, ``remove``, ``read_to_cpu`` and ``close``;
+and, by key, ``rename(key, new_key)`` (a page's lower copy kept under another name: the previous
+version an optimizer step may roll back to) and ``discard(key)``.
+
+A background job holds the storage it reads from or writes into until it ends: the tensor that
+owned it may be dropped by user code meanwhile (``zero_grad(set_to_none=True)`` while a gradient
+is being written), and the job must never touch freed memory.
 """
 from __future__ import annotations
 
@@ -55,13 +61,27 @@ class DiskStore:
 
     def start_write(self, page: Page, storage: torch.UntypedStorage) -> Future:
         view, key = cpu_byte_view(storage), page.key
-        return self.io.submit_write(page.nbytes, lambda: self.swap.write(key, view),
+        # the job holds ``storage``: its memory stays valid even if the tensor is dropped meanwhile
+        return self.io.submit_write(page.nbytes, lambda storage=storage: self.swap.write(key, view),
                                     f"write of page {page.label} ({page.nbytes} bytes)")
 
     def start_read(self, page: Page, storage: torch.UntypedStorage) -> Future:
         view, key = cpu_byte_view(storage), page.key
-        return self.io.submit_read(page.nbytes, lambda: self.swap.read_into(key, view),
+        return self.io.submit_read(page.nbytes, lambda storage=storage: self.swap.read_into(key, view),
                                    f"read of page {page.label} ({page.nbytes} bytes)")
+
+    def rename(self, key: str, new_key: str) -> bool:
+        """Keep ``key``'s copy under ``new_key`` (no I/O). Returns False if there is none."""
+        return self.swap.rename(key, new_key)
+
+    def discard(self, key: str) -> None:
+        """Forget the copy stored under ``key`` (no error if absent)."""
+        self.swap.remove(key)
+
+    def describe(self, key: str) -> str:
+        """Where ``key``'s copy is, for error messages (its swap file, or "no copy")."""
+        rec = self.swap.record(key)
+        return f"swap file {rec.path}" if rec is not None else "no copy on the swap level"
 
     def finish_read(self, page: Page, storage: torch.UntypedStorage) -> None:
         return None
@@ -290,14 +310,42 @@ class HostStore:
                 self.disk.read_to_cpu(page, out)
 
     def remove(self, page: Page) -> None:
+        self.discard(page.key)
+
+    def discard(self, key: str) -> None:
+        """Forget the copies (host and disk) stored under ``key``."""
         with self._lock:
-            self._inflight.discard(page.key)
-            seg = self.entries.pop(page.key, None)
+            self._inflight.discard(key)
+            seg = self.entries.pop(key, None)
             if seg is not None:
                 self.pool.release(seg)
-            self._lru.pop(page.key, None)
-            self.on_disk.discard(page.key)
-            self.disk.remove(page)
+            self._nbytes.pop(key, None)
+            self._lru.pop(key, None)
+            self.on_disk.discard(key)
+            self.disk.discard(key)
+
+    def rename(self, key: str, new_key: str) -> bool:
+        """Keep ``key``'s copies (host segment and/or disk file) under ``new_key``, no copying.
+        Returns False if there are none."""
+        with self._lock:
+            if key not in self.entries and key not in self.on_disk:
+                return False
+            self.discard(new_key)
+            if key in self.entries:
+                self.entries[new_key] = self.entries.pop(key)
+                self._nbytes[new_key] = self._nbytes.pop(key)
+                self._lru[new_key] = self._lru.pop(key, 0)
+            if key in self.on_disk:
+                self.on_disk.discard(key)
+                self.on_disk.add(new_key)
+            self.disk.rename(key, new_key)
+            return True
+
+    def describe(self, key: str) -> str:
+        """Where ``key``'s copy is, for error messages."""
+        if key in self.entries:
+            return "the host level"
+        return self.disk.describe(key)
 
     def stats(self) -> dict:
         return {"resident_bytes": self.pool.used, "capacity": self.pool.budget, "pinned": self.pool.pin,

@@ -2,10 +2,23 @@
 
 * Each process gets its own folder ``<swap dir>/vb-<pid>-<process start>-<random>``, created
   exclusively, so two processes never share swap files.
+* **Ownership is a lock, not a PID.** The folder is built under a temporary name, with an
+  exclusive ``flock`` on its ``.owner.lock`` file taken before it is renamed into place; the lock
+  is held (one open file descriptor) for the folder's whole life and the kernel drops it when the
+  process dies, however it dies. Another process — in another PID namespace too (containers
+  sharing a swap volume), where the owner's PID means nothing — removes a folder only after taking
+  that lock itself. Where the filesystem refuses ``flock``, the ``.owner`` marker (boot id, PID
+  namespace, PID and start time) decides, and a folder owned from another PID namespace of the
+  same boot is left alone. Only folders from versions without either file fall back to the PID.
 * The folder is removed at normal interpreter exit and after an uncaught exception (``atexit``),
-  and when the :class:`SwapSpace` is closed. Folders left by a process that died (SIGKILL, power
-  loss) are removed by the next :class:`SwapSpace` opened on the same swap dir — only those whose
-  process is gone (pid not running, or running with a different start time).
+  and when the :class:`SwapSpace` is closed — unless :meth:`SwapSpace.retain` marked it as holding
+  bytes that could not be brought back (see :class:`PagingRecoveryError`): then it is kept with a
+  ``RECOVERY.txt`` saying what is in it, and no cleanup ever removes it. Folders left by a process
+  that died (SIGKILL, power loss) are removed by the next :class:`SwapSpace` opened on the same
+  swap dir.
+* Page versions: :meth:`SwapSpace.rename` moves a record to another key without touching its file,
+  and a write never reuses a file another record still holds — so a page's previous version can be
+  kept beside the new one until an optimizer step commits (see the pager's step transactions).
 * Every write records the byte size and a CRC-32 of the data; a read checks both before the
   bytes are used, so a truncated or altered file raises :class:`SwapCorruptionError`, never
   loads silently.
@@ -22,6 +35,8 @@ from __future__ import annotations
 
 import atexit
 import errno
+import fcntl
+import json
 import mmap
 import os
 import re
@@ -49,6 +64,11 @@ except ImportError:  # pragma: no cover - the package is a declared dependency
     _crc32c = None
 
 _FOLDER = re.compile(r"^vb-(\d+)-(\d+)-[0-9a-f]+$")
+_BUILDING = re.compile(r"^\.vb-new-\d+-[0-9a-f]+$")  # a folder being created (renamed into place once locked)
+LOCK_FILE = ".owner.lock"
+OWNER_FILE = ".owner"
+RECOVERY_FILE = "RECOVERY.txt"
+_BUILD_GRACE_S = 600  # a ".vb-new-*" folder younger than this may be locked by its builder any moment
 _CHUNK = 8 << 20  # bytes per I/O call (a multiple of the 4 KiB O_DIRECT alignment)
 _ALIGN = 4096
 
@@ -97,6 +117,27 @@ class SwapCorruptionError(SwapError):
     """A swap file is truncated, altered, or missing."""
 
 
+class PagingRecoveryError(SwapError):
+    """Paged tensors whose bytes could not be brought back into memory (a corrupt, missing or
+    unreadable swap file, a read that never finished).
+
+    Raised by ``vb.disable()`` after everything else *was* brought back, and by an optimizer step
+    whose roll-back could not restore some tensors. The lost tensors are not left with 0-byte
+    storage: they get memory again, filled with NaN (integer tensors: zeros), so using one by
+    mistake shows at once. The swap folder is kept, with a ``RECOVERY.txt`` naming each lost
+    tensor and its file, and is never removed by the stale-folder cleanup (delete it yourself).
+
+    Attributes:
+        lost: ``{tensor label: why}`` for every tensor that could not be restored.
+        folder: the swap folder kept for inspection (None if there is none).
+    """
+
+    def __init__(self, message: str, lost: dict | None = None, folder: Path | None = None):
+        super().__init__(message)
+        self.lost = dict(lost or {})
+        self.folder = folder
+
+
 class SwapTimeoutError(SwapError):
     """A wait of the memory stack (a page's read or write, a lock) did not end within
     ``VB_SWAP_TIMEOUT`` seconds; the message names what was awaited (see :mod:`apt_model.memory.waits`)."""
@@ -124,8 +165,73 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def owner_identity() -> dict:
+    """This process as a folder owner: ``{"boot_id", "pid_ns", "pid", "start"}`` (boot id and PID
+    namespace are None where ``/proc`` does not say). A PID alone names a process only within one
+    PID namespace of one boot; the triple names it everywhere the folder can be seen from."""
+    try:
+        pid_ns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    return {"boot_id": _read_text("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns, "pid": os.getpid(),
+            "start": _process_start(os.getpid())}
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Exclusive non-blocking ``flock`` on ``fd``: True (taken), False (held by a live owner), None
+    (the filesystem does not support ``flock``)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError as err:
+        if err.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        return None  # ENOLCK, EOPNOTSUPP, EINVAL: no flock here
+
+
+def _owner_gone_by_marker(folder: Path, name_match) -> tuple[bool, str]:
+    """(whether the folder's owner is certainly gone, why), from its ``.owner`` marker, or from its
+    name for folders of versions that wrote neither lock nor marker."""
+    me = owner_identity()
+    raw = _read_text(str(folder / OWNER_FILE))
+    if raw is not None:
+        try:
+            owner = json.loads(raw)
+        except ValueError:
+            return False, "its owner marker is unreadable"
+        if owner.get("boot_id") and me["boot_id"] and owner["boot_id"] != me["boot_id"]:
+            return True, "its owner ran before the last reboot"
+        if owner.get("pid_ns") != me["pid_ns"] or owner.get("pid_ns") is None:
+            return False, "its owner runs in another PID namespace, where its PID means nothing here"
+        pid, start = owner.get("pid"), owner.get("start")
+    elif name_match is not None:  # no lock, no marker: an older version's folder
+        pid, start = int(name_match.group(1)), int(name_match.group(2))
+    else:
+        return False, "it has no owner lock or marker yet"
+    if not isinstance(pid, int):
+        return False, "its owner marker names no process"
+    alive = psutil.pid_exists(pid) and (start is None or _process_start(pid) == start)
+    return (not alive), f"process {pid} is {'alive' if alive else 'gone'}"
+
+
 def clean_stale_folders(root: Path) -> list[Path]:
-    """Remove ``vb-*`` folders under ``root`` whose process is gone; returns what was removed."""
+    """Remove the swap folders under ``root`` whose owner is gone; returns what was removed.
+
+    A folder is removed only after this process took its owner lock (``.owner.lock``: free once
+    the owner died, in whatever PID namespace it ran) — or, on a filesystem without ``flock``,
+    when its owner marker says the owner is gone (another boot, or a dead process of this PID
+    namespace). Folders kept for inspection (``RECOVERY.txt``) are never removed.
+    """
     removed = []
     try:
         entries = list(root.iterdir())
@@ -133,15 +239,87 @@ def clean_stale_folders(root: Path) -> list[Path]:
         return removed
     for entry in entries:
         m = _FOLDER.match(entry.name)
-        if not m or not entry.is_dir():
+        if (m is None and not _BUILDING.match(entry.name)) or not entry.is_dir():
             continue
-        pid, start = int(m.group(1)), int(m.group(2))
-        alive = psutil.pid_exists(pid) and _process_start(pid) == start
-        if not alive:
+        if (entry / RECOVERY_FILE).exists():
+            log.info("swap folder %s is kept for inspection (%s); delete it once you are done with it",
+                     entry, RECOVERY_FILE)
+            continue
+        fd = None
+        try:
+            try:
+                fd = os.open(entry / LOCK_FILE, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                fd = None
+            except OSError:
+                continue  # cannot tell: keep it
+            if m is None and time.time() - entry.stat().st_mtime < _BUILD_GRACE_S:
+                continue  # another process may be locking it right now
+            locked = _try_lock(fd) if fd is not None else None
+            if locked is False:
+                continue  # its owner is alive (and holds the lock), whatever its PID looks like from here
+            if locked is True:
+                why = "its owner's lock is free"
+            elif m is None:
+                continue  # being built, or built on a filesystem without flock: not ours to judge
+            else:
+                gone, why = _owner_gone_by_marker(entry, m)
+                if not gone:
+                    continue
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
-            log.info("removed swap folder %s left by process %d, which is gone", entry, pid)
+            log.info("removed swap folder %s left by a process that is gone (%s)", entry, why)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed
+
+
+class _Owner:
+    """This process's hold on its swap folder: the locked descriptor, and whether the folder must
+    be kept. Separate from :class:`SwapSpace` so the finalizer can use it without the space."""
+
+    def __init__(self, folder: Path, fd: int | None):
+        self.folder = folder
+        self.fd = fd
+        self.keep = False
+
+    def release(self) -> None:
+        """Delete the folder (unless it is kept), then drop the lock."""
+        if not self.keep:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        if self.fd is not None:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = None
+
+
+def _create_owned_folder(root: Path, name: str) -> tuple[Path, int | None]:
+    """Create ``root/name`` already locked: built as ``.vb-new-*`` with its lock taken and its owner
+    marker written, then renamed into place, so no other process ever sees it unlocked.
+
+    Raises:
+        OSError: the folder cannot be created or written.
+    """
+    tmp = root / f".vb-new-{os.getpid()}-{secrets.token_hex(4)}"
+    tmp.mkdir(mode=0o700)
+    fd = None
+    try:
+        # read-only: flock needs no more, and a read-only remount of the disk stays possible
+        fd = os.open(tmp / LOCK_FILE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if _try_lock(fd) is None:
+            log.debug("no flock on %s: the owner marker decides who owns the swap folder", root)
+        (tmp / OWNER_FILE).write_text(json.dumps(owner_identity()))
+        final = root / name
+        os.rename(tmp, final)
+        return final, fd
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _fadvise_dontneed(fd: int) -> None:
@@ -177,15 +355,11 @@ class SwapSpace:
         self.stale_removed = clean_stale_folders(self.root)
         start = _process_start(os.getpid()) or int(time.time())
         name = f"vb-{os.getpid()}-{start}-{secrets.token_hex(4)}"
-        self.folder = self.root / name
         try:
-            self.folder.mkdir(mode=0o700)
-            probe = self.folder / ".write-test"
-            probe.write_bytes(b"ok")
-            probe.unlink()
+            self.folder, lock_fd = _create_owned_folder(self.root, name)
         except OSError as err:
-            shutil.rmtree(self.folder, ignore_errors=True)
             raise ConfigError(f"swap directory {str(self.root)!r} is not writable: {err.strerror or err}") from None
+        self._owner = _Owner(self.folder, lock_fd)
         self.budget = budget
         self.direct = supports_direct_io(self.folder)
         self._tls = threading.local()
@@ -197,12 +371,13 @@ class SwapSpace:
         self.stale_bytes = 0
         self._lock = TimedLock(f"swap folder {self.folder}")
         self._closed = False
-        self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.folder), True)
+        self._finalizer = weakref.finalize(self, self._owner.release)
         atexit.register(self.close)
 
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:
-        """Delete this process's swap folder and everything in it."""
+        """Delete this process's swap folder and everything in it — unless :meth:`retain` kept it
+        (then only the owner lock is dropped, and the folder stays for inspection)."""
         if not self._closed:
             self._closed = True
             self._finalizer()
@@ -210,6 +385,25 @@ class SwapSpace:
                 atexit.unregister(self.close)
             except Exception:  # noqa: BLE001
                 pass
+
+    def retain(self, lost: dict[str, str]) -> Path:
+        """Keep this folder when the space closes, because it holds the only copies of ``lost``
+        (``{tensor label: file and why it could not be read}``): a ``RECOVERY.txt`` in it says so,
+        and the stale-folder cleanup of later processes leaves it alone. Returns the folder."""
+        self._owner.keep = True
+        lines = ["This swap folder was kept because some paged tensors could not be brought back into memory.",
+                 "Their last bytes, if any, are in the files named below; delete the folder when you are done.", ""]
+        lines += [f"{label}: {why}" for label, why in lost.items()]
+        try:
+            (self.folder / RECOVERY_FILE).write_text("\n".join(lines) + "\n")
+        except OSError as err:
+            log.warning("could not write %s in %s: %s", RECOVERY_FILE, self.folder, err)
+        return self.folder
+
+    @property
+    def retained(self) -> bool:
+        """Whether :meth:`retain` marked the folder to be kept."""
+        return self._owner.keep
 
     @property
     def closed(self) -> bool:
@@ -229,20 +423,36 @@ class SwapSpace:
             buf = self._tls.buf = mmap.mmap(-1, max(n, _CHUNK))
         return buf
 
+    def _path_for(self, key: str, old: SwapRecord | None) -> Path:
+        """The file for a new write of ``key``: its previous file (overwritten in place), else the
+        first of ``<key>.bin``, ``<key>.1.bin``... that no other record holds (a renamed record —
+        a page's previous version kept until its step commits — keeps its file). Under the lock."""
+        if old is not None:
+            return old.path
+        held = {r.path for r in self._records.values()}
+        i = 0
+        while True:
+            path = self.folder / (f"{key}.bin" if i == 0 else f"{key}.{i}.bin")
+            if path not in held:
+                return path
+            i += 1
+
     def write(self, key: str, data: memoryview) -> SwapRecord:
         """Write ``data`` (bytes) as the page ``key``; returns its record.
 
         The previous record of ``key`` is invalidated first: if this write fails, the page has no
-        valid copy on disk, and its caller keeps the bytes in memory (dirty).
+        valid copy on disk, and its caller keeps the bytes in memory (dirty). A record renamed
+        away from ``key`` (:meth:`rename`) keeps its file: this write goes to another one.
 
         Raises:
-            SwapFullError: the disk is full or the swap budget would be exceeded (``data`` is untouched).
-            SwapError: other I/O failures.
+            SwapFullError: the disk is full or the swap budget would be exceeded (``data`` is
+                untouched); the message names the folder, the page and the bytes needed.
+            SwapError: other I/O failures (a read-only filesystem...).
         """
         n = data.nbytes
-        path = self.folder / f"{key}.bin"
         with self._lock:
             old = self._records.pop(key, None)
+            path = self._path_for(key, old)
             old_n = old.nbytes if old else 0
             self.stale_bytes -= self._stale.pop(path, 0)  # this write reuses the file's blocks
             if self.budget is not None and self.bytes_on_disk + self.stale_bytes - old_n + n > self.budget:
@@ -253,8 +463,8 @@ class SwapSpace:
                     self._stale[path] = old_n
                     self.stale_bytes += old_n
                 raise SwapFullError(
-                    f"swap budget exceeded in {self.folder}: writing {n} bytes would put "
-                    f"{self.bytes_on_disk + n} bytes on disk, over VB_SWAP_BUDGET={self.budget} bytes"
+                    f"swap budget exceeded in {self.folder}: writing {n} bytes would put {self.bytes_on_disk + n} "
+                    f"bytes on disk, over VB_SWAP_BUDGET={self.budget} bytes (writing {key})"
                 )
             self.bytes_on_disk += n - old_n
         try:
@@ -295,7 +505,7 @@ class SwapSpace:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.reclaim_stale()  # room for the caller's next attempt
                 raise SwapFullError(
-                    f"swap directory {self.folder} is full: evicting needs {n} bytes, "
+                    f"swap directory {self.folder} is full: writing {key} needs {n} bytes, "
                     f"{self.free_bytes()} bytes free there"
                 ) from err
             raise SwapError(f"writing swap file {path} failed: {err}") from err
@@ -303,6 +513,21 @@ class SwapSpace:
         with self._lock:
             self._records[key] = rec
         return rec
+
+    def rename(self, key: str, new_key: str) -> bool:
+        """Move ``key``'s record to ``new_key`` (its file stays where it is; a record ``new_key``
+        had before is dropped, its file left stale). Returns False if ``key`` has no record."""
+        with self._lock:
+            rec = self._records.pop(key, None)
+            if rec is None:
+                return False
+            self._drop_record_locked(new_key)
+            self._records[new_key] = rec
+            return True
+
+    def record(self, key: str) -> SwapRecord | None:
+        """``key``'s record (path, bytes, CRC), or None."""
+        return self._records.get(key)
 
     def read_into(self, key: str, out: memoryview) -> None:
         """Read page ``key`` into ``out`` (exactly its size), checking size and checksum.
@@ -367,11 +592,14 @@ class SwapSpace:
         room; the whole folder is deleted by :meth:`close`.
         """
         with self._lock:
-            rec = self._records.pop(key, None)
-            if rec is not None:
-                self.bytes_on_disk -= rec.nbytes
-                self.stale_bytes += rec.nbytes - self._stale.get(rec.path, 0)
-                self._stale[rec.path] = rec.nbytes
+            self._drop_record_locked(key)
+
+    def _drop_record_locked(self, key: str) -> None:
+        rec = self._records.pop(key, None)
+        if rec is not None:
+            self.bytes_on_disk -= rec.nbytes
+            self.stale_bytes += rec.nbytes - self._stale.get(rec.path, 0)
+            self._stale[rec.path] = rec.nbytes
 
     def reclaim_stale(self) -> int:
         """Truncate every stale file (see :meth:`remove`) now; returns the bytes given back."""

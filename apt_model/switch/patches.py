@@ -4,6 +4,11 @@ Attribute replacements (class methods such as ``nn.Module.to``, or per-module at
 recorded with their previous value — or with "was absent", in which case restoring deletes the
 attribute. Hook handles are removed. Other undo actions (``set_attn_implementation`` back to
 ``eager``) are registered as callables. Restoration runs in reverse order.
+
+An undo action registered as *critical* (the paging session's: it brings the user's tensors back)
+does not just get logged when it fails: every other action is still undone, then its error is
+raised from :meth:`PatchSet.restore_all`, so ``vb.disable()`` raises it (a
+:class:`~apt_model.memory.swap.PagingRecoveryError` naming what could not be brought back).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ class PatchSet:
 
     def __init__(self):
         self._undo: list[tuple[str, Callable[[], None]]] = []
+        self._critical: set[int] = set()  # id() of the undo callables whose failure must be raised
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -41,22 +47,42 @@ class PatchSet:
         """Remember a removable hook handle (anything with ``.remove()``)."""
         self._undo.append((label, handle.remove))
 
-    def add_undo(self, fn: Callable[[], None], label: str) -> None:
-        """Remember an arbitrary undo action."""
+    def add_undo(self, fn: Callable[[], None], label: str, critical: bool = False) -> None:
+        """Remember an arbitrary undo action. A ``critical`` one's exception is raised by
+        :meth:`restore_all` (after everything else was undone) instead of being returned."""
         self._undo.append((label, fn))
+        if critical:
+            self._critical.add(id(fn))
 
     def labels(self) -> list[str]:
         return [label for label, _ in self._undo]
 
     def restore_all(self) -> list[str]:
-        """Undo everything, newest first. Returns the labels of undo actions that failed (with errors)."""
+        """Undo everything, newest first. Returns the labels of undo actions that failed (with errors).
+
+        Raises:
+            Exception: the error of the first *critical* undo action that failed (see
+                :meth:`add_undo`), once every action was tried; the other failures are in its
+                ``undo_failures`` attribute.
+        """
         failures = []
+        critical: list[BaseException] = []
         while self._undo:
             label, fn = self._undo.pop()
+            is_critical = id(fn) in self._critical
+            self._critical.discard(id(fn))
             try:
                 fn()
             except Exception as err:  # noqa: BLE001 - keep undoing the rest
-                failures.append(f"{label}: {type(err).__name__}: {err}")
+                if is_critical:
+                    critical.append(err)
+                else:
+                    failures.append(f"{label}: {type(err).__name__}: {err}")
+        self._critical.clear()
+        if critical:
+            err = critical[0]
+            err.undo_failures = failures + [f"{type(e).__name__}: {e}" for e in critical[1:]]
+            raise err
         return failures
 
 

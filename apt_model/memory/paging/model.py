@@ -16,6 +16,12 @@ Gradients ("moved down as they are produced"): a tensor hook that runs before
 ``AccumulateGrad`` brings a paged-out gradient back so accumulation over several backward passes
 happens in place, exactly as without paging; the post-accumulate-grad hook then (re)binds the
 page to ``param.grad`` and writes it behind. A gradient the user set to None is dropped.
+
+Parameters may be frozen and unfrozen at any time (``requires_grad_``), tied ones included: a
+unit's parameters are brought back for its backward whenever its outputs need gradients — a
+frozen layer between trainable ones still takes part in backward (its weight computes the input's
+gradient) — and the gradient hooks of a parameter that becomes trainable after adoption are
+registered at the next forward.
 """
 from __future__ import annotations
 
@@ -94,20 +100,31 @@ class PagedModel:
                            "paging root pre-hook")
         patches.add_handle(self.model.register_forward_hook(SessionHook(lambda m, a, o: self._root_post()), always_call=True),
                            "paging root hook")
-        for p in self.params:
-            if not p.requires_grad:
-                continue
-            if self.page_grads:
-                patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
-                                   f"grad pre-hook {self.names[id(p)]}")
-            patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),
-                               f"post-accumulate hook {self.names[id(p)]}")
+        self._patches = patches
+        self._hooked: set[int] = set()
+        self._hook_trainable()
         # evict everything now: the model's state leaves memory at adoption
         pager.evict_now(self.session.param_pages[id(p)] for p in self.params if id(p) in self.session.param_pages)
         pager.flush()
 
+    def _hook_trainable(self) -> None:
+        """Register the gradient hooks of every trainable parameter that has none yet (hooks can
+        only be registered on a tensor that requires grad: a parameter unfrozen after adoption
+        gets them at the next forward)."""
+        for p in self.params:
+            if not p.requires_grad or id(p) in self._hooked:
+                continue
+            self._hooked.add(id(p))
+            if self.page_grads:
+                self._patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
+                                         f"grad pre-hook {self.names[id(p)]}")
+            self._patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),
+                                     f"post-accumulate hook {self.names[id(p)]}")
+
     # ------------------------------------------------------------------ forward
     def _root_pre(self) -> None:
+        if torch.is_grad_enabled():
+            self._hook_trainable()
         self._seen_this_pass = set()
         self.session.resume_faults()  # in case a state_dict() call raised half-way
         if not self.session.forward_depth:
@@ -130,7 +147,9 @@ class PagedModel:
 
     def _post(self, unit: Unit, output) -> None:
         self.session.pager.release(unit.pages)
-        if torch.is_grad_enabled() and any(p.requires_grad for p in unit.module.parameters(recurse=False)):
+        # backward comes through this unit whenever its outputs need gradients — for its own
+        # parameters' gradients, or (a frozen unit) for its input's, which needs its weights too
+        if torch.is_grad_enabled():
             outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda grads, u=unit: self._backward_start(u), mode="any")

@@ -21,6 +21,19 @@ The budget holds through the first step too, when the optimizer creates its stat
 size counts the states its step will create (:func:`expected_state_bytes`: Adam's m and v, SGD's
 momentum buffer...), room for them is made before the chunk runs, and the next chunk's prefetch
 leaves that room free.
+
+**A step is all or nothing.** Chunks are applied one after the other, so a fault half-way (a
+corrupt or unreadable swap file of a later chunk, a full or read-only swap disk when an updated
+chunk is written, a timeout, or any exception from the optimizer itself) would otherwise leave
+some parameters stepped and others not, and a retry would step the first ones twice. Before a
+chunk runs, what it will modify is kept (:class:`_StepUndo`): paged parameters and states keep
+their pre-step copy below (the pager's step transaction: a rename, no I/O), tensors the plan keeps
+resident get a pre-step copy that is itself a page (evicted first, so it costs I/O only when the
+level is short of room), scalars (Adam's ``step``) a clone, and each parameter's state dict its
+entries. A step that fails is rolled back completely — states it created are removed — and the
+error is raised; a retry steps from the same state as plain PyTorch would. A step that completes
+drops the copies. Costs: the swap files hold two versions of the paged parameters and states
+during a step (the old ones are then reused for the next step's writes).
 """
 from __future__ import annotations
 
@@ -30,7 +43,11 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from apt_model.errors import VBError
+from apt_model.log import get_logger
 from apt_model.memory.pages import Category, Page, State
+from apt_model.memory.swap import PagingRecoveryError
+
+log = get_logger(__name__)
 
 #: Optimizers whose update of one parameter depends on that parameter's gradient and state only.
 PER_PARAMETER = (
@@ -118,7 +135,7 @@ class OptimizerPaging:
             if not isinstance(v, torch.Tensor) or v.numel() < 2 or v.device != p.device:
                 continue  # scalars such as Adam's 'step' (kept on the CPU) stay resident
             page = pages.get(k)
-            if page is None or page.tensor_of() is not v:
+            if page is None or page.bound() is not v:  # new, or replaced (load_state_dict)
                 if page is not None:
                     self.session.pager.unregister(page)
                 if not v.untyped_storage().resizable():  # e.g. loaded from a checkpoint buffer
@@ -190,15 +207,29 @@ class OptimizerPaging:
         return chunks
 
     def _stream(self, opt: torch.optim.Optimizer) -> None:
+        """Run ``opt``'s step chunk by chunk, as one transaction (see the module docstring).
+
+        Raises:
+            whatever a chunk raised (a swap error, a timeout, the optimizer's own error), after
+                the step was rolled back: parameters and states are those from before the step.
+            PagingRecoveryError: the roll-back itself could not restore some tensors (named; the
+                original error is its cause).
+        """
         pager = self.session.pager
         raw = getattr(type(opt).step, "__wrapped__", None)
         originals = [g["params"] for g in opt.param_groups]
         self._in_step = True
+        undo = _StepUndo(self, opt)
         try:
+            pager.begin_step()
+            plan = []
             for gi, group_params in enumerate(originals):
                 group = opt.param_groups[gi]
-                with_grad = [p for p in group_params if p.grad is not None]
-                chunks = self._chunks(opt, group, with_grad)
+                plan.append((gi, group, self._chunks(opt, group, [p for p in group_params if p.grad is not None])))
+            for _, _, chunks in plan:  # copies of what the plan keeps resident: written while chunks run
+                for chunk in chunks:
+                    undo.start(chunk)
+            for gi, group, chunks in plan:
                 for ci, chunk in enumerate(chunks):
                     write, read = [], []
                     for p in chunk:
@@ -207,35 +238,61 @@ class OptimizerPaging:
                         read += r
                     if gi == 0 and ci == 0:
                         self.first_chunk = write + read
-                    pager.acquire(write, for_write=True)
-                    pager.acquire(read)
-                    creates = self._new_state_bytes(opt, group, chunk)
-                    if creates:  # the step allocates these on the device: make their room first
-                        pager.make_room(creates, protect=write + read)
-                    if ci + 1 < len(chunks):
-                        nxt = []
-                        for p in chunks[ci + 1]:
-                            w, r = self._pages_of(p)
-                            nxt += w + r
-                        pager.prefetch(nxt, reserve=creates)
+                    pager.acquire(write)
                     try:
-                        for gj, g in enumerate(opt.param_groups):
-                            g["params"] = chunk if gj == gi else []
-                        if raw is not None:
-                            raw(opt)
-                        else:
-                            opt.step()  # re-entrant call; our pre-hook sees _in_step and lets it run
+                        pager.acquire(read)
+                    except BaseException:
+                        pager.unpin(write)
+                        raise
+                    done = False
+                    try:
+                        undo.keep(chunk, write)  # the pre-step versions of what this chunk modifies
+                        creates = self._new_state_bytes(opt, group, chunk)
+                        if creates:  # the step allocates these on the device: make their room first
+                            pager.make_room(creates, protect=write + read)
+                        if ci + 1 < len(chunks):
+                            nxt = []
+                            for p in chunks[ci + 1]:
+                                w, r = self._pages_of(p)
+                                nxt += w + r
+                            pager.prefetch(nxt, reserve=creates)
+                        try:
+                            for gj, g in enumerate(opt.param_groups):
+                                g["params"] = chunk if gj == gi else []
+                            if raw is not None:
+                                raw(opt)
+                            else:
+                                opt.step()  # re-entrant call; our pre-hook sees _in_step and lets it run
+                        finally:
+                            for g, params in zip(opt.param_groups, originals):
+                                g["params"] = params
+                        done = True
                     finally:
-                        for g, params in zip(opt.param_groups, originals):
-                            g["params"] = params
+                        if not done:
+                            pager.unpin(read)
+                            pager.unpin(write)
                     new = []
                     for p in chunk:
-                        new += self._page_new_states(opt, p)
+                        pages = self._page_new_states(opt, p)
+                        undo.created += [(p, pg) for pg in pages]
+                        new += pages
                     pager.release(read, evict=True)
                     pager.release(write, evict=bool(self.page_states))
                     pager.evict_now(new)
+            pager.commit()
+            undo.commit()
             self.steps += 1
             pager.trim()  # the step's temporaries and freed chunks go back to the OS
+        except BaseException as err:
+            lost = undo.rollback()
+            if lost:
+                raise PagingRecoveryError(
+                    f"{type(opt).__name__}.step() failed ({type(err).__name__}: {err}) and could not be rolled back "
+                    f"completely: {', '.join(lost)} could not be restored to their pre-step values ("
+                    + "; ".join(f"{k}: {v}" for k, v in lost.items()) + ")", lost=lost) from err
+            log.info("%s.step() failed (%s: %s); the step was rolled back: parameters and optimizer states are "
+                     "those from before it", type(opt).__name__, type(err).__name__, err)
+            raise
         finally:
             self._in_step = False
 
@@ -263,3 +320,131 @@ class OptimizerPaging:
         pages = [pg for p in self._param_order(opt) for pg in self.state_pages.get(id(p), {}).values()]
         self.session.pager.evict_now(pages)
         return None
+
+
+class _StepUndo:
+    """What one streamed optimizer step modifies, kept until the step commits (see the module
+    docstring): each parameter's state dict entries, pre-step copies of the tensors that are not
+    paged, and the pages the step created. Paged parameters and states keep their pre-step copy
+    through the pager's step transaction.
+
+    A tensor the plan keeps resident (a parameter, or a state when states are not paged) is copied
+    to the level below straight from its own memory (:meth:`Pager.copy_out`: no second copy on
+    level 0, whose budget the step's working set already fills) — all of them started when the
+    step starts, each waited for just before its chunk runs — and read back only if the step
+    fails. Scalars (Adam's ``step``) are cloned.
+    """
+
+    def __init__(self, paging: OptimizerPaging, opt: torch.optim.Optimizer):
+        self.paging = paging
+        self.opt = opt
+        self.pager = paging.session.pager
+        self.entries: dict[int, tuple[torch.Tensor, dict | None]] = {}  # id(param) -> (param, state dict copy)
+        self.clones: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, pre-step clone)
+        self.copies: dict[int, tuple[torch.Tensor, str, Page]] = {}  # id(tensor) -> (tensor, label, copy below)
+        self.created: list[tuple[torch.Tensor, Page]] = []  # (param, state page the step created)
+        self.confirmed: set[int] = set()  # id() of copied tensors whose chunk was about to run
+        self.cloned: set[int] = set()  # id() of the tensors in ``clones``
+
+    def _resident_tensors(self, p: torch.Tensor):
+        """(tensor, label) of what the step modifies for ``p`` that is not paged."""
+        session = self.paging.session
+        label = session.param_label(p)
+        pages = self.paging.state_pages.get(id(p), {})
+        for k, v in self.opt.state.get(p, {}).items():
+            if isinstance(v, torch.Tensor) and k not in pages:  # paged states are in the pager's transaction
+                yield v, f"{label}:{k}"
+        if id(p) not in session.param_pages:
+            yield p, label  # a parameter the plan keeps resident
+
+    def _copied_below(self, t: torch.Tensor) -> bool:
+        return t.numel() >= 2 and t.device.type == self.pager.device.type
+
+    def start(self, chunk: list[torch.Tensor]) -> None:
+        """Start writing the pre-step copies of ``chunk``'s resident tensors in the background (the
+        step modifies them only when ``chunk`` runs; :meth:`keep` waits for them then, and copies
+        again a tensor whose ``_version`` says it was modified meanwhile)."""
+        for p in chunk:
+            for t, label in self._resident_tensors(p):
+                if self._copied_below(t) and id(t) not in self.copies:
+                    copy = self.pager.copy_out(t, label)
+                    copy.version = t._version
+                    self.copies[id(t)] = (t, label, copy)
+
+    def keep(self, chunk: list[torch.Tensor], write_pages: list[Page]) -> None:
+        """Keep the pre-step state of ``chunk`` (acquired: its pages are resident and pinned)
+        before it runs.
+
+        Raises:
+            SwapError: a pre-step copy could not be written (nothing of this chunk was modified).
+            SwapTimeoutError: such a write did not finish within ``VB_SWAP_TIMEOUT`` seconds.
+        """
+        self.start(chunk)
+        for p in chunk:
+            if id(p) in self.entries:
+                continue
+            st = self.opt.state.get(p)
+            self.entries[id(p)] = (p, None if st is None else dict(st))
+            for t, label in self._resident_tensors(p):
+                if id(t) in self.copies:
+                    copy = self.copies[id(t)][2]
+                    self.pager.copy_wait(copy)
+                    if copy.version != t._version:  # changed since the copy started: copy it again
+                        self.pager.copy_drop(copy)
+                        copy = self.pager.copy_out(t, label)
+                        copy.version = t._version
+                        self.copies[id(t)] = (t, label, copy)
+                        self.pager.copy_wait(copy)
+                    self.confirmed.add(id(t))
+                elif id(t) not in self.cloned:
+                    self.cloned.add(id(t))
+                    with torch.no_grad(), torch._C.DisableTorchFunction():
+                        self.clones.append((t, t.detach().clone()))
+        self.pager.protect(write_pages)
+
+    def commit(self) -> None:
+        """The step completed: drop the pre-step copies."""
+        for _, _, copy in self.copies.values():
+            self.pager.copy_drop(copy)
+        self.copies.clear()
+        self.confirmed.clear()
+        self.clones.clear()
+        self.cloned.clear()
+        self.entries.clear()
+        self.created.clear()
+
+    def rollback(self) -> dict[str, str]:
+        """Put everything the step touched back as it was; returns ``{label: why}`` for tensors that
+        could not be (their pre-step copy was unreadable)."""
+        lost = self.pager.rollback()
+        for p, page in self.created:
+            self.pager.discard(page)
+            pages = self.paging.state_pages.get(id(p), {})
+            for k, pg in list(pages.items()):
+                if pg is page:
+                    del pages[k]
+        for p, entry in self.entries.values():
+            if entry is None:
+                self.opt.state.pop(p, None)
+            else:
+                cur = self.opt.state[p]
+                cur.clear()
+                cur.update(entry)
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for t, copy in self.clones:
+                t.copy_(copy)
+        for key, (t, label, copy) in self.copies.items():
+            try:
+                if key in self.confirmed:  # its chunk ran (or started): it may have been modified
+                    self.pager.copy_in(copy, t)
+            except Exception as err:  # noqa: BLE001 - every other tensor is still restored
+                lost[label] = f"its pre-step copy could not be read back: {err}"
+            finally:
+                self.pager.copy_drop(copy)
+        self.confirmed.clear()
+        self.copies.clear()
+        self.clones.clear()
+        self.cloned.clear()
+        self.entries.clear()
+        self.created.clear()
+        return lost

@@ -3,7 +3,10 @@
 Created by the switch when an adopted model's training state does not fit the compute level's
 budget (see :mod:`apt_model.memory.placement`). Everything it installs goes through the switch's
 :class:`~apt_model.switch.patches.PatchSet`; closing it (``disable()``) brings every page back
-into memory, removes the hooks and deletes the swap folder.
+into memory, removes the hooks and deletes the swap folder. Its close is a *critical* undo: when
+some page's bytes cannot be read back (a corrupt or missing swap file), every other tensor is
+still restored and ``disable()`` raises the
+:class:`~apt_model.memory.swap.PagingRecoveryError` naming the lost ones, with their folder kept.
 """
 from __future__ import annotations
 
@@ -67,13 +70,14 @@ class PagingSession:
         self.optimizers = OptimizerPaging(self, page_states)
         self._bw_pinned: dict[int, Page] = {}
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
+        self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
         self.forward_depth = 0  # > 0 while a paged model's forward runs
         self._lock = TimedLock("paging session")
         self.mode = PageFaultMode(self.pager.by_tensor, self)
         self.mode.__enter__()
         self._install_global()
-        patches.add_undo(self.close, "paging session")
+        patches.add_undo(self.close, "paging session", critical=True)
 
     # ------------------------------------------------------------------ setup
     def _install_global(self) -> None:
@@ -140,8 +144,12 @@ class PagingSession:
         return self.labels.get(id(p), f"param@{id(p):x}")
 
     def grad_page(self, p: torch.Tensor) -> Page | None:
+        """``p``'s gradient page, reconciled with ``p.grad`` (a replaced gradient is followed, its
+        cached norm dropped), or None when ``p`` has no paged gradient now."""
         page = self.grad_pages.get(id(p))
-        return page if page is not None and page.state is not State.ABSENT else None
+        if page is None or self.pager.sync(page) is None:
+            return None
+        return page if page.state is not State.ABSENT else None
 
     def _acquire_one(self, page: Page, for_write: bool) -> None:
         self.pager.acquire([page], for_write=for_write)
@@ -196,22 +204,28 @@ class PagingSession:
 
     # ------------------------------------------------------------------ gradients
     def before_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
+        """Autograd is about to accumulate into ``p.grad``: a paged-out gradient comes back (pinned)
+        so accumulation adds in place exactly as without paging. A gradient the user set to None,
+        replaced (``p.grad = p.grad * 0.5``) or edited is reconciled first (see ``Pager.sync``)."""
         page = self.grad_pages.get(id(p))
         if page is None:
             return
-        if p.grad is None:
-            if page.state is not State.ABSENT:
-                self.pager.drop(page)  # the user set it to None: that gradient is gone
-            return
-        if page.state is State.ABSENT:
-            return
+        if self.pager.sync(page) is None:
+            return  # no gradient now (zero_grad(set_to_none=True)): autograd creates a new one
         self.pager.acquire([page], for_write=True)  # accumulate in place into the restored bytes
+        self._accumulating.add(id(p))
 
     def after_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
+        """``p.grad`` is complete for this backward: bind the page to it (autograd may have made a
+        new tensor) and write it behind."""
         g = p.grad
-        if g is None:
-            return
+        pinned = id(p) in self._accumulating
+        self._accumulating.discard(id(p))
         page = self.grad_pages.get(id(p))
+        if g is None:
+            if pinned and page is not None:
+                self.pager.release([page])
+            return
         norm = self._norm(g)
         if page is None:
             page = self.pager.register(Category.GRAD, (lambda p=p: p.grad), f"{label}:grad")
@@ -219,13 +233,9 @@ class PagingSession:
             page.cached_norm = norm
             self.pager.evict_now([page])  # moved down as it is produced
             return
-        was_pinned = page.pins > 0
-        if page.tensor_id != id(g) or page.state is State.ABSENT:
-            self.pager.rebind(page)
-            if page.state is State.ABSENT:
-                self.pager.revive(page)
+        self.pager.sync(page)  # a new tensor (autograd's, or the first after a None) is bound now
         page.dirty = True
-        if was_pinned:
+        if pinned:
             self.pager.release([page], evict=False)
         page.cached_norm = norm  # set after release: the page is unpinned, its data final for now
         self.pager.evict_now([page])
@@ -242,7 +252,9 @@ class PagingSession:
         held = []
         with torch._C.DisableTorchFunction():
             for page in dict.fromkeys(pages):
-                if page.pins > 0 or page.state is State.ABSENT or page.tensor_of() is None:
+                if self.pager.sync(page) is None:
+                    continue  # its tensor was dropped or replaced: the old one has its bytes back
+                if page.pins > 0 or page.state is State.ABSENT:
                     continue
                 loaded = page.state is not State.RESIDENT
                 if loaded:
@@ -304,7 +316,15 @@ class PagingSession:
 
     # ------------------------------------------------------------------ teardown and report
     def close(self) -> None:
-        """Bring every page back into memory, stop faulting, delete the swap folder."""
+        """Bring every page back into memory, stop faulting, delete the swap folder.
+
+        Every page whose bytes can be read comes back, whatever failed before (a full or
+        read-only swap disk, a corrupt file, a frozen parameter's stale gradient page...).
+
+        Raises:
+            PagingRecoveryError: some tensors' bytes could not be read back; they are named (with
+                their files), hold NaN instead of 0-byte storage, and the swap folder is kept.
+        """
         self.mode.active = False
         try:
             stack = torch.overrides._get_current_function_mode_stack()
@@ -312,7 +332,11 @@ class PagingSession:
                 self.mode.__exit__(None, None, None)
         except Exception:  # noqa: BLE001 - never let teardown fail the user's program
             log.debug("could not pop the page-fault mode", exc_info=True)
-        self.release_backward_pins()
+        try:
+            self.release_backward_pins()
+        except Exception:  # noqa: BLE001 - pins only matter to a pager that is closing anyway
+            log.debug("could not release the backward pins", exc_info=True)
+        self._bw_pinned.clear()
         self.pager.close()
 
     def report(self) -> dict:

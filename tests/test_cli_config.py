@@ -101,3 +101,16 @@ def test_config_save_and_load(project, tmp_path, capsys):
     assert main(["config", "show"]) == 2
     assert f"{project / '.vbrc'}:3:1: not valid JSON" in capsys.readouterr().err
 
+
+
+def test_config_load_check_refuses_a_missing_swap_dir(project, tmp_path, capsys):
+    from apt_model.cli.main import main
+
+    f = tmp_path / "team.vbrc"
+    f.write_text(json.dumps({"mode": "memory", "swap_dir": str(tmp_path / "absent")}))
+    assert main(["config", "load", str(f), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "swap_dir=" in err and "is not an existing folder" in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "absent").mkdir()
+    assert main(["config", "load", str(f), "--check"]) == 0
+    assert not (project / ".vbrc").exists()  # --check installs nothing

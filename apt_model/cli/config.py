@@ -201,6 +201,10 @@ def run_config(args) -> int:
         return 0
     if action == "load":
         cf = vbrc.read_config_file(args.file)
+        swap = cf.values.get("swap_dir")
+        if swap and not Path(swap).expanduser().is_dir():  # enable() would refuse it: say so now
+            raise ConfigError(f"{cf.path}: swap_dir={str(swap)!r} is not an existing folder; the switch needs one "
+                              f"(create it with: mkdir -p {swap}), or remove the setting to use the system temp folder")
         print(f"{cf.path}: valid {cf.format} ({len(cf.values)} value(s): {', '.join(cf.values) or 'none'})")
         if args.check:
             return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from apt_model.devices.timing import synchronize
 from apt_model.log import get_logger
 from apt_model.memory.waits import ENV, TimedLock, timeout_error, wait_timeout
 
@@ -44,11 +45,7 @@ def _median_time(fn, reps: int = 3) -> float:
     return statistics.median(times)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        mod = getattr(torch, device.type, None)
-        if mod is not None and hasattr(mod, "synchronize"):
-            mod.synchronize()
+_sync = synchronize  # the device layer's one "wait for the device" (devices/timing.py)
 
 
 def measure_memory(device: torch.device, mb: int = 64) -> float:

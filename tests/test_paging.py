@@ -821,12 +821,9 @@ def test_a_failed_backward_does_not_keep_the_next_ones_pages_pinned(tmp_path):
 
 # ------------------------------------------------------------------ on the accelerator (-m gpu)
 def _accelerator() -> torch.device:
-    from conftest import best_device
+    from conftest import require_accelerator
 
-    dev = torch.device(best_device())
-    if dev.type == "cpu":
-        pytest.skip("needs an accelerator (CUDA/ROCm/NPU/XPU/MPS); the ranking picked the CPU here")
-    return dev
+    return require_accelerator()
 
 
 @pytest.mark.gpu

@@ -291,15 +291,8 @@ class Pager:
         # I/O in flight on the old binding finishes first (a job holds its storage; a failed read
         # leaves the page LOWER, and the old tensor, if still held, is read back below)
         self._settle(page)
-        if old is not None and page.state is State.LOWER:
-            # someone still holds the old tensor: its bytes go back into it before the page lets go
-            storage = old.untyped_storage()
-            try:
-                self._load_into(page, storage)
-            except BaseException as err:
-                fill_lost(old, storage, page.nbytes)
-                log.error("the replaced tensor %s could not be read back (%s); it was filled with NaN", page.label, err)
-                raise _labelled(err, page) from None
+        # someone still holds the old tensor: its bytes go back into it before the page lets go
+        self._read_back(page, old, log_loss=True)
         if self.by_tensor.get(page.tensor_id) is page:
             del self.by_tensor[page.tensor_id]
         if self._txn is None or page.key not in self._txn:
@@ -318,6 +311,25 @@ class Pager:
             page.dirty = True
             self._touch(page)
             self._note_resident()
+
+    def _read_back(self, page: Page, t: torch.Tensor | None, log_loss: bool = False) -> None:
+        """If ``page``'s bytes are on a lower level, read them back into ``t`` (a tensor still
+        holding the page's storage); nothing to do for None or a page that is not LOWER. Under the lock.
+
+        Raises:
+            SwapError: (labelled with the page) the bytes could not be read; ``t`` is NaN-filled,
+                never left with empty storage (logged as an error with ``log_loss``).
+        """
+        if t is None or page.state is not State.LOWER:
+            return
+        storage = t.untyped_storage()
+        try:
+            self._load_into(page, storage)
+        except BaseException as err:
+            fill_lost(t, storage, page.nbytes)
+            if log_loss:
+                log.error("the replaced tensor %s could not be read back (%s); it was filled with NaN", page.label, err)
+            raise _labelled(err, page) from None
 
     def sync(self, page: Page) -> torch.Tensor | None:
         """Reconcile ``page`` with its tensor now (see :meth:`_live`) and make room if a new tensor
@@ -342,13 +354,7 @@ class Pager:
             try:
                 t = self._live(page)
                 self._settle(page)
-                if t is not None and page.state is State.LOWER:
-                    storage = t.untyped_storage()
-                    try:
-                        self._load_into(page, storage)
-                    except BaseException as err:
-                        fill_lost(t, storage, page.nbytes)
-                        raise _labelled(err, page) from None
+                self._read_back(page, t)
             finally:
                 self._forget(page)
 

@@ -166,13 +166,7 @@ def _print_banner(config: VBConfig, distributed, stack) -> None:
     if rank not in (None, 0):
         log.debug("enable banner left to rank 0 (this is rank %s)", rank)
         return
-    act_budget = None
-    if config.activation_budget is not None:
-        from apt_model.memory.sizes import parse_size
-
-        act_budget = parse_size(config.activation_budget, "activation_budget")
-    elif stack is not None:
-        act_budget = stack.compute_budget // 4  # the activation manager's default
+    act_budget = _state.adopter.activations.budget()  # the setting, or the manager's default
     facts = {"device_type": _state.selection.device.type, "budget": stack.compute_budget if stack is not None else None,
              "activation_budget": act_budget, "world_size": (env.world_size if env is not None else None) or 1}
     cfg = get_config()

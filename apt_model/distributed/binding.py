@@ -36,7 +36,9 @@ from apt_model.log import get_logger
 log = get_logger(__name__)
 
 
-def _shown(visible_env: str | None, visible_value: str | None) -> str:
+def describe_visible(visible_env: str | None, visible_value: str | None) -> str:
+    """How messages show a kind's visible-devices variable: ``CUDA_VISIBLE_DEVICES='0,1'``,
+    ``CUDA_VISIBLE_DEVICES unset``, or ``no visible-devices variable`` for a kind without one."""
     if visible_env and visible_value is not None:
         return f"{visible_env}={visible_value!r}"
     return f"{visible_env} unset" if visible_env else "no visible-devices variable"
@@ -76,7 +78,7 @@ def local_device_index(kind: str, count: int, local_rank: int, visible_env: str 
             fixes (``torchrun --nproc_per_node=<count>``, ``VB_DEVICE=cpu`` to train with gloo).
     """
     dtype = device_type or kind
-    shown = _shown(visible_env, visible_value)
+    shown = describe_visible(visible_env, visible_value)
     if count < 1:
         raise DeviceSelectionError(f"LOCAL_RANK={local_rank}: no {kind} device is visible ({shown})")
     local_ranks = max(local_world_size or 1, local_rank + 1)

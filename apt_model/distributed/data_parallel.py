@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from apt_model.distributed.binding import describe_visible
 from apt_model.errors import DeviceSelectionError
 
 
@@ -133,8 +134,7 @@ def check_device_ids(device_ids: Sequence | None, output_device, device_type: st
         return DeviceIdsPlan(None, None if device_ids is None else list(device_ids), output_device,
                              "no multi-device accelerator visible to torch (CPU or MPS): DataParallel runs the "
                              "module as is, on the device its parameters are on, and ignores device_ids")
-    shown = (f"{visible_env}={visible_value!r}" if visible_env and visible_value is not None
-             else f"{visible_env} unset" if visible_env else "no visible-devices variable")
+    shown = describe_visible(visible_env, visible_value)
     valid = f"valid indices 0..{count - 1}" if count > 0 else "no valid index"
     if device_ids is None:
         return DeviceIdsPlan(device_type, None, output_device,

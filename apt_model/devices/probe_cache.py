@@ -74,12 +74,10 @@ def mode() -> str:
 
 def cache_dir() -> Path:
     """The folder probe results are kept in (see the module docstring for the order); not created here."""
-    root = os.environ.get(ENV_DIR, "").strip() or os.environ.get("APT_MODEL_CACHE", "").strip()
-    if root:
-        return Path(root).expanduser() / "probes"
-    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "apt_model" / "probes"
+    from apt_model.user_cache import user_cache_dir
+
+    root = os.environ.get(ENV_DIR, "").strip()
+    return (Path(root).expanduser() if root else user_cache_dir()) / "probes"
 
 
 def _cpu_identity() -> dict:

@@ -144,9 +144,9 @@ _pool_pid = 0
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("APT_MODEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "apt_model")
-    return Path(base) / "kernels"
+    from apt_model.user_cache import user_cache_dir
+
+    return user_cache_dir() / "kernels"
 
 
 def _cpu_identity() -> str:

@@ -113,11 +113,11 @@ def test_eager_attention_is_routed_to_sdpa_and_matches(name, cpu_device):
     _eager_routed_matches(name, atol=1e-5)
 
 
-from conftest import accelerator as _accelerator  # noqa: E402
+from conftest import accelerator as _accelerator, needs_accelerator  # noqa: E402
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_accelerator() is None, reason="needs an accelerator")
+@needs_accelerator
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_on_the_accelerator_routed_attention_matches_the_cpu_and_every_mode_trains(name):
     _eager_routed_matches(name, atol=1e-4)  # fp32 SDPA kernels on the device vs the CPU's eager path

@@ -50,11 +50,11 @@ def test_an_inner_adopted_model_and_the_outer_one_add_one_line_between_them(cpu_
     assert _text(info.value).count("apt_model: this model") == 1
 
 
-from conftest import accelerator as _accelerator  # noqa: E402
+from conftest import accelerator as _accelerator, needs_accelerator  # noqa: E402
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_accelerator() is None, reason="needs an accelerator")
+@needs_accelerator
 def test_cpu_inputs_to_a_model_on_the_accelerator_get_the_hint():
     vb.enable("balanced", banner=False)
     model = nn.Linear(8, 8).to(vb.device())

@@ -278,11 +278,11 @@ def test_clock_for_each_kind_of_device():
         AutocastHooks("cpu", torch.bfloat16, max_lag=-1)
 
 
-from conftest import accelerator as _accelerator  # noqa: E402
+from conftest import accelerator as _accelerator, needs_accelerator  # noqa: E402
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(_accelerator() is None, reason="needs an accelerator")
+@needs_accelerator
 def test_on_the_accelerator_the_trial_decides_with_events_and_never_synchronizes_after(monkeypatch):
     dev = torch.device(_accelerator().type, 0)
     torch.manual_seed(0)

@@ -50,7 +50,7 @@ def test_an_inner_adopted_model_and_the_outer_one_add_one_line_between_them(cpu_
     assert _text(info.value).count("apt_model: this model") == 1
 
 
-from conftest import accelerator as _accelerator, needs_accelerator  # noqa: E402
+from conftest import needs_accelerator  # noqa: E402
 
 
 @pytest.mark.gpu

@@ -10,18 +10,18 @@ A bad value there (``VB_MODE=fast``, a malformed ``.vbrc``, an unusable ``VB_DEV
 program at this import with one line on stderr naming the variable or file and the valid forms,
 and exit status 2 (``SystemExit(2)``); ``VB_LOG_LEVEL=DEBUG`` adds the traceback.
 """
-from apt_model._version import __version__
+from apt_model.base.version import __version__
 from apt_model.devices.plugins import import_torch as _import_torch
 
 _import_torch()
 
-from apt_model.errors import USER_ERRORS as _USER_ERRORS  # noqa: E402
+from apt_model.base.errors import USER_ERRORS as _USER_ERRORS  # noqa: E402
 from apt_model.switch.env import activate_from_environment as _activate  # noqa: E402
 
 try:
     _activate()
 except _USER_ERRORS as _err:  # a bad VB_* variable or .vbrc: one line naming it, exit status 2
-    from apt_model.errors import USAGE_EXIT, report_user_error
+    from apt_model.base.errors import USAGE_EXIT, report_user_error
 
     report_user_error(_err)
     raise SystemExit(USAGE_EXIT) from None

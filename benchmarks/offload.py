@@ -73,9 +73,9 @@ def worker(conn, paged: bool, args) -> None:
         conn.send((times, [a - b for a, b in zip(after, before)]))
     if paged:
         from apt_model.memory.bandwidth import measure_bandwidths
-        from apt_model.switch.controller import _state
+        from apt_model.switch.controller import session as vb_session
 
-        conn.send({"disk_after": measure_bandwidths(torch.device("cpu"), _state.stack.swap.folder, refresh=True)["disk"],
+        conn.send({"disk_after": measure_bandwidths(torch.device("cpu"), vb_session().stack.swap.folder, refresh=True)["disk"],
                    "levels": vb.get_stats()["levels"]})
         vb.disable()
     else:
@@ -154,7 +154,7 @@ def main(argv=None) -> dict:
         "ratio_to_io_floor": pag["median"] / floor if floor else None,
         "slowdown_vs_in_memory": pag["median"] / mem["median"],
     }
-    from apt_model.memory.sizes import parse_size
+    from apt_model.base.sizes import parse_size
 
     result["state_over_budget"] = result["state_bytes"] / parse_size(args.budget)
     print(f"offload — GPT d={args.d_model} x{args.layers}, batch {args.batch_size}x{args.seq_len}, {args.threads} threads; "

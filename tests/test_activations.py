@@ -182,9 +182,9 @@ def test_swap_folder_disappearing_mid_run_is_reported(tmp_path):
     m.to("cpu")
     x = torch.randint(0, 256, (4, 64))
     loss = F.cross_entropy(m(x).reshape(-1, 256), x.reshape(-1))
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    off = _state.adopter.activations.offloader
+    off = vb_session().activations.offloader
     off.io._writer.submit(lambda: None).result()  # let queued writes land
     assert off.stats.to_disk_bytes > 0
     for child in tmp_path.iterdir():
@@ -249,7 +249,7 @@ def test_offload_follows_the_models_device_not_the_selected_one(tmp_path):
 
     from apt_model.activations.manager import ActivationManager
     from apt_model.memory.levels import VGPUStack
-    from apt_model.switch.patches import PatchSet
+    from apt_model.base.patches import PatchSet
 
     reference = run(gpt(), steps=2)
     stack = VGPUStack("cuda:0", device_budget="1MB", host_budget="64MB", swap_dir=str(tmp_path), measure=False)
@@ -261,7 +261,10 @@ def test_offload_follows_the_models_device_not_the_selected_one(tmp_path):
     m = gpt()
     rec = SimpleNamespace(scope="model 1", device="cpu")
     try:
-        manager.adopt(m, rec, lambda rec, feature, req, chosen, why, tried=None: decisions.append((feature, chosen, why)))
+        decision = manager.decide_offload(rec)
+        assert decision.act
+        decision = manager.apply_offload(m, rec, decision)
+        decisions.append((decision.feature, decision.chosen, decision.reason))
         got = run(m, steps=2)
         rep = manager.report()
     finally:
@@ -313,9 +316,9 @@ def test_offload_on_the_accelerator_goes_to_pinned_host_memory_and_is_exact(tmp_
                   activation_offload=True, activation_checkpointing=False, **PLAIN)
         m.to(dev)
         got = run_on(m)
-        from apt_model.switch.controller import _state
+        from apt_model.switch.controller import session as vb_session
 
-        off = _state.adopter.activations.offloader
+        off = vb_session().activations.offloader
         rep = vb.get_report()["activations"]["offload"]
         pinned = off.host is not None and all(s.is_pinned() for s in off.host.slabs)
         vb.disable()

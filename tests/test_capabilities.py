@@ -84,7 +84,7 @@ def test_a_slow_candidate_is_stopped_early():
     calls = {"fast": 0, "hopeless": 0, "slow": 0, "close": 0}
     fns = {"fast": clock.work(0.002, calls, "fast"), "hopeless": clock.work(0.05, calls, "hopeless"),
            "slow": clock.work(0.008, calls, "slow"), "close": clock.work(0.0025, calls, "close")}
-    t = probes._time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="fast", clock=clock)
+    t = probes.time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="fast", clock=clock)
     assert len(t["fast"]) == 5 and len(t["close"]) == 5  # a close competitor is measured fully
     assert t["close"] == [pytest.approx(0.0025)] * 5 and t.stopped is None
     assert calls["hopeless"] == 1 and len(t["hopeless"]) == 1  # 25x: only the warm-up ran
@@ -96,13 +96,13 @@ def test_timing_ends_when_decided_or_over_budget():
     clock = VirtualClock()
     calls = {"eager": 0, "sdpa": 0}
     fns = {"eager": clock.work(0.010, calls, "eager"), "sdpa": clock.work(0.002, calls, "sdpa")}
-    t = probes._time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="eager", clock=clock)
+    t = probes.time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="eager", clock=clock)
     assert calls == {"eager": 3, "sdpa": 3} and t.rounds == 2  # 5x faster in every run: decided
     assert "over 3x faster" in t.stopped and not t.dropped
 
     calls = {"a": 0, "b": 0}
     fns = {"a": clock.work(0.1, calls, "a"), "b": clock.work(0.1, calls, "b")}
-    t = probes._time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="a",
+    t = probes.time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="a",
                                  budget_s=0.25, clock=clock)
     assert calls == {"a": 3, "b": 3}  # over budget after warm-up + 2 rounds (two samples at least)
     assert "budget" in t.stopped and len(t["a"]) == len(t["b"]) == 2
@@ -115,12 +115,12 @@ def test_a_failing_candidate_is_an_error_not_a_crash():
     def broken():
         raise RuntimeError("no kernel for this dtype")
 
-    t = probes._time_interleaved({"fp32": clock.work(0.01, calls, "fp32"), "bf16": broken}, torch.device("cpu"),
+    t = probes.time_interleaved({"fp32": clock.work(0.01, calls, "fp32"), "bf16": broken}, torch.device("cpu"),
                                  reps=3, abort_ratio=3.0, baseline="fp32", clock=clock)
     assert "no kernel for this dtype" in t.errors["bf16"] and "bf16" not in t
     assert len(t["fp32"]) == 2 and "no candidate left" in t.stopped
     with pytest.raises(RuntimeError):
-        probes._time_interleaved({"fp32": broken}, torch.device("cpu"), reps=3, abort_ratio=3.0, baseline="fp32")
+        probes.time_interleaved({"fp32": broken}, torch.device("cpu"), reps=3, abort_ratio=3.0, baseline="fp32")
 
 
 def test_cpu_probes_are_proportionate():
@@ -147,8 +147,8 @@ def test_a_pilot_rules_a_dtype_out_never_in(monkeypatch):
     (tiny shapes on a busy CPU are noise, and a wrong 'faster' would put autocast on trial)."""
     clock = VirtualClock()
     calls = {"fp32": 0, "bfloat16": 0}
-    real = probes._time_interleaved
-    monkeypatch.setattr(probes, "_time_interleaved", lambda *a, **k: real(*a, clock=clock, **k))
+    real = probes.time_interleaved
+    monkeypatch.setattr(probes, "time_interleaved", lambda *a, **k: real(*a, clock=clock, **k))
     monkeypatch.setattr(probes, "_autocast_workloads", lambda block, dev, w, seq, batch, dtypes: {
         "fp32": clock.work(0.010, calls, "fp32"), "bfloat16": clock.work(0.005, calls, "bfloat16")})
     dev = torch.device("cpu")
@@ -208,6 +208,6 @@ def test_quiet_catches_warnings_raised_outside_any_trial():
         with probes.quiet(notes, "other") as texts:
             warnings.warn("first", RuntimeWarning)
             warnings.warn("first", RuntimeWarning)
-        assert probes._try(lambda: warnings.warn("inside", UserWarning), notes, "t") is None
+        assert probes.try_run(lambda: warnings.warn("inside", UserWarning), notes, "t") is None
     assert escaped == [] and texts == ["RuntimeWarning: first"]
     assert notes == {"other": ["RuntimeWarning: first"], "t": ["UserWarning: inside"]}

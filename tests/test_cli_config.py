@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from apt_model.memory.sizes import parse_size
+from apt_model.base.sizes import parse_size
 from conftest import ROOT, best_device, clean_env
 
 

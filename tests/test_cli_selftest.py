@@ -90,19 +90,24 @@ def test_selftest_sdpa_check_catches_a_wrong_kernel(monkeypatch):
 
 
 def test_selftest_training_check_catches_a_switch_that_changes_numerics(monkeypatch):
-    from apt_model.switch import controller
-
-    orig = controller._install_patches
+    from apt_model.base.feature import Decision, FeatureStep
+    from apt_model.switch import adoption
 
     def bigger_steps(opt, args, kwargs):
         for g in opt.param_groups:
             g["lr"] *= 1.5
 
-    def install(st):  # a "switch" that quietly changes every optimizer step
-        orig(st)
-        st.patches.add_handle(register_optimizer_step_pre_hook(bigger_steps), "bad")
+    class BadStep(FeatureStep):  # a feature that quietly changes every optimizer step
+        name = "bad"
 
-    monkeypatch.setattr(controller, "_install_patches", install)
+        def decide(self, model, ctx):
+            return Decision(self.name, "on", "on", "a broken feature", act=True)
+
+        def apply(self, model, ctx, patches, decision):
+            patches.add_handle(register_optimizer_step_pre_hook(bigger_steps), "bad")
+            return decision
+
+    monkeypatch.setattr(adoption, "FEATURE_STEPS", (*adoption.FEATURE_STEPS, BadStep))
     (res,) = run_checks("cpu", ["training"])
     assert not res.passed and "loss at step 2" in res.reason and "with the switch vs" in res.reason
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
 from apt_model.distributed.backend_mapping import map_backend, own_backend
-from apt_model.distributed.binding import local_device_index
+from apt_model.devices.binding import local_device_index
 from apt_model.distributed.data_parallel import check_device_ids
-from apt_model.distributed.launch import read_launch_env
+from apt_model.base.launch import read_launch_env
 from apt_model.errors import ConfigError, DeviceSelectionError, DistributedError
 from conftest import ROOT, clean_env
 

@@ -130,9 +130,9 @@ def assert_saveable(m, opt, expected):
 
 
 def session():
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    return _state.adopter.session
+    return vb_session().paging
 
 
 def no_undo_warnings(caplog):
@@ -406,7 +406,7 @@ def test_the_three_level_path_rolls_a_failed_step_back(host_budget, tmp_path):
     pinned host level, or on disk once it spills: a step failing in its third chunk is rolled back
     there too, and the retry steps once."""
     from apt_model.memory.paging.session import PagingSession
-    from apt_model.switch.patches import PatchSet
+    from apt_model.base.patches import PatchSet
 
     snaps = plain_snapshots(3)
     data = batches(3)
@@ -773,11 +773,11 @@ def test_a_small_swap_dir_gets_a_small_probe_and_paging_works(layer, tmp_path, m
     opt = adamw(m)
     vb.enable("balanced", swap_dir=str(root), **FORCE)
     m.to("cpu")
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    bw = _state.stack.bandwidths
+    bw = vb_session().stack.bandwidths
     assert bw["disk"] is not None and bw["disk_probe"]["probe_bytes"] <= 6 << 20
-    assert "rough" in bw["disk_probe"]["note"] and "rough" in str(_state.stack)
+    assert "rough" in bw["disk_probe"]["note"] and "rough" in str(vb_session().stack)
     for batch in batches(3):
         one_step(m, opt, batch)
     assert_same(snapshot(m, opt), snaps[3])
@@ -795,9 +795,9 @@ def test_no_room_for_a_probe_skips_it_and_says_so(tmp_path, monkeypatch):
     m = mlp()
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     m.to("cpu")
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    bw = _state.stack.bandwidths
+    bw = vb_session().stack.bandwidths
     assert bw["disk"] is None and "not measured" in bw["disk_probe"]["note"] and "probe" in bw["disk_probe"]["note"]
     assert "evict" not in bw["disk_probe"]["note"]
     assert vb.get_report()["models"][0]["features"]["paging"]["chosen"] == "paged"
@@ -825,7 +825,7 @@ def test_sizes_are_whole_bytes_and_everything_else_is_refused():
     """A size is a whole number of bytes >= 1: fractions of a byte (``device_budget=3.5`` used to be
     3 bytes), NaN and infinities (a raw ValueError before) are ConfigErrors naming the value and
     the accepted forms; whole sizes written with fractions of a unit still parse."""
-    from apt_model.memory.sizes import parse_size
+    from apt_model.base.sizes import parse_size
 
     for value, message in [("3.5", "not a whole number of bytes"), (3.5, "not a whole number of bytes"),
                            ("0.5B", "not a whole number"), ("1.1KiB", "1126.4 bytes"), (float("nan"), "is not a size"),
@@ -862,7 +862,7 @@ def test_budgets_above_the_machine_are_a_warning_naming_capacity_and_consequence
 
 # ------------------------------------------------------------------ the undo stack raises what it must
 def test_a_critical_undo_failure_is_raised_after_everything_else_is_undone():
-    from apt_model.switch.patches import PatchSet
+    from apt_model.base.patches import PatchSet
 
     done = []
     ps = PatchSet()

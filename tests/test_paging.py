@@ -116,12 +116,12 @@ def test_paged_tensors_are_in_files_not_in_memory(tmp_path):
     m.to("cpu")
     session = vb.get_report()["memory"]["paging"]
     assert session["pager"]["categories"]["param"]["resident"] == 0
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    pager = _state.adopter.session.pager
+    pager = vb_session().paging.pager
     for n, p in m.named_parameters():
         assert p.untyped_storage().nbytes() == 0  # no bytes in RAM
-        page = _state.adopter.session.param_pages[id(p)]
+        page = vb_session().paging.param_pages[id(p)]
         path = pager.swap._records[page.key].path
         assert path.stat().st_size == p.numel() * p.element_size()
         out = torch.empty_like(before[n])
@@ -206,9 +206,9 @@ def test_code_outside_the_hooks_sees_the_real_data(tmp_path):
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     m.to("cpu")
     train(m, opt, 2)
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    session = _state.adopter.session
+    session = vb_session().paging
     pager = session.pager
     w = m.blocks[1].mlp[2].weight
     assert w.untyped_storage().nbytes() == 0 and w.grad.untyped_storage().nbytes() == 0
@@ -238,9 +238,9 @@ def test_a_corrupted_swap_file_is_reported_not_loaded(tmp_path):
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     m.to("cpu")
     train(m, opt, 1)
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    session = _state.adopter.session
+    session = vb_session().paging
     w = m.blocks[0].attn.qkv.weight
     page = session.param_pages[id(w)]
     path = session.pager.swap._records[page.key].path
@@ -274,9 +274,9 @@ def test_disk_full_while_evicting_keeps_the_state_in_memory(tmp_path, monkeypatc
     with pytest.raises(SwapFullError) as info:
         vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
         m.to("cpu")
-        from apt_model.switch.controller import _state
+        from apt_model.switch.controller import session as vb_session
 
-        _state.adopter.session.pager.flush()
+        vb_session().paging.pager.flush()
     assert str(tmp_path) in str(info.value) and "needs" in str(info.value)
     monkeypatch.setattr(swap_mod.os, "pwrite", real_pwrite)
     vb.disable()
@@ -352,7 +352,7 @@ def test_peak_rss_stays_within_the_host_budget(tmp_path):
     import psutil
 
     from apt_model.memory.host import release_free_memory
-    from apt_model.memory.sizes import parse_size
+    from apt_model.base.sizes import parse_size
 
     proc = psutil.Process()
     torch.manual_seed(0)
@@ -398,7 +398,7 @@ def test_three_level_path_device_host_nvme_is_bitwise_identical(tmp_path, host_b
     device: pages leave "device" memory into the host pool; a small pool spills to the swap files."""
     from apt_model.memory.paging.session import PagingSession
     from apt_model.memory.swap import SwapSpace
-    from apt_model.switch.patches import PatchSet
+    from apt_model.base.patches import PatchSet
 
     ref_m = model()
     ref_opt = make_opt(ref_m, "adamw")
@@ -494,7 +494,7 @@ def test_level0_holds_its_budget_plus_the_largest_page(tmp_path, host_level, bud
     from apt_model.memory.paging.session import PagingSession
     from apt_model.memory.placement import plan_placement
     from apt_model.memory.swap import SwapSpace
-    from apt_model.switch.patches import PatchSet
+    from apt_model.base.patches import PatchSet
 
     ref_m = wide_model()
     ref_opt = make_opt(ref_m, "adamw")
@@ -614,7 +614,7 @@ def paged_session(tmp_path, m, host_level, readers=2):
     from apt_model.memory.io_engine import IOEngine
     from apt_model.memory.paging.session import PagingSession
     from apt_model.memory.swap import SwapSpace
-    from apt_model.switch.patches import PatchSet
+    from apt_model.base.patches import PatchSet
 
     patches = PatchSet()
     session = PagingSession(4096, SwapSpace(tmp_path), patches, device="cpu", host_budget=20 * 1024,
@@ -793,9 +793,9 @@ def test_a_failed_backward_does_not_keep_the_next_ones_pages_pinned(tmp_path):
     opt = make_opt(m, "adamw")
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     m.to("cpu")
-    from apt_model.switch.controller import _state
+    from apt_model.switch.controller import session as vb_session
 
-    session = _state.adopter.session
+    session = vb_session().paging
     train(m, opt, 1)  # the execution order is recorded
     x = torch.randint(0, 256, (4, 32))
 
@@ -852,9 +852,9 @@ def test_paging_on_the_accelerator_is_exact_pinned_and_within_budget(tmp_path, m
         m.to(dev)
         opt = make_opt(m, "adamw")
         got = train(m, opt, 6, accum=2, clip=clip, device=dev)
-        from apt_model.switch.controller import _state
+        from apt_model.switch.controller import session as vb_session
 
-        pool = _state.adopter.session.pager.store.pool
+        pool = vb_session().paging.pager.store.pool
         pinned = pool.pin and bool(pool.slabs) and all(s.is_pinned() for s in pool.slabs)
         levels = vb.get_stats()["levels"]
         rep = vb.get_report()

@@ -151,7 +151,7 @@ import torch.nn as nn  # noqa: E402
 
 from apt_model.devices.timing import EventClock, HostClock, SyncClock, clock_for  # noqa: E402
 from apt_model.precision.autocast import attach_autocast  # noqa: E402
-from apt_model.switch.patches import PatchSet  # noqa: E402
+from apt_model.base.patches import PatchSet  # noqa: E402
 
 
 class CountingClock(HostClock):

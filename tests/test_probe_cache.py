@@ -100,9 +100,9 @@ def test_a_new_torch_or_apt_model_version_invalidates_the_result(cache, fake_pro
     if change == "torch":
         monkeypatch.setattr(torch, "__version__", "99.0.0")
     else:
-        import apt_model
+        from apt_model.base import version
 
-        monkeypatch.setattr(apt_model, "__version__", "99.0.0")
+        monkeypatch.setattr(version, "__version__", "99.0.0")
     sup = capabilities.get_support("cpu")
     assert not sup.cached and fake_probes["support"] == 2 and "stale" in sup.cache
     assert files(cache) == [path.name]  # overwritten in place, not piled up

@@ -201,8 +201,8 @@ def test_png_memory_panel_draws_the_per_step_rss_peak(tmp_path, monkeypatch):
     assert data["loss"] == {"train": [(1, 3.0), (2, 2.0)], "held-out": [(0, 3.5), (3, 1.5)]}
     pytest.importorskip("matplotlib")
     drawn = []
-    real = plot._lines
-    monkeypatch.setattr(plot, "_lines", lambda ax, series, what: (drawn.append((what, series)), real(ax, series, what)))
+    real = plot.plot_lines
+    monkeypatch.setattr(plot, "plot_lines", lambda ax, series, what: (drawn.append((what, series)), real(ax, series, what)))
     from matplotlib.figure import Figure
 
     figures = []

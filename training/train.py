@@ -43,7 +43,7 @@ from apt_model.data.text import ByteCorpus, load_text_bytes
 from apt_model.devices.device_backend import DeviceBackend
 from apt_model.devices.ranking import select_device
 from apt_model.distributed import process_rank
-from apt_model.errors import USAGE_EXIT, USER_ERRORS, ConfigError, report_user_error
+from apt_model.base.errors import USAGE_EXIT, USER_ERRORS, ConfigError, report_user_error
 from apt_model.models.gpt import GPT, PRESETS, GPTConfig
 
 VB_MODES = ("off", "performance", "speed", "balanced", "memory", "full")
@@ -153,7 +153,7 @@ def check_flags(args) -> None:
             a malformed device or unknown device kind (naming the flag and the valid forms).
         DeviceSelectionError: ``--device`` names a device that is not usable here.
     """
-    from apt_model.memory.sizes import parse_size
+    from apt_model.base.sizes import parse_size
 
     for flag, value in (("--steps", args.steps), ("--batch-size", args.batch_size), ("--eval-every", args.eval_every),
                         ("--eval-batches", args.eval_batches), ("--threads", args.threads),
@@ -175,7 +175,7 @@ def check_flags(args) -> None:
 def main(argv: list[str] | None = None) -> dict:
     """Run the job; returns the report (also written to ``--out/report.json``).
 
-    A mistake in a flag, a ``VB_*`` variable or a ``.vbrc`` (:data:`apt_model.errors.USER_ERRORS`)
+    A mistake in a flag, a ``VB_*`` variable or a ``.vbrc`` (:data:`apt_model.base.errors.USER_ERRORS`)
     ends the job with one line on stderr naming it and the valid forms, and ``SystemExit(2)``;
     ``VB_LOG_LEVEL=DEBUG`` adds the traceback.
     """

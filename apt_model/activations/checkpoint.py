@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 _EVERY = re.compile(r"^every:(\d+)$")
 

@@ -6,10 +6,11 @@ One :class:`ActivationManager` per switch session. For each adopted model it
 * wraps the model's forward in ``torch.autograd.graph.saved_tensors_hooks`` whose pack and
   unpack go to the session's :class:`~.offload.ActivationOffloader` (when offload is on), and,
   for the ``budget`` policy, count the bytes each block saves during the first training forward;
-* records every decision (what was checkpointed and how, what is offloaded where, the measured
-  bytes behind the budget choice) through the adopter's ``decide`` callback.
+* describes every decision (what was checkpointed and how, what is offloaded where, the measured
+  bytes behind the budget choice) as a :class:`~apt_model.base.feature.Decision`; the switch's
+  steps (:mod:`apt_model.activations.step`) call it.
 
-Everything goes through the switch's :class:`~apt_model.switch.patches.PatchSet`: ``disable()``
+Everything goes through the switch's :class:`~apt_model.base.patches.PatchSet`: ``disable()``
 removes the hooks, restores the blocks' forwards (or the Hugging Face checkpointing flags), and
 stops the offloader's I/O threads.
 """
@@ -29,8 +30,9 @@ from apt_model.activations.checkpoint import (
     parse_policy,
 )
 from apt_model.activations.offload import ActivationOffloader
-from apt_model.memory.sizes import format_size
-from apt_model.switch.patches import SessionHook
+from apt_model.base.sizes import format_size
+from apt_model.base.feature import Decision
+from apt_model.base.patches import SessionHook
 
 
 class _SavedTensorHooks:
@@ -86,7 +88,7 @@ class ActivationManager:
         """Bytes of saved activations to keep in memory on ``device`` (default: the selected one):
         the ``activation_budget`` setting, else a quarter of that device's level (level 0, or the
         host level for a CPU model on an accelerator machine)."""
-        from apt_model.memory.sizes import parse_size
+        from apt_model.base.sizes import parse_size
 
         if self.config.activation_budget is not None:
             return parse_size(self.config.activation_budget, "activation_budget")
@@ -111,42 +113,58 @@ class ActivationManager:
         return self.offloaders[key]
 
     # ------------------------------------------------------------------ per model
-    def adopt(self, model: nn.Module, rec, decide) -> None:
+    def record_for(self, rec) -> dict:
+        """The report entry of the model ``rec`` describes (created on first use)."""
+        for record in self.records:
+            if record["model"] == rec.scope:
+                return record
         record = {"model": rec.scope, "checkpointed": [], "offload": None}
         self.records.append(record)
-        self._checkpointing(model, rec, decide, record)
-        self._offload(model, rec, decide, record)
+        return record
 
-    def _checkpointing(self, model, rec, decide, record) -> None:
+    def decide_checkpointing(self, model: nn.Module, rec) -> Decision:
+        """Which repeated blocks to checkpoint (``plan``: ``("blocks", blocks, indices)`` or
+        ``("measure", blocks, budget)`` for the budget policy); changes nothing."""
+        self.record_for(rec)
+        feature = "activation_checkpointing"
         req = self.config.activation_checkpointing
         if not req:
-            decide(rec, "activation_checkpointing", req, "off", "activation_checkpointing=off")
-            return
+            return Decision(feature, req, "off", "activation_checkpointing=off")
         blocks = find_blocks(model)
         if blocks is None:
-            decide(rec, "activation_checkpointing", req, "off",
-                   "no repeated blocks found (an nn.ModuleList/Sequential of >= 2 layers of one class)")
-            return
+            return Decision(feature, req, "off",
+                            "no repeated blocks found (an nn.ModuleList/Sequential of >= 2 layers of one class)")
         policy, k = parse_policy(self.config.checkpoint_policy)
         n = len(blocks.modules)
+        note = ""
         if policy == "budget":
             budget = self.budget()
-            if budget is None:
-                decide(rec, "activation_checkpointing", req, "all", "checkpoint_policy=budget needs activation_budget; "
-                       "checkpointing every block")
-                policy = "all"
-            else:
-                self._measure_then_choose(model, blocks, budget, rec, decide, record)
-                return
+            if budget is not None:
+                return Decision(feature, True, "measuring",
+                                f"policy budget ({format_size(budget)}): the first training forward measures what "
+                                f"each of the {n} {blocks.kind} blocks saves, then the fewest blocks that fit are "
+                                "checkpointed", act=True, plan=("measure", blocks, budget))
+            note = "checkpoint_policy=budget needs activation_budget; checkpointing every block"
+            policy = "all"
         indices = choose_blocks(n, policy, k)
-        how = apply_to_blocks(model, blocks, indices, self.patches)
-        record["checkpointed"] = [f"{blocks.name}.{i}" for i in indices]
-        decide(rec, "activation_checkpointing", req, f"{len(indices)}/{n} blocks",
-               f"policy {self.config.checkpoint_policy}: {len(indices)} of {n} {blocks.kind} blocks in "
-               f"{blocks.name or 'the model'} recompute their activations in backward "
-               f"({'Hugging Face activation checkpointing' if how == 'hf' else 'torch.utils.checkpoint, non-reentrant'})")
+        why = (f"{note + '; ' if note else ''}policy {self.config.checkpoint_policy}: {len(indices)} of {n} "
+               f"{blocks.kind} blocks in {blocks.name or 'the model'} recompute their activations in backward")
+        return Decision(feature, req, f"{len(indices)}/{n} blocks", why, act=True, plan=("blocks", blocks, indices))
 
-    def _measure_then_choose(self, model, blocks, budget, rec, decide, record) -> None:
+    def apply_checkpointing(self, model: nn.Module, rec, decision: Decision, record_later) -> Decision:
+        """Apply :meth:`decide_checkpointing`'s plan; ``record_later(decision)`` records the budget
+        policy's choice after the first training forward."""
+        kind, blocks, arg = decision.plan
+        record = self.record_for(rec)
+        if kind == "measure":
+            self._measure_then_choose(model, blocks, arg, record, record_later)
+            return decision
+        how = apply_to_blocks(model, blocks, arg, self.patches)
+        record["checkpointed"] = [f"{blocks.name}.{i}" for i in arg]
+        return decision.amend(reason=f"{decision.reason} "
+                              f"({'Hugging Face activation checkpointing' if how == 'hf' else 'torch.utils.checkpoint, non-reentrant'})")
+
+    def _measure_then_choose(self, model, blocks, budget, record, record_later) -> None:
         meter = BlockMeter(blocks)
         handles = []
         for i, block in enumerate(blocks.modules):
@@ -173,41 +191,44 @@ class ActivationManager:
             after = total - sum(meter.per_block[i] - meter.inputs[i] for i in chosen)
             record["measured"] = {"per_block": meter.per_block, "block_inputs": meter.inputs, "outside": meter.outside,
                                   "total": total, "after": after, "budget": budget}
-            decide(rec, "activation_checkpointing", True, f"{len(chosen)}/{len(blocks.modules)} blocks",
-                   f"policy budget: the first training forward saved {format_size(total)} for backward "
-                   f"({format_size(max(meter.per_block))} in the largest {blocks.kind}); checkpointing "
-                   f"{len(chosen)} block(s) from the next step brings it to about {format_size(after)} "
-                   f"(budget {format_size(budget)})"
-                   + (f" via {'Hugging Face activation checkpointing' if chosen and how == 'hf' else 'torch.utils.checkpoint'}"
-                      if chosen else ""))
+            record_later(Decision(
+                "activation_checkpointing", True, f"{len(chosen)}/{len(blocks.modules)} blocks",
+                f"policy budget: the first training forward saved {format_size(total)} for backward "
+                f"({format_size(max(meter.per_block))} in the largest {blocks.kind}); checkpointing "
+                f"{len(chosen)} block(s) from the next step brings it to about {format_size(after)} "
+                f"(budget {format_size(budget)})"
+                + (f" via {'Hugging Face activation checkpointing' if chosen and how == 'hf' else 'torch.utils.checkpoint'}"
+                   if chosen else "")))
 
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(root_pre)), "checkpoint meter pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(root_post), always_call=True),
                                 "checkpoint meter hook")
         for h in handles:
             self.patches.add_handle(h, "checkpoint meter block hook")
-        decide(rec, "activation_checkpointing", True, "measuring",
-               f"policy budget ({format_size(budget)}): the first training forward measures what each of the "
-               f"{len(blocks.modules)} {blocks.kind} blocks saves, then the fewest blocks that fit are checkpointed")
 
-    def _offload(self, model, rec, decide, record) -> None:
+    def decide_offload(self, rec) -> Decision:
+        """Whether saved activations of the model ``rec`` describes are offloaded; changes nothing."""
+        self.record_for(rec)
         req = self.config.activation_offload
         if not req:
-            decide(rec, "activation_offload", req, "off", "activation_offload=off")
-            return
+            return Decision("activation_offload", req, "off", "activation_offload=off")
         if self.stack is None:
-            decide(rec, "activation_offload", req, "off", "no VGPU stack (swap dir) in this session")
-            return
+            return Decision("activation_offload", req, "off", "no VGPU stack (swap dir) in this session")
+        return Decision("activation_offload", req, "on", "offload requested", act=True)
+
+    def apply_offload(self, model: nn.Module, rec, decision: Decision) -> Decision:
+        """Wrap the model's forward in saved-tensor hooks going to its device's offloader."""
         off = self._offloader(torch.device(rec.device))
         hooks = _SavedTensorHooks(off.pack, off.unpack)
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(hooks.enter)), "offload pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
         target = ("the host level (pinned), spilling to the swap files" if off.host is not None
                   else f"the swap files in {self.stack.swap.folder}")
-        record["offload"] = {"budget": off.budget, "min_bytes": off.min_bytes, "target": target, "device": str(off.device)}
-        decide(rec, "activation_offload", req, "on",
-               f"saved activations >= {format_size(off.min_bytes)} (not parameters) beyond {format_size(off.budget)} "
-               f"in memory go to {target}; backward reads them back ahead of use")
+        self.record_for(rec)["offload"] = {"budget": off.budget, "min_bytes": off.min_bytes, "target": target,
+                                           "device": str(off.device)}
+        return decision.amend(reason=f"saved activations >= {format_size(off.min_bytes)} (not parameters) beyond "
+                                     f"{format_size(off.budget)} in memory go to {target}; backward reads them back "
+                                     "ahead of use")
 
     def report(self) -> dict:
         """``models``: per adopted model, what was checkpointed and offloaded; ``offload``: the

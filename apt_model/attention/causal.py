@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 
 class CausalSelfAttention(nn.Module):

@@ -11,7 +11,7 @@ Three kinds of target are recognized:
 * Any module that declares ``supported_attn_implementations`` containing ``"sdpa"`` and has an
   ``attn_implementation`` attribute (the project's :class:`CausalSelfAttention`, or the user's).
 
-Every change goes through a :class:`~apt_model.switch.patches.PatchSet`, so it is undone by
+Every change goes through a :class:`~apt_model.base.patches.PatchSet`, so it is undone by
 ``disable()``. Only picklable hooks and plain attributes are used: ``torch.save(model)`` and
 ``copy.deepcopy(model)`` keep working on an adopted model.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from apt_model.switch.patches import PatchSet
+from apt_model.base.patches import PatchSet
 
 
 @dataclass

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from apt_model.bench.measure import load_average, machine_info, summarize, time_calls, time_interleaved
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 

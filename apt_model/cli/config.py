@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -106,18 +106,27 @@ def _parse_set(item: str) -> tuple[str, object]:
 
 
 def resolved_config() -> dict:
-    """What ``enable()`` with no arguments would use now: ``mode``, ``mode_source``, and every
-    feature and setting as ``{"value", "source"}`` (nothing is enabled).
+    """What ``enable()`` with no arguments would use now: ``mode``, ``mode_source``, every
+    feature and setting as ``{"value", "source"}``, and under ``variables`` the variables read
+    where they are used (``VB_SWAP_TIMEOUT``, ``VB_LOG_LEVEL``...) as ``{"value", "source"}``
+    (``default`` when unset). Nothing is enabled.
 
     Raises:
         ConfigError: a bad environment variable or ``.vbrc`` (path and line named).
     """
+    from apt_model.base.settings import read_env
     from apt_model.switch.config import build_config
+    from apt_model.switch.settings import TABLE
 
     cfg = build_config(None, {})
+    variables = {}
+    for entry in TABLE.of_kind("process"):
+        value, source = read_env(entry) or (entry.default, "default")
+        variables[entry.env] = {"value": value, "source": source}
     return {"mode": cfg.mode, "mode_source": cfg.sources["mode"],
             "features": {k: {"value": v, "source": cfg.sources[k]} for k, v in cfg.features.items()},
-            "settings": {k: {"value": v, "source": cfg.sources[k]} for k, v in cfg.settings.items()}}
+            "settings": {k: {"value": v, "source": cfg.sources[k]} for k, v in cfg.settings.items()},
+            "variables": variables}
 
 
 def _files() -> list[dict]:
@@ -134,9 +143,9 @@ def format_resolved(files: list[dict], resolved: dict) -> str:
     for f in files:
         out.append(f"  {f['scope']:<9} {f['path']}  ({'read' if f['exists'] else 'not found'})")
     out.append(f"\nmode: {resolved['mode']}  ({resolved['mode_source']})")
-    for section in ("features", "settings"):
-        out.append(f"{section}:")
-        for k, v in resolved[section].items():
+    for section in ("features", "settings", "variables"):
+        out.append(f"{section}:" if section != "variables" else "variables read where they are used:")
+        for k, v in resolved.get(section, {}).items():
             out.append(f"  {k:<27} {json.dumps(v['value'], default=str):<22} {v['source']}")
     return "\n".join(out)
 

@@ -5,7 +5,7 @@
   line pointing to ``--help``, instead of the usage block and the error;
 * :func:`check_flags`: the ``--device`` and ``--mode`` values checked before a command runs, so the
   message names the flag (``--device='gpu': unknown kind 'gpu'; valid kinds: ...``);
-* :func:`report_cli_error`: a :data:`~apt_model.errors.USER_ERRORS` error (or a ``ValueError`` of a
+* :func:`report_cli_error`: a :data:`~apt_model.base.errors.USER_ERRORS` error (or a ``ValueError`` of a
   command's arguments) printed as that line, the traceback only with ``VB_LOG_LEVEL=DEBUG``.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from apt_model.errors import USAGE_EXIT, report_user_error
+from apt_model.base.errors import USAGE_EXIT, report_user_error
 
 
 class OneLineArgumentParser(argparse.ArgumentParser):

@@ -9,7 +9,7 @@ from apt_model.devices.capabilities import get_speed, get_support
 from apt_model.devices.detection import detect_devices
 from apt_model.devices.device_backend import DeviceBackend
 from apt_model.devices.ranking import select_device
-from apt_model.memory.sizes import format_size
+from apt_model.base.sizes import format_size
 
 
 def collect_info(device: str | None = None, probe: bool = True, progress=None) -> dict:

@@ -11,7 +11,7 @@ import os
 import runpy
 import sys
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 
 def run_script(args) -> int:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from apt_model._version import __version__
+from apt_model.base.version import __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -91,7 +91,7 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit status (2 with a one-line message for a configuration error)."""
-    from apt_model.errors import ConfigError, DeviceSelectionError
+    from apt_model.base.errors import ConfigError, DeviceSelectionError
 
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()

@@ -46,7 +46,7 @@ def run_optimize(args) -> int:
             ``--apply``, or any error ``config suggest`` / ``config save`` raises.
     """
     from apt_model.cli.config import run_config
-    from apt_model.errors import ConfigError
+    from apt_model.base.errors import ConfigError
 
     if args.apply:
         if args.json:

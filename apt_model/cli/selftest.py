@@ -271,7 +271,7 @@ def run_checks(device: str | torch.device | None = None, only: list[str] | None 
     """
     from apt_model.devices.probes import short_error
     from apt_model.devices.ranking import select_device
-    from apt_model.errors import ConfigError
+    from apt_model.base.errors import ConfigError
 
     names = list(only or CHECKS)
     bad = [n for n in names if n not in CHECKS]

@@ -12,7 +12,7 @@ import numpy as np
 import psutil
 import torch
 
-from apt_model._version import __version__
+from apt_model.base.version import __version__
 from apt_model.devices.detection import detect_devices
 from apt_model.devices.device_backend import DeviceBackend
 from apt_model.devices.ranking import select_device
@@ -140,7 +140,11 @@ def get_memory_info() -> dict:
                 "max_allocated_gb": _gib(summary["peak"]),
                 **summary,
             }
-    tmp = os.environ.get("VB_SWAP_DIR") or tempfile.gettempdir()
+    from apt_model.base.settings import read_env
+    from apt_model.memory.settings import SWAP_DIR
+
+    found = read_env(SWAP_DIR)
+    tmp = str(found[0]) if found is not None else tempfile.gettempdir()
     try:
         du = psutil.disk_usage(tmp)
         out["disk"] = {"path": tmp, "total": int(du.total), "free": int(du.free)}

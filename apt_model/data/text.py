@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 TEXT_SUFFIXES = (".txt", ".py", ".md", ".rst", ".json", ".csv", ".c", ".h", ".html", ".xml", ".yaml", ".yml", ".toml")
 _SKIP_DIRS = {"test", "tests", "site-packages", "dist-packages", "__pycache__", "idle_test"}

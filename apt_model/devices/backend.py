@@ -12,7 +12,7 @@ The rules a backend follows:
   CUDA). It never raises for an expected condition; it returns a :class:`Detection` whose
   ``status`` and ``reason`` say what was found or what went wrong (with the exact error text).
 * The figure methods (``memory_info``, ``memory_allocated``, ...) return bytes, or raise
-  :class:`~apt_model.errors.FigureUnavailable` with the reason. The public facade
+  :class:`~apt_model.base.errors.FigureUnavailable` with the reason. The public facade
   (:class:`apt_model.optimization.npu_backend.DeviceBackend`) turns that into ``None`` plus a
   readable reason.
 """
@@ -27,7 +27,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from apt_model.devices.plugins import PLUGIN_ERRORS, describe_exception
-from apt_model.errors import FigureUnavailable
+from apt_model.base.errors import FigureUnavailable
 
 #: Detection statuses, in the order reports list them.
 AVAILABLE = "available"

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 
 from apt_model.devices import probe_cache, probes
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 
@@ -44,7 +44,7 @@ class ProbePlan:
         seq, batch: full-size input shape of both speed probes.
         reps: the most timed rounds after the warm-up.
         attention_budget_s, autocast_budget_s: time budgets in seconds (None: no budget); a probe
-            stops after two rounds once its budget is used (see ``probes._time_interleaved``).
+            stops after two rounds once its budget is used (see ``probes.time_interleaved``).
         pilots: ``(seq, batch)`` pilot shapes for the autocast probe (see
             :func:`apt_model.devices.probes.probe_autocast_speed`).
     """

@@ -13,7 +13,7 @@ from typing import Any
 from apt_model.devices.backend import AVAILABLE, ERROR, AcceleratorBackend, Detection
 from apt_model.devices.plugins import describe_exception
 from apt_model.devices.registry import registered_backends
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 

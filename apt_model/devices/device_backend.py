@@ -7,7 +7,7 @@ and nothing raises.
 The seed-era signatures take an optional device ``index`` (``backend.memory_allocated(0)``,
 ``backend.get_device_name(index=1)``): None means the backend's own device. An index that is not
 an int is a ``TypeError``; one outside ``0..device_count()-1`` of a usable kind is a
-:class:`~apt_model.errors.DeviceSelectionError` naming the valid range.
+:class:`~apt_model.base.errors.DeviceSelectionError` naming the valid range.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from apt_model.devices.backend import AcceleratorBackend
 from apt_model.devices.detection import Candidate, detect_devices
 from apt_model.devices.plugins import describe_exception
 from apt_model.devices.ranking import parse_device_spec, select_device
-from apt_model.errors import DeviceSelectionError
+from apt_model.base.errors import DeviceSelectionError
 
 
 class DeviceBackend:

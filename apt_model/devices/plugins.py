@@ -15,7 +15,7 @@ import sys
 import traceback
 from importlib.metadata import entry_points
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 

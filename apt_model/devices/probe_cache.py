@@ -40,18 +40,17 @@ from pathlib import Path
 
 import torch
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
+from apt_model.base.settings import read_env
+from apt_model.devices.settings import CACHE_DIR, PROBE_CACHE
 
 log = get_logger(__name__)
 
 #: Bump when a probe's method or its record format changes: older files are then stale.
 SCHEMA = 2
-ENV_DIR = "VB_CACHE_DIR"
-ENV_MODE = "VB_PROBE_CACHE"
+ENV_DIR = CACHE_DIR.env
+ENV_MODE = PROBE_CACHE.env
 _FORMAT = "apt_model probe cache"
-_ON = ("1", "on", "true", "yes", "")
-_OFF = ("0", "off", "false", "no")
-_REFRESH = ("refresh",)
 
 
 def mode() -> str:
@@ -60,24 +59,16 @@ def mode() -> str:
     Raises:
         ConfigError: when ``VB_PROBE_CACHE`` is set to anything else.
     """
-    value = os.environ.get(ENV_MODE, "").strip().lower()
-    if value in _ON:
-        return "on"
-    if value in _OFF:
-        return "off"
-    if value in _REFRESH:
-        return "refresh"
-    from apt_model.errors import ConfigError
-
-    raise ConfigError(f"{ENV_MODE}={os.environ.get(ENV_MODE)!r} is not valid; use 1/on, 0/off or refresh")
+    found = read_env(PROBE_CACHE)
+    return PROBE_CACHE.default if found is None else found[0]
 
 
 def cache_dir() -> Path:
     """The folder probe results are kept in (see the module docstring for the order); not created here."""
-    from apt_model.user_cache import user_cache_dir
+    from apt_model.base.user_cache import user_cache_dir
 
-    root = os.environ.get(ENV_DIR, "").strip()
-    return (Path(root).expanduser() if root else user_cache_dir()) / "probes"
+    found = read_env(CACHE_DIR)
+    return (Path(found[0]).expanduser() if found is not None else user_cache_dir()) / "probes"
 
 
 def _cpu_identity() -> dict:
@@ -135,10 +126,10 @@ def device_identity(device: torch.device, properties: dict) -> dict | None:
 
 def software_identity() -> dict:
     """What a cached result is only valid for: torch (and its CUDA/HIP) version, apt_model version, schema."""
-    import apt_model
+    from apt_model.base.version import __version__
 
     return {"torch": torch.__version__, "cuda": torch.version.cuda, "hip": torch.version.hip,
-            "apt_model": apt_model.__version__, "schema": SCHEMA}
+            "apt_model": __version__, "schema": SCHEMA}
 
 
 def entry_path(identity: dict, entry: str) -> Path:

@@ -15,7 +15,7 @@ the probe's notes instead of on stderr.
 
 Speed probes time forward + backward, interleave the candidates (A, B, A, B, ...), discard a
 warm-up, and compare medians, so a burst of noise hits both sides alike. They stop as soon as the
-answer is clear (see :func:`_time_interleaved`), so a hopeless candidate costs one or two runs.
+answer is clear (see :func:`time_interleaved`), so a hopeless candidate costs one or two runs.
 """
 from __future__ import annotations
 
@@ -93,7 +93,7 @@ def quiet(notes: dict[str, list[str]] | None = None, key: str = "") -> Iterator[
                         kept.append(t)
 
 
-def _try(fn: Callable[[], object], notes: dict[str, list[str]] | None = None, key: str = "") -> str | None:
+def try_run(fn: Callable[[], object], notes: dict[str, list[str]] | None = None, key: str = "") -> str | None:
     """Run ``fn`` silently (see :func:`quiet`); return None when it ran, else the error as one line."""
     with quiet(notes, key):
         try:
@@ -127,7 +127,7 @@ def probe_dtypes(device: torch.device, notes: dict[str, list[str]] | None = None
         res = {"present": True}
 
         def trial(op: str, fn: Callable[[], object]) -> None:
-            e = _try(fn, notes, f"{name}/{op}")
+            e = try_run(fn, notes, f"{name}/{op}")
             res[op] = e is None
             if e:
                 errors[op] = e
@@ -178,7 +178,7 @@ def probe_sdpa_backends(device: torch.device, notes: dict[str, list[str]] | None
                     F.scaled_dot_product_attention(q, q, q, is_causal=True)
                 _sync(device)
 
-            err = _try(run, notes, f"{bname}/{dname}")
+            err = try_run(run, notes, f"{bname}/{dname}")
             per_dtype[dname] = "ok" if err is None else err
         out[bname] = per_dtype
     return out
@@ -201,7 +201,7 @@ def probe_fp8_matmul(device: torch.device, notes: dict[str, list[str]] | None = 
         torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
         _sync(device)
 
-    err = _try(run, notes, "fp8_matmul")
+    err = try_run(run, notes, "fp8_matmul")
     return {"supported": err is None, "reason": "torch._scaled_mm ran with float8_e4m3fn" if err is None else err}
 
 
@@ -244,7 +244,7 @@ def probe_fp4_matmul(device: torch.device, properties: dict, notes: dict[str, li
         torch._scaled_mm(a, b, sa, sb, out_dtype=torch.bfloat16)
         _sync(device)
 
-    err = _try(run, notes, "fp4_matmul")
+    err = try_run(run, notes, "fp4_matmul")
     return {"hardware": True, "supported": err is None, "reason": why if err is None else f"{why}, but the call failed: {err}"}
 
 
@@ -252,7 +252,7 @@ def probe_fp4_matmul(device: torch.device, properties: dict, notes: dict[str, li
 
 
 class Timings(dict):
-    """What :func:`_time_interleaved` measured: ``{name: [seconds of each timed run]}`` in the order
+    """What :func:`time_interleaved` measured: ``{name: [seconds of each timed run]}`` in the order
     of the candidates (a candidate that raised is absent), plus how the measurement ended.
 
     Attributes:
@@ -270,9 +270,9 @@ class Timings(dict):
         self.rounds = 0
 
 
-def _time_interleaved(fns: dict[str, Callable[[], None]], device: torch.device, reps: int,
-                      abort_ratio: float | None = None, baseline: str | None = None, *,
-                      budget_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Timings:
+def time_interleaved(fns: dict[str, Callable[[], None]], device: torch.device, reps: int,
+                     abort_ratio: float | None = None, baseline: str | None = None, *,
+                     budget_s: float | None = None, clock: Callable[[], float] = time.perf_counter) -> Timings:
     """Warm each fn up once, then run up to ``reps`` interleaved rounds; return seconds per timed run.
 
     The measurement stops as soon as its answer is clear, so a hopeless candidate costs one or two
@@ -404,7 +404,7 @@ def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int
         width: model width (heads of 64; head_dim = width // heads).
         seq, batch: input shape.
         reps: the most timed rounds (fewer when the answer is clear or ``budget_s`` is used up).
-        budget_s: time budget in seconds (see :func:`_time_interleaved`), or None.
+        budget_s: time budget in seconds (see :func:`time_interleaved`), or None.
         notes: optional; receives the warnings the runs raised under ``"attention"``.
 
     Returns:
@@ -415,7 +415,7 @@ def probe_attention_speed(device: torch.device, width: int, seq: int, batch: int
     heads = max(1, width // 64)
     with quiet(notes, "attention"):
         try:
-            t = _time_interleaved(attention_workloads(device, batch, heads, seq, width // heads), device, reps,
+            t = time_interleaved(attention_workloads(device, batch, heads, seq, width // heads), device, reps,
                                   abort_ratio=3.0, baseline="eager", budget_s=budget_s)
         except Exception as err:  # noqa: BLE001
             return {"error": short_error(err)}
@@ -537,7 +537,7 @@ def probe_autocast_speed(device: torch.device, width: int, seq: int, batch: int,
                     break
             try:
                 fns = _autocast_workloads(block, device, width, s_seq, s_batch, remaining)
-                t = _time_interleaved(fns, device, s_reps, abort_ratio=3.0, baseline="fp32",
+                t = time_interleaved(fns, device, s_reps, abort_ratio=3.0, baseline="fp32",
                                       budget_s=None if is_pilot else left)
             except Exception as err:  # noqa: BLE001 - fp32 itself failed
                 out.update({d: {"error": short_error(err)} for d in remaining})

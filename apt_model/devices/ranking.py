@@ -5,12 +5,11 @@ so they can never disagree. The order is the backends' ``priority`` (CUDA/ROCm/D
 MLU > XPU > MPS > CPU), changed only by an explicit preference (``prefer=("npu",)``,
 ``prefer_npu=True``) or an explicit device (``device=`` argument, then the ``VB_DEVICE``
 environment variable). Under a launcher (torchrun's ``LOCAL_RANK``), a device chosen without an
-index is this rank's local device (:mod:`apt_model.distributed.binding`). An explicit device that is not usable is an error that says why — never
+index is this rank's local device (:mod:`apt_model.devices.binding`). An explicit device that is not usable is an error that says why — never
 a silent fall-back to the CPU.
 """
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -18,8 +17,10 @@ from typing import Iterable
 import torch
 
 from apt_model.devices.detection import Candidate, detect_devices
-from apt_model.distributed.binding import bind_for_launcher
-from apt_model.errors import ConfigError, DeviceSelectionError
+from apt_model.devices.binding import bind_for_launcher
+from apt_model.base.errors import ConfigError, DeviceSelectionError
+from apt_model.base.settings import read_env
+from apt_model.devices.settings import DEVICE
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*(?::\s*(\d+))?\s*$")
 
@@ -147,14 +148,14 @@ def select_device(
     ranking (``prefer`` first, then priority). ``"auto"`` (argument or variable) means the ranking.
     ``label`` names the ``device`` argument in messages (an entry point passes its flag, ``--device``). Under a launcher that sets ``LOCAL_RANK``, an
     accelerator chosen without an index is the rank's local device (see
-    :func:`apt_model.distributed.binding.local_device_index`); an explicit index is kept.
+    :func:`apt_model.devices.binding.local_device_index`); an explicit index is kept.
 
     Raises:
         ConfigError: malformed device string or unknown kind in ``device``/``VB_DEVICE``/``prefer``,
             or malformed launcher variables (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``...).
         DeviceSelectionError: the explicitly requested device is not usable, or, under a launcher,
             fewer devices of the chosen kind are visible than there are local ranks (every rank
-            raises, before any collective: see :func:`apt_model.distributed.binding.local_device_index`);
+            raises, before any collective: see :func:`apt_model.devices.binding.local_device_index`);
             the message carries the reason and the fixes.
     """
     candidates = detect_devices() if candidates is None else candidates
@@ -166,9 +167,9 @@ def select_device(
         return Selection(torch.device("cpu"), cpu, "force_cpu", "force_cpu=True", order)
     if device is not None and str(device).strip().lower() not in ("", "auto"):  # "auto": the ranking's choice
         return _resolve(device, candidates, label, "argument", order)
-    env = os.environ.get("VB_DEVICE", "").strip()
-    if env and env.lower() != "auto":
-        return _resolve(env, candidates, "VB_DEVICE", "VB_DEVICE", order)
+    found = read_env(DEVICE)  # validated: malformed or unknown kinds raise ConfigError naming VB_DEVICE
+    if found is not None and found[0] != "auto":
+        return _resolve(found[0], candidates, DEVICE.env, DEVICE.env, order)
     best = ranked[0]
     skipped = [f"{c.kind} ({c.status})" for c in candidates if not c.available and c.priority < best.priority]
     why = f"best available by ranking {' > '.join(order)}"

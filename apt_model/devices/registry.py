@@ -11,8 +11,8 @@ from importlib.metadata import entry_points
 
 from apt_model.devices.backend import AcceleratorBackend
 from apt_model.devices.plugins import describe_exception
-from apt_model.errors import ConfigError
-from apt_model.log import get_logger
+from apt_model.base.errors import ConfigError
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 

@@ -2,9 +2,9 @@
 
 One module per job:
 
-* :mod:`~apt_model.distributed.launch` — the launcher's variables (``RANK``, ``LOCAL_RANK``,
+* :mod:`~apt_model.base.launch` — the launcher's variables (``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR``...): :func:`read_launch_env`, :func:`process_rank`;
-* :mod:`~apt_model.distributed.binding` — each rank's local device, respecting the vendor's
+* :mod:`~apt_model.devices.binding` — each rank's local device, respecting the vendor's
   visible-devices variable (used by the ranking policy);
 * :mod:`~apt_model.distributed.backend_mapping` — the selected kind's ``torch.distributed``
   backend, and mapping a script's ``"nccl"`` to the backend that works here;
@@ -15,16 +15,10 @@ One module per job:
 * :mod:`~apt_model.distributed.wrappers` — recognizing DDP / FSDP2 / DataParallel the script applied;
 * :mod:`~apt_model.distributed.session` — the policy of one switch session and its report.
 
-Importing this package imports neither ``torch.distributed`` nor the switch.
+Importing this package imports neither ``torch.distributed`` nor the switch; the switch's
+``vb.ensure_process_group()`` initializes the default group early, on request.
 """
-from apt_model.distributed.launch import LaunchEnv, process_rank, read_launch_env
+from apt_model.base.launch import LaunchEnv, process_rank, read_launch_env
 
-__all__ = ["LaunchEnv", "ensure_process_group", "process_rank", "read_launch_env"]
+__all__ = ["LaunchEnv", "process_rank", "read_launch_env"]
 
-
-def ensure_process_group() -> bool:
-    """Initialize the default process group as the switch would, now (see
-    :func:`apt_model.distributed.session.ensure_process_group`)."""
-    from apt_model.distributed.session import ensure_process_group as _ensure
-
-    return _ensure()

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apt_model.errors import DistributedError
+from apt_model.base.errors import DistributedError
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def map_backend(requested, candidate, available_types: set[str] | None = None) -
     if requested is None:
         return BackendChoice(None, None, "no backend named: torch's default for each device type")
     if not isinstance(requested, str):
-        from apt_model.errors import ConfigError
+        from apt_model.base.errors import ConfigError
 
         raise ConfigError(f"backend={requested!r} is not a backend name; use e.g. 'nccl', 'hccl', 'gloo' "
                           "or 'cpu:gloo,cuda:nccl'")

@@ -27,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from apt_model.distributed.binding import describe_visible
-from apt_model.errors import DeviceSelectionError
+from apt_model.devices.binding import describe_visible
+from apt_model.base.errors import DeviceSelectionError
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 

@@ -3,7 +3,7 @@ own ``init_process_group`` / ``new_group`` calls given a backend that works on t
 
 When the switch initializes
     Lazily: at the first training forward of an adopted model that needs DDP (or when
-    :func:`apt_model.distributed.ensure_process_group` is called), and only under a launcher
+    :func:`vb.ensure_process_group() <apt_model.switch.controller.ensure_process_group>` is called), and only under a launcher
     (``WORLD_SIZE`` > 1 with ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set), through
     the launcher's ``env://`` rendezvous, with the selected kind's backend (plus gloo for CPU
     tensors on an accelerator: ``cpu:gloo,npu:hccl``). Not at
@@ -30,8 +30,8 @@ import itertools
 import torch
 
 from apt_model.distributed.backend_mapping import BackendChoice, map_backend, own_backend
-from apt_model.distributed.launch import LaunchEnv
-from apt_model.log import get_logger
+from apt_model.base.launch import LaunchEnv
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 

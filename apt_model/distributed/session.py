@@ -9,8 +9,9 @@ each undone by ``disable()``):
 * :meth:`DistributedSession.swap_dir`: each rank gets its own swap folder;
 * :meth:`DistributedSession.start`: makes the rank's device current, installs the patches,
   records the decisions;
-* :meth:`DistributedSession.adopt` from ``Adopter.adopt``: per model, whether data parallelism
-  applies (and so whether paging must stay off).
+* :meth:`DistributedSession.decide` / :meth:`DistributedSession.apply`, from the switch's
+  distributed step (:mod:`apt_model.distributed.step`): per model, whether data parallelism
+  applies (and so whether paging must stay off: the decision's ``paging_blocked`` fact).
 
 The policy, per adopted model (the ``distributed`` setting is ``auto``):
 
@@ -29,7 +30,6 @@ the switch already pages to DDP, FSDP2 or DataParallel raises :class:`Distribute
 from __future__ import annotations
 
 import atexit
-import os
 import socket
 import weakref
 from pathlib import Path
@@ -37,14 +37,15 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from apt_model.distributed.binding import set_current_device
+from apt_model.devices.binding import set_current_device
 from apt_model.distributed.data_parallel import check_device_ids, visible_data_parallel_devices
 from apt_model.distributed.ddp import DistributedModelHook, InPlaceDDP
-from apt_model.distributed.launch import read_launch_env
+from apt_model.base.launch import read_launch_env
 from apt_model.distributed.process_group import ProcessGroupManager
 from apt_model.distributed.wrappers import install_guards, wrapper_kind
-from apt_model.errors import DistributedError
-from apt_model.log import get_logger
+from apt_model.base.errors import DistributedError
+from apt_model.base.feature import Decision
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 
@@ -77,7 +78,7 @@ class DistributedSession:
         self.env = read_launch_env()
         self.log = None
         self.patches = None
-        self.adopter = None
+        self.services: dict = {}  # the switch session's shared services (attach())
         self.device_note = None
         self.guards: list[str] = []
         self.models: list[dict] = []
@@ -94,9 +95,11 @@ class DistributedSession:
         not exist is passed on unchanged, so the memory stack reports it as usual."""
         if self.env is None or not self.env.multi_process or self.env.rank is None:
             return swap_dir
+        from apt_model.base.settings import read_env
+        from apt_model.memory.settings import SWAP_DIR
         from apt_model.memory.swap import default_swap_root
 
-        explicit = swap_dir is not None or bool(os.environ.get("VB_SWAP_DIR"))
+        explicit = swap_dir is not None or read_env(SWAP_DIR) is not None
         root = Path(swap_dir) if swap_dir is not None else default_swap_root()
         try:
             if not explicit:
@@ -165,11 +168,10 @@ class DistributedSession:
         self.guards = install_guards(patches, self._on_script_ddp, self._on_data_parallel, self._on_fsdp_params)
         patches.add_undo(self._remove_hooks, "in-place DDP")
 
-    def attach(self, adopter) -> None:
-        """Let the adopter consult this session (``adopter.distributed``) and this session see the
-        adopter's paging session."""
-        self.adopter = adopter
-        adopter.distributed = self
+    def attach(self, services: dict) -> None:
+        """See the switch session's shared services (``services.get("paging")``: the paging
+        session, whose paged parameters DDP and DataParallel must refuse)."""
+        self.services = services
 
     # ------------------------------------------------------------------ adoption
     def data_parallel_world(self) -> tuple[int, str]:
@@ -183,50 +185,52 @@ class DistributedSession:
             return 1, why
         return 1, "distributed=off and no process group"
 
-    def adopt(self, model: nn.Module, rec, decide) -> str | None:
-        """Decide data parallelism for an adopted model; returns the reason paging must stay off
-        for it, or None.
+    def decide(self, model: nn.Module, rec) -> Decision:
+        """Decide data parallelism for an adopted model, changing nothing. ``decision.act`` means
+        the DDP hooks are to be attached (:meth:`apply`); ``decision.facts["paging_blocked"]`` is the
+        reason paging must stay off for the model, when it must.
 
         Args:
             model: the model being adopted.
-            rec: its :class:`~apt_model.switch.adoption.ModelRecord`.
-            decide: ``decide(rec, feature, requested, chosen, reason)`` (the adopter's recorder).
+            rec: its :class:`~apt_model.base.feature.ModelRecord`.
         """
         kind = wrapper_kind(model)
         if kind is not None:
             reason = f"under {kind}, applied by the script or a library: left to it, never wrapped again"
-            decide(rec, "distributed", self.setting, kind, reason)
             self._row(rec, kind, reason)
-            return f"the model is under {kind}, which reads parameter and gradient storage that paging frees"
+            return Decision("distributed", self.setting, kind, reason, facts={
+                "paging_blocked": f"the model is under {kind}, which reads parameter and gradient storage that paging frees"})
         world, why = self.data_parallel_world()
         if world <= 1:
-            decide(rec, "distributed", self.setting, "single process", why)
             self._row(rec, "single process", why)
-            return None
-        block = (f"paging is off under data parallelism ({world} ranks): DDP/FSDP read and reduce parameter and "
-                 "gradient storage that paging frees; paging applies to single-process runs")
+            return Decision("distributed", self.setting, "single process", why)
+        block = {"paging_blocked": f"paging is off under data parallelism ({world} ranks): DDP/FSDP read and reduce "
+                                   "parameter and gradient storage that paging frees; paging applies to single-process runs"}
         if self.setting == "off":
             reason = f"distributed=off: the script's own wrapping applies ({why})"
-            decide(rec, "distributed", "off", "as written", reason)
             self._row(rec, "as written", reason)
-            return block
+            return Decision("distributed", "off", "as written", reason, facts=block)
         if not any(p.requires_grad for p in model.parameters()):
             reason = "no trainable parameters: nothing to synchronize"
-            decide(rec, "distributed", "auto", "not wrapped", reason)
             self._row(rec, "not wrapped", reason)
-            return None
-        hook = DistributedModelHook(self._decide_wrap, rec, lambda r, chosen, reason: decide(r, "distributed", "auto",
-                                                                                                chosen, reason))
+            return Decision("distributed", "auto", "not wrapped", reason)
+        self._row(rec, "pending", "DDP at first training forward")
+        return Decision("distributed", "auto", "DDP at first training forward",
+                        f"{why}; DDP is attached in place (same object, state_dict keys and optimizer) at the model's "
+                        "first forward with gradients enabled, unless the script wraps it first (DDP, FSDP2, "
+                        "Accelerate), which is then respected", act=True, facts=block)
+
+    def apply(self, model: nn.Module, rec, record_later) -> DistributedModelHook:
+        """Attach the hooks that decide DDP at the model's first training forward;
+        ``record_later(decision)`` records that verdict. Returns the hook (its ``pre`` must also run
+        when adoption happened inside that first forward)."""
+        hook = DistributedModelHook(self._decide_wrap, rec,
+                                    lambda r, chosen, reason: record_later(Decision("distributed", "auto", chosen, reason)))
         self.patches.add_handle(model.register_forward_pre_hook(hook.pre, with_kwargs=True), f"distributed pre-hook {rec.scope}")
         self.patches.add_handle(model.register_forward_hook(hook.post), f"distributed hook {rec.scope}")
         self.patches.set_attr(model, "_vb_distributed", hook, label=f"{rec.scope}._vb_distributed")
         self._hooks.append(hook)
-        decide(rec, "distributed", "auto", "DDP at first training forward",
-               f"{why}; DDP is attached in place (same object, state_dict keys and optimizer) at the model's first "
-               "forward with gradients enabled, unless the script wraps it first (DDP, FSDP2, Accelerate), "
-               "which is then respected")
-        self._row(rec, "pending", "DDP at first training forward")
-        return block
+        return hook
 
     def _decide_wrap(self, hook: DistributedModelHook, module: nn.Module) -> None:
         """The policy at a model's first training forward (see the module docstring)."""
@@ -285,7 +289,7 @@ class DistributedSession:
 
     # ------------------------------------------------------------------ guards
     def _paged(self, params) -> list[str]:
-        session = getattr(self.adopter, "session", None) if self.adopter is not None else None
+        session = self.services.get("paging")
         if session is None:
             return []
         return [session.param_label(p) for p in params if id(p) in session.params]
@@ -374,27 +378,3 @@ class DistributedSession:
             "wrappers": [dict(w) for w in self.wrappers],
             "guards": list(self.guards),
         }
-
-
-def ensure_process_group() -> bool:
-    """Initialize the default process group the way the switch does, now, if nobody has.
-
-    Under a launcher (``WORLD_SIZE`` > 1 with ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT``) and with the switch on (``distributed="auto"``), the group is initialized
-    with the selected device kind's backend — as the switch otherwise does at the first training
-    forward. Useful before collectives of the script's own (a barrier, an all-reduced metric).
-
-    Returns:
-        Whether a default group with more than one rank exists afterwards.
-
-    Raises:
-        RuntimeError: the switch is off (call ``vb.enable()`` first).
-        whatever ``torch.distributed.init_process_group`` raises.
-    """
-    from apt_model.switch import controller
-
-    st = controller._state
-    dist = getattr(st, "distributed", None)
-    if not st.enabled or dist is None:
-        raise RuntimeError("the switch is off: call vb.enable() before ensure_process_group()")
-    return dist.pg.ensure("call to ensure_process_group()")

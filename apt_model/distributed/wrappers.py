@@ -16,7 +16,7 @@ import functools
 
 import torch.nn as nn
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 
@@ -94,7 +94,7 @@ def install_guards(patches, on_ddp, on_data_parallel, on_fsdp_params) -> list[st
     """Patch the wrappers' constructors so the session hears about each new wrapper first.
 
     Args:
-        patches: the switch's :class:`~apt_model.switch.patches.PatchSet`.
+        patches: the switch's :class:`~apt_model.base.patches.PatchSet`.
         on_ddp: ``on_ddp(module)``, before the script's ``DistributedDataParallel(module, ...)`` is built.
         on_data_parallel: ``on_data_parallel(module, device_ids, output_device)`` before
             ``nn.DataParallel(module, ...)`` is built; returns the ``(device_ids, output_device)`` to

@@ -7,5 +7,5 @@
 * :mod:`~apt_model.memory.placement` — what stays resident and what pages, and why.
 * :mod:`~apt_model.memory.bandwidth` — the bandwidth probes.
 * :mod:`~apt_model.memory.paging` — paging a model's training state through its own loop.
-* :mod:`~apt_model.memory.sizes` / :mod:`~apt_model.memory.host` — size parsing, RSS and malloc_trim.
+* :mod:`~apt_model.base.sizes` / :mod:`~apt_model.memory.host` — size parsing, RSS and malloc_trim.
 """

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from apt_model.devices.timing import synchronize
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 from apt_model.memory.waits import ENV, TimedLock, timeout_error, wait_timeout
 
 log = get_logger(__name__)

@@ -7,14 +7,15 @@ headroom, or from the user's budgets; bandwidths from :mod:`apt_model.memory.ban
 """
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 
 import psutil
 import torch
 
-from apt_model.log import get_logger
-from apt_model.memory.sizes import format_size, parse_size
+from apt_model.base.log import get_logger
+from apt_model.base.settings import Setting, read_env
+from apt_model.base.sizes import format_size, parse_size
+from apt_model.memory.settings import DEVICE_BUDGET, HOST_BUDGET, SWAP_BUDGET
 from apt_model.memory.swap import SwapSpace
 
 log = get_logger(__name__)
@@ -22,7 +23,6 @@ log = get_logger(__name__)
 #: Fraction of free memory left alone by default ("over_budget" paging) and in "tight" mode.
 HEADROOM = {"over_budget": 0.10, "tight": 0.50}
 
-_ENV = {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET", "swap_budget": "VB_SWAP_BUDGET"}
 
 
 @dataclass
@@ -64,12 +64,20 @@ class Level:
         return f"Level {self.index}: {label} - {self.capacity / 1e6:.0f}MB{bw}{extra}{note}"
 
 
-def resolve_budget(value, env: str, name: str) -> int | None:
-    """A budget from an explicit value, else its environment variable, else None (parsed)."""
-    if value is None:
-        value = os.environ.get(env) or None
-        name = env if value is not None else name
-    return None if value is None else parse_size(value, name)
+def resolve_budget(value, setting: Setting) -> int | None:
+    """A budget in bytes from an explicit value, else ``setting``'s variable, else None.
+
+    Args:
+        value: bytes or a size string (``"512MB"``), or None.
+        setting: the budget's entry (:data:`~apt_model.memory.settings.DEVICE_BUDGET`, ...).
+
+    Raises:
+        ConfigError: a malformed size, naming ``setting``'s name (or its variable) and the value.
+    """
+    if value is not None:
+        return parse_size(value, setting.name)
+    found = read_env(setting)
+    return None if found is None else parse_size(found[0], setting.env)
 
 
 def _device_total(device: torch.device) -> int | None:
@@ -155,9 +163,9 @@ class VGPUStack:
                  swap_dir=None, swap_budget=None, headroom: float = HEADROOM["over_budget"], measure: bool = True):
         self.device = torch.device(device)
         self.headroom = headroom
-        self.device_budget = resolve_budget(device_budget, _ENV["device_budget"], "device_budget")
-        self.host_budget = resolve_budget(host_budget, _ENV["host_budget"], "host_budget")
-        self.swap_budget = resolve_budget(swap_budget, _ENV["swap_budget"], "swap_budget")
+        self.device_budget = resolve_budget(device_budget, DEVICE_BUDGET)
+        self.host_budget = resolve_budget(host_budget, HOST_BUDGET)
+        self.swap_budget = resolve_budget(swap_budget, SWAP_BUDGET)
         self.swap = SwapSpace(swap_dir, self.swap_budget)
         self.warnings = capacity_warnings(self.device, self.device_budget, self.host_budget, self.swap_budget,
                                           self.swap.free_bytes())
@@ -244,7 +252,7 @@ def create_vgpu_stack(config: dict | None = None) -> VGPUStack:
     Raises:
         ConfigError: unknown config keys, malformed sizes, or an unusable swap dir.
     """
-    from apt_model.errors import ConfigError
+    from apt_model.base.errors import ConfigError
 
     cfg = dict(config or {})
     allowed = {"device", "device_budget", "host_budget", "swap_dir", "swap_budget", "headroom", "measure"}

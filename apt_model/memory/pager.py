@@ -57,7 +57,7 @@ from concurrent.futures import Future
 
 import torch
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 from apt_model.memory.host import release_free_memory
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage

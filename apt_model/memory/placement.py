@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 
-from apt_model.errors import ConfigError
-from apt_model.memory.sizes import format_size
+from apt_model.base.errors import ConfigError
+from apt_model.base.sizes import format_size
 
 
 class PagingBudgetError(ConfigError):

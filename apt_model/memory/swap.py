@@ -52,8 +52,10 @@ from pathlib import Path
 
 import psutil
 
-from apt_model.errors import ConfigError, VBError
-from apt_model.log import get_logger
+from apt_model.base.errors import ConfigError, VBError
+from apt_model.base.log import get_logger
+from apt_model.base.settings import read_env
+from apt_model.memory.settings import SWAP_DIR
 from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
@@ -154,8 +156,8 @@ class SwapRecord:
 
 def default_swap_root() -> Path:
     """``$VB_SWAP_DIR`` or ``<system temp>/apt_model-swap``."""
-    env = os.environ.get("VB_SWAP_DIR")
-    return Path(env) if env else Path(tempfile.gettempdir()) / "apt_model-swap"
+    found = read_env(SWAP_DIR)
+    return Path(found[0]) if found is not None else Path(tempfile.gettempdir()) / "apt_model-swap"
 
 
 def _process_start(pid: int) -> int | None:
@@ -344,7 +346,7 @@ class SwapSpace:
     """
 
     def __init__(self, root: str | os.PathLike | None = None, budget: int | None = None):
-        explicit = root is not None or bool(os.environ.get("VB_SWAP_DIR"))
+        explicit = root is not None or read_env(SWAP_DIR) is not None
         self.root = Path(root) if root is not None else default_swap_root()
         if not self.root.exists():
             if explicit:

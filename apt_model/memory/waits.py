@@ -14,29 +14,23 @@ read or write, or one lock hand-over, never a whole training step), or :func:`se
 """
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any
 
+from apt_model.base.settings import positive_seconds, read_env
+from apt_model.memory.settings import SWAP_TIMEOUT
+
 #: Seconds a wait may block when neither ``VB_SWAP_TIMEOUT`` nor :func:`set_wait_timeout` says otherwise.
-DEFAULT_TIMEOUT_S = 120.0
-ENV = "VB_SWAP_TIMEOUT"
+DEFAULT_TIMEOUT_S = SWAP_TIMEOUT.default
+ENV = SWAP_TIMEOUT.env
 
 _override: float | None = None
 
 
 def _check(seconds, source: str) -> float:
-    try:
-        value = float(seconds)
-    except (TypeError, ValueError):
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        from apt_model.errors import ConfigError
-
-        raise ConfigError(f"{source}={seconds!r} is not a number of seconds > 0 (e.g. 120 or 0.5)")
-    return value
+    return positive_seconds(seconds, source)
 
 
 def timeout_error(message: str):
@@ -55,8 +49,8 @@ def wait_timeout() -> float:
     """
     if _override is not None:
         return _override
-    raw = os.environ.get(ENV)
-    return _check(raw, ENV) if raw else DEFAULT_TIMEOUT_S
+    found = read_env(SWAP_TIMEOUT)
+    return DEFAULT_TIMEOUT_S if found is None else found[0]
 
 
 def set_wait_timeout(seconds: float | None) -> float | None:

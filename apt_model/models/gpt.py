@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.attention.causal import CausalSelfAttention
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 
 @dataclass

@@ -13,12 +13,14 @@ from apt_model.switch.controller import (
     disable,
     enable,
     enabled,
+    ensure_process_group,
     get_config,
     get_report,
     get_stats,
     is_enabled,
     print_stats,
     selection,
+    session,
 )
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "enable_performance_mode",
     "enable_speed_mode",
     "enabled",
+    "ensure_process_group",
     "get_config",
     "get_report",
     "get_stats",
@@ -39,6 +42,7 @@ __all__ = [
     "print_stats",
     "save_report",
     "selection",
+    "session",
 ]
 
 

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from apt_model.devices.timing import clock_for
 from apt_model.precision.trial import SpeedTrial
-from apt_model.switch.patches import PatchSet
+from apt_model.base.patches import PatchSet
 
 
 class _Sample:

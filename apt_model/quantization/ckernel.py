@@ -35,7 +35,9 @@ from pathlib import Path
 
 import torch
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
+from apt_model.base.settings import read_env
+from apt_model.quantization.settings import FP4_KERNEL
 
 log = get_logger(__name__)
 
@@ -144,7 +146,7 @@ _pool_pid = 0
 
 
 def _cache_dir() -> Path:
-    from apt_model.user_cache import user_cache_dir
+    from apt_model.base.user_cache import user_cache_dir
 
     return user_cache_dir() / "kernels"
 
@@ -173,8 +175,8 @@ def _compiler() -> str | None:
 
 
 def _compile() -> tuple[ctypes.CDLL | None, str]:
-    if os.environ.get("VB_FP4_KERNEL", "").strip().lower() == "torch":
-        return None, "VB_FP4_KERNEL=torch: the pure-PyTorch codec was requested"
+    if (read_env(FP4_KERNEL) or (FP4_KERNEL.default,))[0] == "torch":
+        return None, f"{FP4_KERNEL.env}=torch: the pure-PyTorch codec was requested"
     if sys.byteorder != "little":
         return None, "big-endian host: the compiled codec assumes little-endian"
     cc = _compiler()

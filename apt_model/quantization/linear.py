@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 from apt_model.quantization.mxfp4 import check_scale_rule
 from apt_model.quantization.native import native_fp4_matmul, native_support, shape_problem
 from apt_model.quantization.tensor import FORMATS, FP4Tensor, check_format, quantize

@@ -38,14 +38,12 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from apt_model.errors import ConfigError
-from apt_model.log import get_logger
+from apt_model.base.errors import ConfigError
+from apt_model.base.log import get_logger
 from apt_model.memory.host import release_free_memory
-from apt_model.memory.sizes import format_size
 from apt_model.quantization.linear import FP4Linear, FP4QATLinear
 from apt_model.quantization.footprint import release_parameter
 from apt_model.quantization.mxfp4 import check_scale_rule
-from apt_model.quantization.native import native_support
 from apt_model.quantization.tensor import check_format
 
 log = get_logger(__name__)
@@ -238,98 +236,3 @@ def convert_to_fp4(model: nn.Module, use: str = "storage", policy: FP4Policy | d
     if release and use == "storage":
         release_free_memory()  # hand the freed weights' pages back to the OS (glibc keeps small frees)
     return plan
-
-
-def _skip_summary(skipped: list[Candidate]) -> str:
-    counts: dict[str, list[str]] = {}
-    for c in skipped:
-        counts.setdefault(c.reason.split(":")[0], []).append(c.name)
-    parts = []
-    for why, names in counts.items():
-        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        parts.append(f"{len(names)} ({why}: {shown})")
-    return "; ".join(parts)
-
-
-def apply_fp4_policy(model: nn.Module, rec, config, support, patches, decide) -> None:
-    """The switch's FP4 step for one adopted model: convert, record, and register the undo.
-
-    Args:
-        model: the adopted model.
-        rec: its :class:`~apt_model.switch.adoption.ModelRecord` (``rec.features["fp4"]`` gets the
-            layers converted and skipped, the bytes, and the compute path).
-        config: the switch's :class:`~apt_model.switch.config.VBConfig` (``fp4`` and ``fp4_policy``).
-        support: the device's probed :class:`~apt_model.devices.capabilities.Support`, or None (then
-            it is probed here only if native FP4 could matter).
-        patches: the switch's :class:`~apt_model.switch.patches.PatchSet`.
-        decide: ``decide(rec, feature, requested, chosen, reason, tried=None)``.
-    """
-    req = config.fp4
-    if req == "off":
-        decide(rec, "fp4", req, "off", "fp4=off")
-        return
-    policy = FP4Policy.coerce(config.settings.get("fp4_policy"))
-    dev = torch.device(rec.device)
-    if support is not None and dev.type == "cuda":
-        native_ok = bool(support.fp4_matmul.get("supported"))
-        native_why = str(support.fp4_matmul.get("reason", ""))
-    else:
-        native_ok, native_why = native_support(dev)
-    tried = [f"native FP4 matmul on {dev}: {'yes' if native_ok else 'no'} ({native_why})"]
-    if req == "native" and not native_ok:
-        decide(rec, "fp4", req, "off", f"native FP4 matmul is not available on {dev} ({native_why}); without it "
-               "FP4 weights would be dequantized on every call, which is slower, so performance mode leaves "
-               "the layers as they are", tried)
-        return
-    plan = plan_fp4(model, policy, "storage")
-    convert = [c for c in plan if c.convert]
-    skipped = [c for c in plan if not c.convert]
-    if not convert:
-        why = "no layer to convert: " + (_skip_summary(skipped) if skipped else "the model has no nn.Linear layers")
-        decide(rec, "fp4", req, "off", why, tried)
-        rec.features["fp4"]["skipped"] = [c.summary() for c in skipped]
-        return
-    compute = "auto" if native_ok and req in ("native", "all") else "emulated"
-    layers, before, after, not_freed = [], 0, 0, []
-    for c in convert:
-        old = c.module
-        new = FP4Linear.from_linear(old, policy.format, policy.scale_rule, compute=compute)
-        released = release_parameter(old.weight)
-        setattr(c.parent, c.attr, new)
-        patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear")
-        before += released["bytes"]
-        after += new.weight_nbytes()
-        if released["freed"] is False:
-            not_freed.append(c.name)
-        layers.append({**c.summary(), "format": policy.format, "bytes_before": released["bytes"],
-                       "bytes_after": new.weight_nbytes(), "freed": released["freed"]})
-    release_free_memory()
-    fmt = policy.format.upper() + (f" ({policy.scale_rule.upper()})" if policy.format == "mxfp4" else "")
-    path = ("native FP4 matmul where the layer's sizes fit the kernel" if compute == "auto"
-            else "emulated: dequantized to the compute dtype on every call")
-    reason = (f"stored {len(convert)} frozen nn.Linear layer(s) in {fmt}: {format_size(before)} -> "
-              f"{format_size(after)} (saved {format_size(before - after)}); compute: {path}")
-    if not_freed:
-        reason += (f"; {len(not_freed)} weight(s) still referenced elsewhere, so their memory is not freed yet: "
-                   f"{', '.join(not_freed[:3])}")
-    if skipped:
-        reason += f"; skipped {len(skipped)}: {_skip_summary(skipped)}"
-    reason += "; disable() restores nn.Linear with the FP4-rounded weights"
-    chosen = "storage+native" if compute == "auto" else "storage"
-    decide(rec, "fp4", req, chosen, reason, tried)
-    rec.features["fp4"].update({
-        "format": policy.format, "scale_rule": policy.scale_rule if policy.format == "mxfp4" else None,
-        "compute": "native where it fits" if compute == "auto" else "emulated", "compute_reason": native_why,
-        "converted": layers, "skipped": [c.summary() for c in skipped],
-        "bytes_before": before, "bytes_after": after, "bytes_saved": before - after,
-    })
-    log.info("fp4: %s", reason)
-
-
-def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
-    def undo():
-        if getattr(parent, attr, None) is new:
-            setattr(parent, attr, old)
-        if old.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back
-            old.weight.data = new.weight.to(old.weight.dtype)
-    return undo

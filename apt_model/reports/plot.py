@@ -86,7 +86,7 @@ def plot_data(report: dict, losses: list | None = None, evals: list | None = Non
     }
 
 
-def _lines(ax, series: dict[str, list[tuple]], what: str) -> None:
+def plot_lines(ax, series: dict[str, list[tuple]], what: str) -> None:
     """One line per series (bytes), in MiB or GiB."""
     peak = max((y for pts in series.values() for _, y in pts), default=0)
     div, unit = _scale(peak)
@@ -151,8 +151,8 @@ def plot_report(report: dict, path: str | Path, losses: list | None = None, titl
                 ax.text(0.5, 0.5, "no optimizer steps were recorded", ha="center", va="center", transform=ax.transAxes)
     else:
         if level_ax is not None:
-            _lines(level_ax, data["levels"], "training state")
-        _lines(mem_ax, data["memory"], "process memory")
+            plot_lines(level_ax, data["levels"], "training state")
+        plot_lines(mem_ax, data["memory"], "process memory")
         timed = data["step_time_ms"]
         if timed:
             time_ax.plot([t[0] for t in timed], [t[1] for t in timed], ".", markersize=3, label="step time")

@@ -13,14 +13,14 @@ and the device's probes: such lines say "where ..." and name the condition, neve
 """
 from __future__ import annotations
 
-from apt_model._version import __version__
+from apt_model.base.version import __version__
 
 #: What the banner says for a requested feature this version does not implement.
 NOT_BUILT = "NOT BUILT in this version (requested by the mode; nothing is done)"
 
 
 def _size(n) -> str:
-    from apt_model.memory.sizes import format_size
+    from apt_model.base.sizes import format_size
 
     return format_size(n)
 

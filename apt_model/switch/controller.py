@@ -17,21 +17,23 @@ import threading
 import time
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
-from apt_model._version import __version__
+from apt_model.base.version import __version__
 from apt_model.devices.ranking import Selection, select_device
 from apt_model.distributed.wrappers import skip_adoption
-from apt_model.errors import DeviceSelectionError
-from apt_model.log import get_logger
+from apt_model.base.errors import DeviceSelectionError
+from apt_model.base.log import get_logger
+from apt_model.base.feature import StepSession
 from apt_model.switch.adoption import Adopter, model_device
 from apt_model.switch.config import VBConfig, build_config
 from apt_model.switch.modes import FEATURES
-from apt_model.switch.patches import PatchSet
+from apt_model.base.patches import PatchSet
 from apt_model.switch.report import DecisionLog
 
 log = get_logger(__name__)
@@ -115,7 +117,9 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
             # undone newest first: the rank's (then empty) swap folder goes after the stack's own folder
             st.patches.add_undo(distributed.release_swap_dir, "the rank's swap folder, when empty")
             st.patches.add_undo(stack.close, "VGPU stack swap folder")
-        st.adopter = Adopter(config, selection.device, st.log, st.patches, stack)
+        services = {"distributed": distributed}
+        distributed.attach(services)  # the distributed policy sees the paging session through these
+        st.adopter = Adopter(StepSession(config, selection.device, st.patches, stack, services), st.log)
         st.distributed = distributed
         st.seen = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
@@ -131,7 +135,6 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         _install_patches(st)
         _install_step_recorder(st)
         distributed.start(st.log, st.patches)  # the rank's device, process-group and wrapper patches
-        distributed.attach(st.adopter)
         st.enabled = True
     if config.banner:
         _print_banner(config, distributed, stack)
@@ -149,7 +152,7 @@ def banner_is_long(config: VBConfig) -> bool:
     INFO or DEBUG (``VB_LOG_LEVEL=INFO``)."""
     import logging
 
-    from apt_model.log import ROOT_LOGGER
+    from apt_model.base.log import ROOT_LOGGER
 
     return bool(config.verbose) or logging.getLogger(ROOT_LOGGER).getEffectiveLevel() <= logging.INFO
 
@@ -166,7 +169,7 @@ def _print_banner(config: VBConfig, distributed, stack) -> None:
     if rank not in (None, 0):
         log.debug("enable banner left to rank 0 (this is rank %s)", rank)
         return
-    act_budget = _state.adopter.activations.budget()  # the setting, or the manager's default
+    act_budget = _state.adopter.session.services["activations"].budget()  # the setting, or the manager's default
     facts = {"device_type": _state.selection.device.type, "budget": stack.compute_budget if stack is not None else None,
              "activation_budget": act_budget, "world_size": (env.world_size if env is not None else None) or 1}
     cfg = get_config()
@@ -249,6 +252,65 @@ def selection() -> Selection | None:
     return _state.selection if _state.enabled else None
 
 
+@dataclass(frozen=True)
+class SessionView:
+    """A read-only view of the switch's current session, for benchmarks, tests and tools that
+    need more than the report. Nothing here should be changed by the caller.
+
+    Attributes:
+        config: the resolved ``VBConfig``.
+        device: the selected device.
+        stack: the memory levels (``apt_model.memory.levels.VGPUStack``: ``levels``, ``swap``,
+            ``compute_budget``), or None when neither paging nor activation offload was requested.
+        paging: the ``PagingSession`` (``pager``, ``param_pages``, ``residency()``,
+            ``level_stats()``), or None before a model is paged.
+        activations: the ``ActivationManager`` (``offloader``, ``budget()``).
+        distributed: the ``DistributedSession``.
+        models: the adopted models' records (``ModelRecord``), in adoption order.
+        steps: the feature steps, in adoption order (``FeatureStep``: ``name``, ``report()``, ``stats()``).
+    """
+
+    config: Any
+    device: torch.device
+    stack: Any
+    paging: Any
+    activations: Any
+    distributed: Any
+    models: tuple
+    steps: tuple
+
+
+def session() -> SessionView | None:
+    """The current switch session (read-only view), or None when the switch is off."""
+    st = _state
+    if not st.enabled or st.adopter is None:
+        return None
+    services = st.adopter.session.services
+    return SessionView(st.config, st.selection.device, st.stack, services.get("paging"), services.get("activations"),
+                       st.distributed, tuple(st.adopter.records), tuple(st.adopter.steps))
+
+
+def ensure_process_group() -> bool:
+    """Initialize the default process group the way the switch does, now, if nobody has.
+
+    Under a launcher (``WORLD_SIZE`` > 1 with ``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``,
+    ``MASTER_PORT``) and with the switch on (``distributed="auto"``), the group is initialized
+    with the selected device kind's backend — as the switch otherwise does at the first training
+    forward. Useful before collectives of the script's own (a barrier, an all-reduced metric).
+
+    Returns:
+        Whether a default group with more than one rank exists afterwards.
+
+    Raises:
+        RuntimeError: the switch is off (call ``vb.enable()`` first).
+        whatever ``torch.distributed.init_process_group`` raises.
+    """
+    dist = _state.distributed
+    if not _state.enabled or dist is None:
+        raise RuntimeError("the switch is off: call vb.enable() before ensure_process_group()")
+    return dist.pg.ensure("call to ensure_process_group()")
+
+
 def get_config() -> dict:
     """The configuration in force: mode (and where it came from), each feature's value, status and
     source, the settings with their sources, and the ``.vbrc`` files that supplied values.
@@ -282,14 +344,8 @@ def get_stats() -> dict:
     st = _state
     ad = st.adopter
     records = ad.records if ad else []
-    autocast_calls = 0
-    for r in records:
-        m = r.ref() if r.ref else None
-        hooks = getattr(m, "_vb_autocast", None) if m is not None else None
-        autocast_calls += getattr(hooks, "calls", 0)
-    probe_s = 0.0
-    if ad:
-        probe_s = sum(s.get("seconds", 0) for s in ad.supports.values()) + sum(s.get("seconds", 0) for s in ad.speeds.values())
+    step_stats = ad.stats() if ad else {}
+    probe_s = ad.probes.seconds() if ad else 0.0
     mem = None
     if st.selection is not None:
         from apt_model.devices.device_backend import DeviceBackend
@@ -306,7 +362,7 @@ def get_stats() -> dict:
         "adopted_models": len(records),
         "attention_routed": sum(1 for r in records if r.features.get("attention", {}).get("chosen") == "sdpa"),
         "autocast_models": sum(1 for r in records if r.features.get("mixed_precision", {}).get("chosen") in ("bf16", "fp16")),
-        "autocast_calls": autocast_calls,
+        "autocast_calls": step_stats.get("autocast_calls", 0),
         "cuda_redirects": st.counters["cuda_redirects"],
         "probe_seconds": round(probe_s, 4),
         "decisions": len(st.log.entries),
@@ -320,25 +376,13 @@ def _level_stats() -> list[dict] | None:
     stack = st.stack
     if stack is None:
         return None
-    session = st.adopter.session if st.adopter else None
+    session = _paging_session(st)
     out = []
     for level in stack.levels:
         row = {"level": level.index, "kind": level.kind, "device": level.device, "capacity": level.capacity,
                "measured_gbps": level.gbps}
-        if session is not None and level.index == 0:
-            pr = session.pager.report()
-            row.update(resident_bytes=pr["resident_bytes"], peak_resident=pr["peak_resident"], bytes_in=pr["bytes_in"],
-                       bytes_out=pr["bytes_out"], hits=pr["hits"], misses=pr["misses"], faults=pr["faults"],
-                       stall_s=pr["stall_s"], over_budget_bytes=pr["over_budget_bytes"])
-        if session is not None and level.kind == "host" and level.index > 0:
-            hs = session.pager.store.stats() if session.pager.store.level_kind == "host" else {}
-            row.update(resident_bytes=hs.get("resident_bytes"), bytes_in=hs.get("bytes_in"), bytes_out=hs.get("bytes_out"),
-                       hits=hs.get("hits"), misses=hs.get("misses"), spills_to_disk=hs.get("spills_to_disk"))
-        if session is not None and level.kind == "nvme":
-            io = session.pager.io
-            row.update(resident_bytes=session.swap.bytes_on_disk, bytes_in=io.write_stats.bytes,
-                       bytes_out=io.read_stats.bytes, write_gbps=io.write_stats.gbps, read_gbps=io.read_stats.gbps,
-                       writes=io.write_stats.ops, reads=io.read_stats.ops)
+        if session is not None:
+            row.update(session.level_stats(level))
         out.append(row)
     return out
 
@@ -358,13 +402,13 @@ def get_report() -> dict:
             "selection": st.selection.to_dict() if st.selection else None,
             "candidates": [c.to_dict() for c in detect_devices()],
         },
-        "capabilities": {"support": dict(ad.supports) if ad else {}, "speed": dict(ad.speeds) if ad else {}},
+        "capabilities": {"support": dict(ad.probes.supports) if ad else {}, "speed": dict(ad.probes.speeds) if ad else {}},
         "models": [r.to_dict() for r in (ad.records if ad else [])],
         "memory": {
             "stack": st.stack.describe() if st.stack is not None else None,
-            "paging": ad.session.report() if ad and ad.session is not None else None,
+            "paging": _step_report(ad, "paging"),
         },
-        "activations": ad.activations.report() if ad else None,
+        "activations": _step_report(ad, "activation_checkpointing"),
         "distributed": st.distributed.report() if st.distributed is not None else None,
         "decisions": st.log.to_list(),
         "steps": st.steps.to_dict() if st.steps is not None else None,
@@ -372,14 +416,24 @@ def get_report() -> dict:
     }
 
 
+def _paging_session(st: _State):
+    """The session's PagingSession, or None (no model paged yet, or the switch never enabled)."""
+    return st.adopter.session.services.get("paging") if st.adopter is not None else None
+
+
+def _step_report(ad: Adopter | None, feature: str) -> dict | None:
+    step = ad.step(feature) if ad is not None else None
+    return step.report() if step is not None else None
+
+
 def _install_step_recorder(st: _State) -> None:
     """Record every optimizer step's time and memory (and, while paging, the bytes per level) for
     the report; the hooks are in the session's undo stack."""
-    from apt_model.switch.steps import StepRecorder, level_residency
+    from apt_model.switch.steps import StepRecorder
 
     def levels():
-        ad = st.adopter
-        return level_residency(st.stack, ad.session if ad is not None else None)
+        session = _paging_session(st)
+        return session.residency(st.stack.levels) if session is not None and st.stack is not None else None
 
     st.steps = StepRecorder(st.selection.device, levels)
     st.steps.install(st.patches)
@@ -508,17 +562,16 @@ def _global_pre_hook(module: nn.Module, args: tuple):
     st = _state
     if st.suspended or module in st.seen:
         return None
-    if _maybe_adopt(module, "first forward"):
-        hooks = getattr(module, "_vb_autocast", None)
-        if hooks is not None:  # the module's own pre-hooks were listed before adoption added ours
-            hooks.pre(module, args)
-        dist_hook = getattr(module, "_vb_distributed", None)
-        if dist_hook is not None:  # likewise: DDP must see this first training forward
-            dist_hook.pre(module, args, {})
+    ctx = _maybe_adopt(module, "first forward")
+    if ctx:  # PyTorch listed this call's pre-hooks before adoption added the steps' own: run them now
+        for fn in ctx.first_call_hooks():
+            fn(module, args, {})
     return None
 
 
-def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = "") -> bool:
+def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
+    """Adopt ``module`` unless it was seen (or is internal, parameterless, on meta, a replica).
+    Returns the adoption context (truthy) when it was adopted now, else False."""
     st = _state
     if not st.enabled or st.suspended or module in st.seen:
         return False
@@ -541,8 +594,8 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = "") -> bool:
             st.seen.add(m)
         st.suspended += 1
         try:
-            st.adopter.adopt(module, trigger, moved_note)
+            _, ctx = st.adopter.adopt(module, trigger, moved_note)
             st.counters["adoptions"] += 1
         finally:
             st.suspended -= 1
-        return True
+        return ctx

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 MODES = ("performance", "speed", "balanced", "memory", "full")
 MODE_ALIASES = {"speed": "performance"}
@@ -82,7 +82,17 @@ def validate_feature_value(name: str, value, source: str):
     """
     if name not in FEATURES:
         raise ConfigError(f"{source}: unknown feature {name!r}; valid features: {', '.join(FEATURES)}")
-    spec = FEATURES[name]
+    return check_feature(FEATURES[name], value, f"{source}: {name}")
+
+
+def check_feature(spec: FeatureSpec, value, label: str):
+    """Check one value of the toggle ``spec``; ``label`` names it in messages (``enable(): paging``,
+    ``VB_PAGING: paging``). Returns the canonical value (booleans from 1/0/true/false/on/off;
+    other values lower-cased).
+
+    Raises:
+        ConfigError: ``<label>=<value> is not valid`` and the valid values.
+    """
     if spec.values == (False, True):
         if isinstance(value, bool):
             return value
@@ -91,8 +101,8 @@ def validate_feature_value(name: str, value, source: str):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ConfigError(f"{source}: {name}={value!r} is not valid; use true or false")
+        raise ConfigError(f"{label}={value!r} is not valid; use true or false")
     text = str(value).strip().lower() if isinstance(value, str) else value
     if text not in spec.values:
-        raise ConfigError(f"{source}: {name}={value!r} is not valid; valid values: {', '.join(map(str, spec.values))}")
+        raise ConfigError(f"{label}={value!r} is not valid; valid values: {', '.join(map(str, spec.values))}")
     return text

@@ -28,7 +28,8 @@ import sys
 import torch
 import torch.nn as nn
 
-from apt_model.switch.patches import PatchSet
+from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.patches import PatchSet
 
 #: How PyTorch words a device mismatch: the CUDA/ATen checks, and the generic device guard
 #: ("Tensor on device cpu is not on the expected device meta!") other backends raise.
@@ -78,3 +79,28 @@ def attach_mismatch_hint(model: nn.Module, patches: PatchSet) -> None:
     """Attach :class:`DeviceMismatchHint` to ``model``; removed when ``patches`` is restored."""
     handle = model.register_forward_hook(DeviceMismatchHint(model), always_call=True)
     patches.add_handle(handle, f"device-mismatch hint {type(model).__name__}")
+
+
+class PlacementStep(FeatureStep):
+    """The placement feature: records where the model is and why (the script's placement is kept,
+    never changed), and attaches the device-mismatch hint. Always acts (the hint)."""
+
+    name = "placement"
+
+    def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
+        sel, dev = self.session.selected, ctx.device
+        same = dev.type == sel.type and (dev.index or 0) == (sel.index or 0)
+        if ctx.trigger == "to()":
+            why = f"moved by the script to {dev}{ctx.moved_note}"
+            if not same:
+                why += f"; the selected device is {sel}, but an explicit placement is kept"
+        elif same:
+            why = f"already on the selected device {sel}"
+        else:
+            why = (f"left on {dev}: the script never moved it (inputs it builds are on {dev} too); "
+                   f"move it with model.to(vb.device()) to use {sel}")
+        return Decision(self.name, str(sel), str(dev), why, act=True)
+
+    def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
+        attach_mismatch_hint(model, patches)
+        return decision

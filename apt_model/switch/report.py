@@ -12,7 +12,7 @@ from typing import Any
 
 
 @dataclass
-class Decision:
+class TimelineEntry:
     """One decision. ``t`` is seconds since the switch was enabled."""
 
     t: float
@@ -25,22 +25,22 @@ class Decision:
 
 
 class DecisionLog:
-    """An append-only list of :class:`Decision` entries, optionally echoed to stdout (``verbose``)."""
+    """An append-only list of :class:`TimelineEntry` entries, optionally echoed to stdout (``verbose``)."""
 
     def __init__(self, echo: bool = False):
         self.start = time.monotonic()
-        self.entries: list[Decision] = []
+        self.entries: list[TimelineEntry] = []
         self.echo = echo
 
     def record(self, scope: str, feature: str, requested: Any, chosen: Any, reason: str,
-               tried: list | None = None) -> Decision:
-        d = Decision(round(time.monotonic() - self.start, 4), scope, feature, requested, chosen, reason, list(tried or []))
+               tried: list | None = None) -> TimelineEntry:
+        d = TimelineEntry(round(time.monotonic() - self.start, 4), scope, feature, requested, chosen, reason, list(tried or []))
         self.entries.append(d)
         if self.echo:  # the user asked for verbose output
             print(f"[vb] {scope}: {feature} {requested} -> {chosen}: {reason}")
         return d
 
-    def for_scope(self, scope: str) -> list[Decision]:
+    def for_scope(self, scope: str) -> list[TimelineEntry]:
         return [d for d in self.entries if d.scope == scope]
 
     def to_list(self) -> list[dict]:

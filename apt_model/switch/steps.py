@@ -33,7 +33,7 @@ import psutil
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 
@@ -107,35 +107,12 @@ class RssPeakSampler:
         return peak
 
 
-def level_residency(stack, session) -> dict[str, int] | None:
-    """Bytes of training state per level of ``stack`` while ``session`` pages (cheap counters only).
-
-    Returns:
-        ``{"level0:<kind>": bytes, ...}`` or None when nothing is paged.
-    """
-    if stack is None or session is None:
-        return None
-    pager = session.pager
-    out = {}
-    for level in stack.levels:
-        label = f"level{level.index}:{level.kind}"
-        if level.index == 0:
-            out[label] = int(pager.resident_bytes)
-        elif level.kind == "host":
-            store = pager.store
-            pool = getattr(store, "pool", None) if getattr(store, "level_kind", None) == "host" else None
-            out[label] = int(pool.used) if pool is not None else 0
-        elif level.kind == "nvme":
-            out[label] = int(session.swap.bytes_on_disk)
-    return out
-
-
 class StepRecorder:
     """Records the time and memory of every optimizer step (see the module docstring).
 
     Args:
         device: the compute device (its allocated bytes are recorded when it is an accelerator).
-        levels: a callable returning :func:`level_residency`'s dict (or None when not paging);
+        levels: a callable returning bytes per level (``PagingSession.residency``: ``{"level0:<kind>": bytes, ...}``) (or None when not paging);
             None records no levels.
         max_records: records kept before decimating (>= 2).
         window: step times the median and quartiles are computed over (>= 1).

@@ -26,8 +26,8 @@ from typing import Callable
 
 import psutil
 
-from apt_model.log import get_logger
-from apt_model.memory.sizes import format_size
+from apt_model.base.log import get_logger
+from apt_model.base.sizes import format_size
 from apt_model.switch.config import SETTINGS
 
 log = get_logger(__name__)
@@ -61,9 +61,11 @@ def filesystem_of(path: str | os.PathLike) -> str | None:
 
 def swap_candidates() -> list[Path]:
     """Folders considered for swap files: the system temp folder and the user's cache folder
-    (``$XDG_CACHE_HOME/apt_model``, else ``~/.cache/apt_model``), first existing ancestor checked."""
-    cache = os.environ.get("XDG_CACHE_HOME", "").strip()
-    out = [Path(tempfile.gettempdir()), (Path(cache) if cache else Path.home() / ".cache") / "apt_model"]
+    (:func:`apt_model.base.user_cache.user_cache_dir`: ``$APT_MODEL_CACHE``, else
+    ``$XDG_CACHE_HOME/apt_model``, else ``~/.cache/apt_model``), first existing ancestor checked."""
+    from apt_model.base.user_cache import user_cache_dir
+
+    out = [Path(tempfile.gettempdir()), user_cache_dir()]
     seen, unique = set(), []
     for p in out:
         key = str(p.absolute())

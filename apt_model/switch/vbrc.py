@@ -32,12 +32,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
+from apt_model.base.settings import read_env
+from apt_model.switch.settings import CONFIG_DISABLED, CONFIG_FILE, TABLE
 
 PROJECT_FILE = ".vbrc"
-ENV_VAR = "VB_CONFIG"
+ENV_VAR = CONFIG_FILE.env
 #: ``VB_CONFIG`` values that turn configuration files off.
-DISABLED = ("none",)
+DISABLED = CONFIG_DISABLED
 
 
 class ConfigFileError(ConfigError):
@@ -101,11 +103,11 @@ def config_paths() -> list[tuple[str, Path, bool]]:
         ``[(scope, path, exists), ...]``: ``[("VB_CONFIG", path, exists)]`` when ``VB_CONFIG`` names
         a file, ``[]`` when it is ``none``, else the user's then the project's file.
     """
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env.lower() in DISABLED:
+    found = read_env(CONFIG_FILE)
+    if found is not None and found[0] in DISABLED:
         return []
-    if env:
-        p = Path(env).expanduser().absolute()
+    if found is not None:
+        p = Path(found[0]).expanduser().absolute()
         return [(ENV_VAR, p, p.is_file())]
     user, project = user_config_path().absolute(), project_config_path().absolute()
     out = [("user", user, user.is_file())]
@@ -147,11 +149,9 @@ def merged_values(files: list[ConfigFile]) -> dict[str, tuple[object, ConfigFile
 
 
 def valid_keys() -> list[str]:
-    """Every key a ``.vbrc`` may hold: ``mode``, then the feature toggles, then the settings."""
-    from apt_model.switch.config import SETTINGS
-    from apt_model.switch.modes import FEATURES
-
-    return ["mode", *FEATURES, *SETTINGS]
+    """Every key a ``.vbrc`` may hold: ``mode``, then the feature toggles, then the settings (the
+    entries of :data:`~apt_model.switch.settings.TABLE` other than process variables)."""
+    return TABLE.names("mode", "feature", "setting")
 
 
 def _file_format(path: Path, text: str) -> str:
@@ -222,11 +222,8 @@ def validate_values(data: dict, path: str | os.PathLike, lines: dict | None = No
 
     Raises:
         ConfigFileError: an unknown key (with close matches and the valid keys) or a bad value
-            (the validator's message: the value and the valid ones).
+            (the entry's validator's message: the value and the valid ones).
     """
-    from apt_model.switch.config import SETTINGS, validate_setting
-    from apt_model.switch.modes import FEATURES, validate_feature_value, validate_mode
-
     lines = lines or {}
     keys = valid_keys()
     out = {}
@@ -240,20 +237,7 @@ def validate_values(data: dict, path: str | os.PathLike, lines: dict | None = No
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigFileError(path, line, None, f"unknown key {key!r}{hint}; valid keys: {', '.join(keys)}")
         try:
-            if key == "mode":
-                value = validate_mode(value, source=f"{where}: mode")
-            elif key in FEATURES:
-                value = validate_feature_value(key, value, where)
-            elif key in SETTINGS:
-                if key == "device":
-                    from apt_model.devices.ranking import parse_device_spec
-
-                    if not isinstance(value, str):
-                        raise ConfigError(f"{where}: device={value!r} must be a string such as 'cpu' or 'cuda:0'")
-                    parse_device_spec(value)
-                elif key == "prefer" and isinstance(value, list):
-                    value = tuple(value)
-                value = validate_setting(key, value, where)
+            value = TABLE[key].validate(value, where)
         except ConfigFileError:
             raise
         except ConfigError as err:

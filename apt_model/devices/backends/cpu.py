@@ -93,7 +93,7 @@ class CpuBackend(AcceleratorBackend):
         return peak_rss_bytes()
 
     def reset_peak_memory_stats(self, index: int = 0) -> None:
-        from apt_model.errors import FigureUnavailable
+        from apt_model.base.errors import FigureUnavailable
 
         raise FigureUnavailable("the OS keeps the peak RSS for the process lifetime; it cannot be reset")
 

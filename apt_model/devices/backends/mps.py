@@ -10,7 +10,7 @@ import torch
 
 from apt_model.devices.backend import AVAILABLE, NOT_INSTALLED, UNAVAILABLE, AcceleratorBackend, Detection
 from apt_model.devices.registry import register_backend
-from apt_model.errors import FigureUnavailable
+from apt_model.base.errors import FigureUnavailable
 
 
 @register_backend

@@ -31,7 +31,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from apt_model.memory.pages import Category, Page, State
-from apt_model.switch.patches import SessionHook
+from apt_model.base.patches import SessionHook
 
 
 class Unit:

@@ -42,8 +42,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from apt_model.errors import VBError
-from apt_model.log import get_logger
+from apt_model.base.errors import VBError
+from apt_model.base.log import get_logger
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.swap import PagingRecoveryError
 

@@ -2,7 +2,7 @@
 
 Created by the switch when an adopted model's training state does not fit the compute level's
 budget (see :mod:`apt_model.memory.placement`). Everything it installs goes through the switch's
-:class:`~apt_model.switch.patches.PatchSet`; closing it (``disable()``) brings every page back
+:class:`~apt_model.base.patches.PatchSet`; closing it (``disable()``) brings every page back
 into memory, removes the hooks and deletes the swap folder. Its close is a *critical* undo: when
 some page's bytes cannot be read back (a corrupt or missing swap file), every other tensor is
 still restored and ``disable()`` raises the
@@ -15,15 +15,15 @@ import weakref
 import torch
 import torch.nn as nn
 
-from apt_model.log import get_logger
+from apt_model.base.log import get_logger
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
 from apt_model.memory.paging.model import PagedModel
-from apt_model.switch.patches import SessionHook
+from apt_model.base.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
-from apt_model.memory.sizes import format_size
+from apt_model.base.sizes import format_size
 from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import TimedLock
 
@@ -351,3 +351,47 @@ class PagingSession:
             "kept_resident": self.kept,
             "optimizer_steps": self.optimizers.steps,
         }
+
+    def residency(self, levels) -> dict[str, int]:
+        """Bytes of paged training state per level now (cheap counters only).
+
+        Args:
+            levels: the stack's levels (``VGPUStack.levels``: ``index``, ``kind``).
+
+        Returns:
+            ``{"level0:<kind>": bytes, "level1:host": bytes, "level2:nvme": bytes}`` for the
+            levels given (0 for a host level this session does not use).
+        """
+        out = {}
+        store = self.pager.store
+        for level in levels:
+            label = f"level{level.index}:{level.kind}"
+            if level.index == 0:
+                out[label] = int(self.pager.resident_bytes)
+            elif level.kind == "host":
+                pool = getattr(store, "pool", None) if store.level_kind == "host" else None
+                out[label] = int(pool.used) if pool is not None else 0
+            elif level.kind == "nvme":
+                out[label] = int(self.swap.bytes_on_disk)
+        return out
+
+    def level_stats(self, level) -> dict:
+        """This session's figures for one level of the stack (read-only): for level 0 the pager's
+        resident bytes, peak, traffic (bytes), hits/misses/faults and stall seconds; for a host
+        level below the device its resident bytes, traffic, hits/misses and spills; for the NVMe
+        level the bytes on disk, bytes written/read, GB/s and operation counts. ``{}`` for a
+        level the session does not use.
+        """
+        if level.index == 0:
+            pr = self.pager.report()
+            return {k: pr[k] for k in ("resident_bytes", "peak_resident", "bytes_in", "bytes_out", "hits", "misses",
+                                       "faults", "stall_s", "over_budget_bytes")}
+        if level.kind == "host":
+            hs = self.pager.store.stats() if self.pager.store.level_kind == "host" else {}
+            return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_out", "hits", "misses", "spills_to_disk")}
+        if level.kind == "nvme":
+            io = self.pager.io
+            return {"resident_bytes": self.swap.bytes_on_disk, "bytes_in": io.write_stats.bytes,
+                    "bytes_out": io.read_stats.bytes, "write_gbps": io.write_stats.gbps, "read_gbps": io.read_stats.gbps,
+                    "writes": io.write_stats.ops, "reads": io.read_stats.ops}
+        return {}

@@ -8,7 +8,7 @@ per process through the vendor's visible-devices variable: ``CUDA_VISIBLE_DEVICE
 
 * at least as many devices visible as there are local ranks (``LOCAL_WORLD_SIZE``): local rank
   *i* uses device *i*;
-* fewer devices visible than local ranks: a :class:`~apt_model.errors.DeviceSelectionError` at
+* fewer devices visible than local ranks: a :class:`~apt_model.base.errors.DeviceSelectionError` at
   ``enable()`` / device selection, on every local rank and before any collective, naming the
   ranks, the visible devices, the visible-devices variable and the fixes (fewer processes per
   node, or ``VB_DEVICE=cpu`` to train on the CPU with gloo). Two ranks on one device would
@@ -29,9 +29,9 @@ from __future__ import annotations
 
 import torch
 
-from apt_model.distributed.launch import LaunchEnv, read_launch_env
-from apt_model.errors import DeviceSelectionError
-from apt_model.log import get_logger
+from apt_model.base.launch import LaunchEnv, read_launch_env
+from apt_model.base.errors import DeviceSelectionError
+from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
 
@@ -61,7 +61,7 @@ def local_device_index(kind: str, count: int, local_rank: int, visible_env: str 
         visible_env / visible_value: the kind's visible-devices variable and its value (None: unset).
         local_world_size: processes on this node (``LOCAL_WORLD_SIZE``), if known; when unknown,
             ``local_rank + 1`` processes are assumed.
-        launcher: :attr:`~apt_model.distributed.launch.LaunchEnv.launcher` (``torchrun``,
+        launcher: :attr:`~apt_model.base.launch.LaunchEnv.launcher` (``torchrun``,
             ``slurm``...). Under ``torchrun`` every local rank sees the same devices.
         dist_backend: the kind's collective backend (``nccl``, ``hccl``...), for messages.
         names: device names when known (``NVIDIA H100 80GB HBM3``), for messages.

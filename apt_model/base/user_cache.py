@@ -9,11 +9,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from apt_model.base.settings import CACHE_ROOT, read_env
+
 
 def user_cache_dir() -> Path:
     """The cache folder (see the module docstring); not created here."""
-    root = os.environ.get("APT_MODEL_CACHE", "").strip()
-    if root:
-        return Path(root).expanduser()
+    found = read_env(CACHE_ROOT)
+    if found is not None:
+        return Path(found[0]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "apt_model"

@@ -10,7 +10,7 @@ import math
 import re
 from fractions import Fraction
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 _UNITS = {
     "": 1, "b": 1,

@@ -21,7 +21,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from apt_model.errors import ConfigError
+from apt_model.base.errors import ConfigError
 
 #: Variables a launcher sets, in the order reports list them.
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

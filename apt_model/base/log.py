@@ -6,10 +6,10 @@ Library code logs through :func:`get_logger`; it never prints. Only the enable b
 from __future__ import annotations
 
 import logging
-import os
+
+from apt_model.base.settings import LOG_LEVEL, read_env
 
 ROOT_LOGGER = "apt_model"
-_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -25,14 +25,10 @@ def apply_env_log_level() -> None:
     Raises:
         ConfigError: when ``VB_LOG_LEVEL`` is not one of DEBUG, INFO, WARNING, ERROR, CRITICAL.
     """
-    value = os.environ.get("VB_LOG_LEVEL")
-    if not value:
+    found = read_env(LOG_LEVEL)
+    if found is None:
         return
-    level = value.strip().upper()
-    if level not in _LEVELS:
-        from apt_model.errors import ConfigError
-
-        raise ConfigError(f"VB_LOG_LEVEL={value!r} is not valid; use one of {', '.join(_LEVELS)}")
+    level = found[0]
     logger = logging.getLogger(ROOT_LOGGER)
     logger.setLevel(level)
     if not logger.handlers:

@@ -1,0 +1,63 @@
+"""The switch's paging step: page training state that does not fit the level-0 budget.
+
+Decision (per adopted model): ``paging=off`` or no memory stack: ``off``; an earlier step's fact
+``paging_blocked`` (data parallelism reads the storage paging frees): ``off`` with that reason;
+otherwise the placement plan (:func:`~apt_model.memory.placement.plan_placement`) compares the
+model's training state with the stack's compute budget — ``resident`` when it fits (unless
+``paging=always``), else ``paged`` with what stays resident and why, using the levels' measured
+bandwidths. Applying pages the model through the session's one
+:class:`~apt_model.memory.paging.session.PagingSession` (created by the first paged model, shared
+with the distributed step as ``services["paging"]``).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.patches import PatchSet
+from apt_model.memory.placement import plan_placement
+
+
+class PagingStep(FeatureStep):
+    """Feature ``paging`` (``off``, ``over_budget``, ``tight``, ``always``); see the module docstring."""
+
+    name = "paging"
+
+    @property
+    def paging(self):
+        """The session's :class:`~apt_model.memory.paging.session.PagingSession`, or None before
+        the first paged model."""
+        return self.session.services.get("paging")
+
+    def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
+        req, stack = ctx.config.paging, self.session.stack
+        if req == "off" or stack is None:
+            return Decision(self.name, req, "off", "paging=off")
+        blocked = ctx.facts.get("paging_blocked")
+        if blocked:
+            return Decision(self.name, req, "off", blocked)
+        budget = stack.compute_budget
+        plan = plan_placement(model, budget, None, force=req == "always")
+        if not plan.paged:
+            return Decision(self.name, req, "resident", plan.reason, details={"plan": plan.to_dict()})
+        bw = stack.measure()
+        plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=stack.levels, device=ctx.device)
+        return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
+                        plan=plan, details={"plan": plan.to_dict()})
+
+    def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
+        plan, stack = decision.plan, self.session.stack
+        session = self.paging
+        if session is None:
+            from apt_model.memory.paging.session import PagingSession
+
+            host = None if stack.shared_host else stack.levels[1].capacity
+            session = self.session.services["paging"] = PagingSession(
+                stack.compute_budget, stack.swap, patches, page_states=plan.page_states, device=ctx.device,
+                host_budget=host)
+        session.optimizers.page_states |= plan.page_states
+        session.page_model(model, plan.page_params, plan.page_grads)
+        return decision
+
+    def report(self) -> dict | None:
+        return self.paging.report() if self.paging is not None else None

@@ -1,0 +1,116 @@
+"""The switch's FP4 step: frozen ``nn.Linear`` layers the policy accepts are stored in FP4.
+
+Decision (per adopted model): ``fp4=off`` does nothing; ``native`` needs native FP4 matmul on
+the model's device (the probe's answer; without it FP4 weights would be dequantized on every
+call, which is slower, so the layers are left alone); otherwise :func:`~apt_model.quantization.policy.plan_fp4`
+under the session's :class:`~apt_model.quantization.policy.FP4Policy` lists the layers to
+convert and the skipped ones with their reasons. Applying swaps each converted layer for an
+:class:`~apt_model.quantization.linear.FP4Linear` (packed weights; the fp32 storage released even
+if an optimizer holds the Parameter) and registers its undo: ``disable()`` puts the original
+``nn.Linear`` back, holding the FP4-rounded weights. It runs before paging: it shrinks frozen weights.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.log import get_logger
+from apt_model.base.patches import PatchSet
+from apt_model.base.sizes import format_size
+from apt_model.memory.host import release_free_memory
+from apt_model.quantization.footprint import release_parameter
+from apt_model.quantization.linear import FP4Linear
+from apt_model.quantization.native import native_support
+from apt_model.quantization.policy import Candidate, FP4Policy, plan_fp4
+
+log = get_logger(__name__)
+
+
+def _skip_summary(skipped: list[Candidate]) -> str:
+    counts: dict[str, list[str]] = {}
+    for c in skipped:
+        counts.setdefault(c.reason.split(":")[0], []).append(c.name)
+    parts = []
+    for why, names in counts.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        parts.append(f"{len(names)} ({why}: {shown})")
+    return "; ".join(parts)
+
+
+class FP4Step(FeatureStep):
+    """Feature ``fp4`` (``off``, ``native``, ``storage``, ``all``); see the module docstring."""
+
+    name = "fp4"
+
+    def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
+        req = ctx.config.fp4
+        if req == "off":
+            return Decision(self.name, req, "off", "fp4=off")
+        policy = FP4Policy.coerce(ctx.config.settings.get("fp4_policy"))
+        dev = torch.device(ctx.record.device)
+        support = ctx.support() if dev.type == "cuda" else None
+        if support is not None:
+            native_ok = bool(support.fp4_matmul.get("supported"))
+            native_why = str(support.fp4_matmul.get("reason", ""))
+        else:
+            native_ok, native_why = native_support(dev)
+        tried = [f"native FP4 matmul on {dev}: {'yes' if native_ok else 'no'} ({native_why})"]
+        if req == "native" and not native_ok:
+            return Decision(self.name, req, "off", f"native FP4 matmul is not available on {dev} ({native_why}); "
+                            "without it FP4 weights would be dequantized on every call, which is slower, so "
+                            "performance mode leaves the layers as they are", tried)
+        plan = plan_fp4(model, policy, "storage")
+        convert = [c for c in plan if c.convert]
+        skipped = [c for c in plan if not c.convert]
+        if not convert:
+            why = "no layer to convert: " + (_skip_summary(skipped) if skipped else "the model has no nn.Linear layers")
+            return Decision(self.name, req, "off", why, tried, details={"skipped": [c.summary() for c in skipped]})
+        compute = "auto" if native_ok and req in ("native", "all") else "emulated"
+        chosen = "storage+native" if compute == "auto" else "storage"
+        return Decision(self.name, req, chosen, f"{len(convert)} layer(s) to store in {policy.format.upper()}", tried,
+                        act=True, plan=(policy, convert, skipped, compute, native_why))
+
+    def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
+        policy, convert, skipped, compute, native_why = decision.plan
+        layers, before, after, not_freed = [], 0, 0, []
+        for c in convert:
+            old = c.module
+            new = FP4Linear.from_linear(old, policy.format, policy.scale_rule, compute=compute)
+            released = release_parameter(old.weight)
+            setattr(c.parent, c.attr, new)
+            patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear")
+            before += released["bytes"]
+            after += new.weight_nbytes()
+            if released["freed"] is False:
+                not_freed.append(c.name)
+            layers.append({**c.summary(), "format": policy.format, "bytes_before": released["bytes"],
+                           "bytes_after": new.weight_nbytes(), "freed": released["freed"]})
+        release_free_memory()
+        fmt = policy.format.upper() + (f" ({policy.scale_rule.upper()})" if policy.format == "mxfp4" else "")
+        path = ("native FP4 matmul where the layer's sizes fit the kernel" if compute == "auto"
+                else "emulated: dequantized to the compute dtype on every call")
+        reason = (f"stored {len(convert)} frozen nn.Linear layer(s) in {fmt}: {format_size(before)} -> "
+                  f"{format_size(after)} (saved {format_size(before - after)}); compute: {path}")
+        if not_freed:
+            reason += (f"; {len(not_freed)} weight(s) still referenced elsewhere, so their memory is not freed yet: "
+                       f"{', '.join(not_freed[:3])}")
+        if skipped:
+            reason += f"; skipped {len(skipped)}: {_skip_summary(skipped)}"
+        reason += "; disable() restores nn.Linear with the FP4-rounded weights"
+        log.info("fp4: %s", reason)
+        return decision.amend(reason=reason, details={
+            "format": policy.format, "scale_rule": policy.scale_rule if policy.format == "mxfp4" else None,
+            "compute": "native where it fits" if compute == "auto" else "emulated", "compute_reason": native_why,
+            "converted": layers, "skipped": [c.summary() for c in skipped],
+            "bytes_before": before, "bytes_after": after, "bytes_saved": before - after,
+        })
+
+
+def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
+    def undo():
+        if getattr(parent, attr, None) is new:
+            setattr(parent, attr, old)
+        if old.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back
+            old.weight.data = new.weight.to(old.weight.dtype)
+    return undo

@@ -12,16 +12,8 @@ from __future__ import annotations
 
 from functools import partial
 
-from apt_model.activations import settings as activations
-from apt_model.attention import settings as attention
-from apt_model.base import settings as base
 from apt_model.base.errors import ConfigError
 from apt_model.base.settings import KINDS, Setting, SettingsTable, boolean, choice, env_flag
-from apt_model.devices import settings as devices
-from apt_model.distributed import settings as distributed
-from apt_model.memory import settings as memory
-from apt_model.precision import settings as precision
-from apt_model.quantization import settings as quantization
 from apt_model.switch.modes import DEFAULT_MODE, FEATURES, MODES, check_feature, validate_mode
 
 #: ``VB_CONFIG`` values that turn configuration files off.
@@ -74,12 +66,33 @@ CONFIG_FILE = Setting(
 #: The entries the switch owns.
 SETTINGS = (MODE, *FEATURE_SETTINGS, REDIRECT_CUDA, ADOPT, VERBOSE, BANNER, ENABLE, CONFIG_FILE)
 
-#: Each package's entries, the switch's first, lower packages after.
-PACKAGES = {"switch": SETTINGS, "devices": devices.SETTINGS, "precision": precision.SETTINGS,
-            "attention": attention.SETTINGS, "memory": memory.SETTINGS, "activations": activations.SETTINGS,
-            "quantization": quantization.SETTINGS, "distributed": distributed.SETTINGS, "base": base.SETTINGS}
+def _compose() -> tuple[dict, SettingsTable]:
+    """Each package's entries (the switch's first, lower packages after) and the table. Imported
+    on first use of :data:`PACKAGES` / :data:`TABLE`, not at ``import apt_model`` (which reads only
+    :data:`ENABLE` and :data:`MODE`): the packages' ``__init__`` modules are not free to import."""
+    from apt_model.activations import settings as activations
+    from apt_model.attention import settings as attention
+    from apt_model.base import settings as base
+    from apt_model.devices import settings as devices
+    from apt_model.distributed import settings as distributed
+    from apt_model.memory import settings as memory
+    from apt_model.precision import settings as precision
+    from apt_model.quantization import settings as quantization
 
-#: Every option of apt_model, by kind (:data:`~apt_model.base.settings.KINDS`: the mode, the
-#: feature toggles, the settings, then the variables read where they are used), in
-#: :data:`PACKAGES` order within a kind.
-TABLE = SettingsTable(sorted((s for group in PACKAGES.values() for s in group), key=lambda s: KINDS.index(s.kind)))
+    packages = {"switch": SETTINGS, "devices": devices.SETTINGS, "precision": precision.SETTINGS,
+                "attention": attention.SETTINGS, "memory": memory.SETTINGS, "activations": activations.SETTINGS,
+                "quantization": quantization.SETTINGS, "distributed": distributed.SETTINGS, "base": base.SETTINGS}
+    # by kind (KINDS: the mode, the feature toggles, the settings, then the variables read where
+    # they are used), in package order within a kind
+    table = SettingsTable(sorted((s for group in packages.values() for s in group), key=lambda s: KINDS.index(s.kind)))
+    return packages, table
+
+
+def __getattr__(name: str):
+    """``PACKAGES`` (package -> its entries) and ``TABLE`` (every option of apt_model), composed
+    on first access (PEP 562)."""
+    if name in ("PACKAGES", "TABLE"):
+        packages, table = _compose()
+        globals().update(PACKAGES=packages, TABLE=table)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

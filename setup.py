@@ -14,7 +14,7 @@ from setuptools import find_packages, setup
 
 HERE = Path(__file__).parent
 version = {}
-exec((HERE / "apt_model" / "_version.py").read_text(), version)
+exec((HERE / "apt_model" / "base" / "version.py").read_text(), version)
 
 setup(
     name="apt_model",

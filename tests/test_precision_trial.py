@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
 from apt_model.models.gpt import GPT, GPTConfig
-from apt_model.precision.trial import SpeedTrial
+from apt_model.devices.trial import SpeedTrial
 
 
 def _drive(t, on, off):

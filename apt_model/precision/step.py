@@ -8,7 +8,7 @@ Decision (per adopted model):
   have run;
 * ``auto``: bf16 only (fp16 needs loss scaling in the loop), and only where the probe at the
   model's width measured autocast at least ``autocast_min_speedup`` times as fast as fp32; then
-  the on-line trial on the model itself (:class:`~apt_model.precision.trial.SpeedTrial`) keeps it
+  the on-line trial on the model itself (:class:`~apt_model.devices.trial.SpeedTrial`) keeps it
   only if it clearly wins, recording its verdict later;
 * ``bf16`` / ``fp16``: forced, with the probe's ratio recorded.
 """
@@ -22,7 +22,7 @@ import torch.nn as nn
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.patches import PatchSet
 from apt_model.precision.autocast import attach_autocast
-from apt_model.precision.trial import SpeedTrial
+from apt_model.devices.trial import SpeedTrial
 
 _AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 

@@ -1,0 +1,211 @@
+"""Timing a module's training calls (forward and backward) for an on-line A/B trial, without
+stalling the device.
+
+:class:`CallTimer` is the mechanism behind every on-line trial of the switch (autocast on/off in
+:mod:`apt_model.precision.autocast`, compiled/eager in :mod:`apt_model.compile.ladder`): the
+owner's forward pre-hook calls :meth:`CallTimer.begin` — which also says which variant this call
+runs (the :class:`~apt_model.devices.trial.SpeedTrial`'s ABBA schedule) — and its forward hook
+calls :meth:`CallTimer.end` with the output. A call is timed forward *and* backward: forward from
+``begin`` to ``end``, backward from the first gradient reaching the module's outputs to the last
+gradient reaching its trainable parameters (``torch.autograd.graph.register_multi_grad_hook``).
+
+* **No thread-locals across forward and backward.** PyTorch's autograd engine runs backward for
+  accelerator tensors on a per-device worker thread, not the thread that ran forward. The sample
+  awaiting its backward is held by the timer itself (under a lock), and the backward hooks close
+  over that sample.
+* **Device events, not synchronizations.** Marks come from
+  :func:`apt_model.devices.timing.clock_for`: timing events on accelerators, the host clock on the
+  CPU. A sample's duration is read once its last event has completed, normally at a later call; at
+  most ``max_lag`` finished samples wait before the timer blocks on the oldest one event (never on
+  the whole device). A trial thus ends within ``settle_max + 2 * calls + max_lag`` training calls.
+* **Nothing after the verdict.** Once the trial has decided, ``begin`` takes no marks and never
+  synchronizes.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from apt_model.devices.timing import clock_for
+from apt_model.devices.trial import SpeedTrial
+
+
+class Sample:
+    """The marks of one timed call: forward ``t0``..``t1``, backward ``b0``..``b1`` (``b0`` stays
+    None for a module without trainable parameters: forward only)."""
+
+    __slots__ = ("t0", "t1", "b0", "b1", "handles")
+
+    def __init__(self, t0: Any):
+        self.t0, self.t1, self.b0, self.b1 = t0, None, None, None
+        self.handles: list = []
+
+    @property
+    def end(self) -> Any:
+        return self.b1 if self.b1 is not None else self.t1
+
+
+class CallTimer:
+    """Times the training calls of one module for a :class:`~apt_model.devices.trial.SpeedTrial`.
+
+    Args:
+        trial: the trial (its schedule says which variant each timed call runs).
+        on_verdict: called as ``on_verdict(keep: bool, summary: dict)`` when the trial ends (on the
+            thread that completed the deciding sample: the forward thread, or autograd's device thread).
+        device: the module's device (with index) for the timing events.
+        clock: the clock (``mark/ready/wait/elapsed``, see :mod:`apt_model.devices.timing`);
+            default :func:`~apt_model.devices.timing.clock_for` of ``device``.
+        max_lag: finished samples allowed to wait for their events before blocking on the oldest (>= 0).
+
+    Attributes:
+        verdict: None while the trial runs, then whether the variant under trial is kept.
+        clock_reason: why the clock was chosen (None until the first timed call).
+
+    Raises:
+        ValueError: ``max_lag`` negative.
+    """
+
+    def __init__(self, trial: SpeedTrial, on_verdict: Callable[[bool, dict], None] | None = None,
+                 device: torch.device | str = "cpu", clock: Any = None, max_lag: int = 2):
+        if max_lag < 0:
+            raise ValueError(f"max_lag={max_lag} must be >= 0")
+        self.trial = trial
+        self.on_verdict = on_verdict
+        self.device = torch.device(device)
+        self.max_lag = max_lag
+        self.clock = clock
+        self.clock_reason: str | None = None if clock is None else "given"
+        self.verdict: bool | None = None
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.RLock()
+        self._pending: Sample | None = None  # forward done, backward not yet through the module
+        self._measured: deque[Sample] = deque()  # all marks taken, durations not yet read
+
+    _RUNTIME = ("_lock", "_pending", "_measured", "on_verdict")
+
+    def __getstate__(self):
+        state = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}  # no live hooks
+        state["on_verdict"] = None
+        if state.get("clock_reason") != "given":
+            state["clock"], state["clock_reason"] = None, None  # events do not pickle: chosen again
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._init_runtime()
+
+    @property
+    def running(self) -> bool:
+        return self.trial.running
+
+    def _clock(self):
+        if self.clock is None:
+            self.clock, self.clock_reason = clock_for(self.device)
+        return self.clock
+
+    def begin(self, module: nn.Module) -> tuple[bool | None, Sample | None]:
+        """At a call's start: ``(variant, sample)`` — ``variant`` True/False is the trial's choice
+        for this timed call (None: not a timed call, use the current verdict), ``sample`` the marks
+        to pass to :meth:`end` (None when not timed). Only training calls (grad enabled, module in
+        train mode) are timed."""
+        if not self.trial.running:
+            return None, None
+        self.settle()
+        if not (self.trial.running and torch.is_grad_enabled() and module.training):
+            return None, None
+        use = self.trial.issue()
+        return use, Sample(self._clock().mark())
+
+    def settle(self) -> None:
+        """At a call's start when the call itself is not timed: withdraw a call whose backward
+        never came, and read the samples whose events have completed."""
+        if self.trial.running:
+            self._drop_pending()
+            if self._measured:
+                self._resolve()
+
+    def end(self, module: nn.Module, output, sample: Sample | None) -> None:
+        """At a call's end (the forward hook), with the module's output."""
+        if sample is None:
+            return
+        sample.t1 = self.clock.mark()
+        self._time_backward(module, output, sample)
+
+    def _drop_pending(self) -> None:
+        """A timed call whose backward never came (evaluation with grad on, a second call site):
+        no sample; its place in the ABBA order goes to the next call."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            for h in pending.handles:
+                h.remove()
+            self.trial.cancel_last()
+
+    def _finish(self, sample: Sample) -> None:
+        """All marks of ``sample`` are taken: queue it and read what is ready."""
+        with self._lock:
+            if self._pending is sample:
+                self._pending = None
+            self._measured.append(sample)
+        self._resolve()
+
+    def _resolve(self) -> None:
+        """Record the durations of finished samples in order, reading events only once they have
+        completed; block on the oldest one event only when more than ``max_lag`` wait."""
+        verdict_summary = None
+        with self._lock:
+            clock = self.clock
+            while self._measured and self.trial.running:
+                sample = self._measured[0]
+                if not clock.ready(sample.end):
+                    if len(self._measured) <= self.max_lag:
+                        break
+                    clock.wait(sample.end)
+                self._measured.popleft()
+                seconds = clock.elapsed(sample.t0, sample.t1)
+                if sample.b0 is not None:
+                    seconds += clock.elapsed(sample.b0, sample.b1)
+                verdict = self.trial.record(seconds)
+                if verdict is not None:
+                    self.verdict = verdict
+                    self._measured.clear()
+                    verdict_summary = (verdict, self.trial.summary())
+        if verdict_summary is not None and self.on_verdict is not None:
+            self.on_verdict(*verdict_summary)
+
+    def _time_backward(self, module: nn.Module, output, sample: Sample) -> None:
+        """Finish ``sample`` when backward has gone through the module (or now, if it cannot)."""
+        from torch.autograd.graph import register_multi_grad_hook
+        from torch.utils._pytree import tree_leaves
+
+        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        params = [p for p in module.parameters() if p.requires_grad]
+        if not outs:
+            self.trial.cancel_last()  # nothing to differentiate: not a training call after all
+            return
+        if not params:
+            self._finish(sample)  # forward only
+            return
+        clock = self.clock
+
+        def backward_started(grads):
+            if sample.b0 is None:
+                sample.b0 = clock.mark()
+
+        def backward_done(grads):
+            with self._lock:
+                if self._pending is not sample or sample.b0 is None:
+                    return
+                sample.b1 = clock.mark()
+            self._finish(sample)
+
+        sample.handles = [register_multi_grad_hook(outs, backward_started, mode="any"),
+                          register_multi_grad_hook(params, backward_done, mode="all")]
+        with self._lock:
+            self._pending = sample

@@ -49,7 +49,7 @@ def worker(conn, variant: str, args) -> None:
     model = GPT(GPTConfig(seq_len=max(args.seq), d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                           attn_implementation="sdpa"))
     if variant != "off":
-        vb.enable("balanced", attention="off", mixed_precision="off", paging="off", swap_dir=args.swap_dir,
+        vb.enable("balanced", attention="off", mixed_precision="off", compile="off", paging="off", swap_dir=args.swap_dir,
                   activation_budget=args.offload_budget, banner=False, **VARIANTS[variant])
     model.to("cpu")
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)

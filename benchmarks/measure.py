@@ -16,6 +16,47 @@ import torch.nn.functional as F
 from apt_model.bench.measure import machine_info, summarize, write_json  # noqa: F401 (the scripts import them here)
 
 
+class StepClock:
+    """Times whole steps on ``device``, draining the device's queue once per step boundary (never
+    per op). CUDA: a ``torch.cuda.Event`` pair on the device's current stream (recorded at
+    :meth:`start`, recorded and synchronized at :meth:`stop`); another accelerator:
+    ``torch.<type>.synchronize()`` at both ends; CPU: ``time.perf_counter`` alone.
+
+    Usage: ``clock.start(); ...one step...; seconds = clock.stop()``; ``clock.wall`` is the host
+    wall time of the same interval (equal to ``seconds`` off CUDA).
+    """
+
+    def __init__(self, device="cpu"):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        mod = getattr(torch, self.device.type, None) if self.device.type not in ("cpu", "cuda") else None
+        self._sync = getattr(mod, "synchronize", None)
+        self._start = None
+        self._t0 = 0.0
+        self.wall = 0.0
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record(torch.cuda.current_stream(self.device))
+        elif self._sync is not None:
+            self._sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        """Seconds since :meth:`start` (device-event time on CUDA, wall time elsewhere)."""
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            end.synchronize()
+            self.wall = time.perf_counter() - self._t0
+            return self._start.elapsed_time(end) / 1e3
+        if self._sync is not None:
+            self._sync()
+        self.wall = time.perf_counter() - self._t0
+        return self.wall
+
+
 def train_step(model, opt, corpus, gen, batch_size: int, seq_len: int, device="cpu", clip: float | None = 1.0,
                autocast_dtype: torch.dtype | None = None) -> float:
     """One full training step of a byte-level LM on ``corpus`` (batch, forward, loss, backward,

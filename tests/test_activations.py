@@ -9,7 +9,7 @@ from apt_model.errors import ConfigError
 from apt_model.memory.swap import SwapCorruptionError, SwapError
 from apt_model.models.gpt import GPT, GPTConfig
 
-PLAIN = dict(attention="off", mixed_precision="off", paging="off", banner=False)
+PLAIN = dict(attention="off", mixed_precision="off", compile="off", paging="off", banner=False)
 
 
 def gpt(seed=0, layers=4, d=64, seq=64, attn="eager"):
@@ -143,12 +143,12 @@ def test_hugging_face_layers_use_the_library_checkpointing():
 
 def test_works_with_paging_and_autocast(tmp_path):
     ref_m = gpt()
-    vb.enable("balanced", attention="off", mixed_precision="bf16", paging="off", banner=False)
+    vb.enable("balanced", attention="off", mixed_precision="bf16", compile="off", paging="off", banner=False)
     ref_m.to("cpu")
     ref = run(ref_m, steps=3)
     vb.disable()
     m = gpt()
-    vb.enable("memory", swap_dir=str(tmp_path), attention="off", mixed_precision="bf16", paging="always",
+    vb.enable("memory", swap_dir=str(tmp_path), attention="off", mixed_precision="bf16", compile="off", paging="always",
               device_budget="4KB", activation_budget="64KB", offload_min_bytes=4096, banner=False)
     m.to("cpu")
     got = run(m, steps=3)

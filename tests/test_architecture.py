@@ -21,7 +21,7 @@ LAYERS = [
     {"base"},                                   # ground floor: undo stack, feature protocol, settings, errors
     {"devices"},                                # the device layer
     {"memory"},                                 # the tiers: levels, swap, pager, paging
-    {"activations", "attention", "precision", "quantization", "distributed"},  # the features
+    {"activations", "attention", "precision", "quantization", "distributed", "compile"},  # the features
     {"switch"},                                 # enable(), adoption (the step list), report
     {"optimization", "core", "reports", "bench", "cli", "models", "data", "errors", "apt_model", "__main__"},
 ]

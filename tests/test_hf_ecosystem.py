@@ -78,7 +78,9 @@ def plain(name: str) -> tuple[float, ...]:
 @pytest.mark.parametrize("name", ["gpt2", "llama"])
 def test_hf_model_trains_in_every_mode_exactly_like_plain_pytorch(name, mode, cpu_device):
     # bit-identity with plain PyTorch on the CPU: pinned, so it means the same on a GPU machine
-    losses, feats = train(name, mode, mixed_precision="off")
+    # the compile ladder changes numerics within its tolerance (inductor fusions, the SDPA rewrite):
+    # it is tested in test_compile_ladder.py / test_compile_switch.py; here every other feature must be exact
+    losses, feats = train(name, mode, mixed_precision="off", compile="off")
     assert losses[-1] < 0.8 * losses[0]
     assert feats["mixed_precision"]["chosen"] == "fp32"
     assert feats["attention"]["chosen"] == "as written" and "use SDPA" in feats["attention"]["reason"]

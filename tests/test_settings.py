@@ -169,7 +169,7 @@ def test_the_table_holds_every_packages_entries_once():
     assert SETTING_ENV == {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET",
                            "swap_dir": "VB_SWAP_DIR", "swap_budget": "VB_SWAP_BUDGET",
                            "activation_budget": "VB_ACTIVATION_BUDGET", "checkpoint_policy": "VB_CHECKPOINT_POLICY",
-                           "distributed": "VB_DISTRIBUTED"}
+                           "distributed": "VB_DISTRIBUTED", "compile_warmup_budget": "VB_COMPILE_WARMUP_BUDGET"}
     from apt_model.switch import vbrc
     from apt_model.switch.modes import FEATURES
 
@@ -290,6 +290,10 @@ SETTING_CASES = {
     "autocast_trial_calls": (8, 8, 6, "must be a multiple of 4, >= 0"),
     "autocast_trial_min_speedup": (1.2, 1.2, 200, "must be between 0 and 100"),
     "sdpa_min_speedup": (1, 1.0, 0, "must be between 0 and 100"),
+    "compile_trial_calls": (8, 8, 2, "must be a multiple of 4, >= 4"),
+    "compile_min_speedup": ("1.1", 1.1, -1, "must be between 0 and 100"),
+    "compile_warmup_budget": (60, 60.0, "soon", "is not a number"),
+    "compile_recompile_limit": (4, 4, 0, "must be a whole number >= 1"),
     "device_budget": ("4GiB", "4GiB", "lots", "is not a size"),
     "host_budget": (1 << 30, 1 << 30, 0, "must be a positive size"),
     "swap_dir": ("/tmp", "/tmp", 3, "must be a folder path"),
@@ -334,6 +338,9 @@ ENV_CASES = {
     "VB_ATTENTION": ("SDPA", "sdpa", "flash3"),
     "VB_MIXED_PRECISION": ("bf16", "bf16", "fp8"),
     "VB_FP4": ("storage", "storage", "fp2"),
+    "VB_COMPILE": ("Override", "override", "inductor"),
+    "VB_TF32": ("off", "off", "on"),
+    "VB_COMPILE_WARMUP_BUDGET": ("30", 30.0, "-1"),
     "VB_CHECKPOINTING": ("on", True, "maybe"),
     "VB_ACTIVATION_OFFLOAD": ("0", False, "sometimes"),
     "VB_PAGING": ("tight", "tight", "never"),

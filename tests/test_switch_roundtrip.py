@@ -39,7 +39,7 @@ def test_adopted_model_is_unpatched_by_disable_and_keeps_working():
     model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2))
     x = torch.randint(0, 256, (2, 32))
     ref = model(x)
-    vb.enable("balanced", attention="sdpa", mixed_precision="bf16", banner=False)
+    vb.enable("balanced", attention="sdpa", mixed_precision="bf16", compile="off", banner=False)
     model.to("cpu")
     assert all(b.attn.attn_implementation == "sdpa" for b in model.blocks)
     from apt_model.switch.placement import DeviceMismatchHint

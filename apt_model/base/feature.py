@@ -68,6 +68,8 @@ class ModelRecord:
             "width": self.width,
             "alive": self.ref is not None and self.ref() is not None,
             "features": self.features,
+            # the compile ladder's rungs tried, each with its outcome and reason
+            "timeline": list(self.features.get("compile", {}).get("timeline", [])),
         }
 
 

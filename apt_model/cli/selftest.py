@@ -202,7 +202,7 @@ def _compare_training(device: torch.device, label: str, **switch) -> str:
 
     vb.disable()
     ref_losses, ref_params = _train(device)
-    overrides = dict(attention="off", mixed_precision="off", fp4="off", paging="off",
+    overrides = dict(attention="off", mixed_precision="off", compile="off", tf32="off", fp4="off", paging="off",
                      activation_checkpointing=False, activation_offload=False, banner=False)
     overrides.update(switch)
     vb.enable(device=str(device), **overrides)

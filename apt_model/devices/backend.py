@@ -181,6 +181,51 @@ class AcceleratorBackend:
         """Wait for all queued work on device ``index`` (the current device when None)."""
         self._call("synchronize", "synchronize", index)
 
+    # ------------------------------------------------------------------ compilation
+    #: registered overrides of this kind: tag -> rewrite (see :meth:`register_override`)
+    _overrides: ClassVar[dict[str, Callable]] = {}
+
+    def compile_backend(self) -> tuple[str | Callable | None, str]:
+        """The ``torch.compile`` backend the compile rung uses on this kind, and why; ``(None,
+        reason)`` when the kind offers no compiler. Default: TorchInductor (``"inductor"``).
+        A kind with its own graph mode (an NPU's) returns its backend (a name or a callable)."""
+        return "inductor", "TorchInductor (torch.compile's default backend)"
+
+    def compile(self, fn: Callable, tag: str, backend: str | Callable | None = None, **options) -> Callable:
+        """Compile ``fn`` (a module's eager forward) for the compile rung; returns the compiled
+        callable (nothing is changed in place). ``tag`` names the model in errors; ``backend``
+        defaults to :meth:`compile_backend`'s choice; ``options`` go to ``torch.compile``
+        (``dynamic``, ``mode``).
+
+        Raises:
+            RuntimeError: the kind offers no compiler (the reason named).
+            whatever ``torch.compile`` raises (the ladder records it and falls a rung).
+        """
+        chosen = backend if backend is not None else self.compile_backend()[0]
+        if chosen is None:
+            raise RuntimeError(f"{self.kind}: no compiler for {tag}: {self.compile_backend()[1]}")
+        return torch.compile(fn, backend=chosen, **options)
+
+    @classmethod
+    def register_override(cls, tag: str, fn: Callable) -> None:
+        """Register an override rung rewrite for this kind (and kinds derived from it): ``fn(gm)``
+        rewrites a captured ``torch.fx.GraphModule`` in place and returns the sites it rewrote
+        (an empty list when nothing matched). A vendor backend registers its fused kernels here.
+
+        Raises:
+            ValueError: an empty tag or a non-callable ``fn``.
+        """
+        if not tag or not callable(fn):
+            raise ValueError(f"register_override(tag={tag!r}, fn={fn!r}): a non-empty tag and a callable")
+        if "_overrides" not in cls.__dict__:
+            cls._overrides = dict(cls._overrides)  # this kind's own table, starting from its base's
+        cls._overrides[tag] = fn
+
+    @classmethod
+    def overrides(cls) -> dict[str, Callable]:
+        """The override rewrites registered for this kind (tag -> rewrite), in registration order."""
+        return dict(cls._overrides)
+
     # ------------------------------------------------------------------ helpers for subclasses
     @staticmethod
     def package_installed(name: str) -> bool:

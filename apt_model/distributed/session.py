@@ -218,7 +218,7 @@ class DistributedSession:
         return Decision("distributed", "auto", "DDP at first training forward",
                         f"{why}; DDP is attached in place (same object, state_dict keys and optimizer) at the model's "
                         "first forward with gradients enabled, unless the script wraps it first (DDP, FSDP2, "
-                        "Accelerate), which is then respected", act=True, facts=block)
+                        "Accelerate), which is then respected", act=True, facts={**block, "ddp": True})
 
     def apply(self, model: nn.Module, rec, record_later) -> DistributedModelHook:
         """Attach the hooks that decide DDP at the model's first training forward;

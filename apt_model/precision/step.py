@@ -84,7 +84,8 @@ class PrecisionStep(FeatureStep):
         if trial.running:
             why += (f"; on trial: the model's first training calls alternate autocast on/off; once step "
                     f"times settle, {trial.calls} timed calls decide, and it stays on only if clearly faster")
-        return Decision(self.name, req, want, why, tried, act=True, plan=(dname, trial))
+        return Decision(self.name, req, want, why, tried, act=True, plan=(dname, trial),
+                        facts={"autocast_trial": trial} if trial.running else {})
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         dname, trial = decision.plan

@@ -21,23 +21,36 @@ import torch.nn as nn
 
 from apt_model.activations.step import CheckpointStep, OffloadStep
 from apt_model.attention.step import AttentionStep
+from apt_model.compile.step import CompileStep
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, ModelRecord, StepSession
 from apt_model.devices.capabilities import Speed, Support, get_speed, get_support
 from apt_model.distributed.step import DistributedStep
 from apt_model.memory.paging.step import PagingStep
 from apt_model.precision.step import PrecisionStep
+from apt_model.precision.tf32 import TF32Step
 from apt_model.quantization.step import FP4Step
 from apt_model.switch.modes import FEATURES
 from apt_model.switch.placement import PlacementStep
 from apt_model.switch.report import DecisionLog
 
 #: The feature steps, in the order adoption runs them (see the module docstring). The compile
-#: ladder (performance mode) will sit between precision and activations.
+#: ladder comes last: it reads the facts of the steps before it (a paged model, the switch's DDP,
+#: the autocast trial it must wait for) and starts at the model's first training calls.
 FEATURE_STEPS: tuple[type[FeatureStep], ...] = (
-    PlacementStep, AttentionStep, PrecisionStep, CheckpointStep, OffloadStep, FP4Step, DistributedStep, PagingStep,
+    PlacementStep, AttentionStep, PrecisionStep, TF32Step, CheckpointStep, OffloadStep, FP4Step, DistributedStep, PagingStep,
+    CompileStep,
 )
 
-__all__ = ["Adopter", "FEATURE_STEPS", "ModelRecord", "ProbeBook", "infer_width", "model_device"]
+__all__ = ["Adopter", "FEATURE_STEPS", "builtin_overrides", "ModelRecord", "ProbeBook", "infer_width", "model_device"]
+
+
+def builtin_overrides() -> dict:
+    """The override rung's built-in rewrites (``tag -> fn(gm) -> sites``), handed to the compile
+    step as ``services["overrides"]``; a device kind adds its own with
+    ``AcceleratorBackend.register_override``."""
+    from apt_model.attention.textbook import rewrite_textbook_attention
+
+    return {"textbook_attention": rewrite_textbook_attention}
 
 
 def infer_width(model: nn.Module) -> int | None:

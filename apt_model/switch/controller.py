@@ -30,7 +30,7 @@ from apt_model.distributed.wrappers import skip_adoption
 from apt_model.base.errors import DeviceSelectionError
 from apt_model.base.log import get_logger
 from apt_model.base.feature import StepSession
-from apt_model.switch.adoption import Adopter, model_device
+from apt_model.switch.adoption import Adopter, builtin_overrides, model_device
 from apt_model.switch.config import VBConfig, build_config
 from apt_model.switch.modes import FEATURES
 from apt_model.base.patches import PatchSet
@@ -117,7 +117,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
             # undone newest first: the rank's (then empty) swap folder goes after the stack's own folder
             st.patches.add_undo(distributed.release_swap_dir, "the rank's swap folder, when empty")
             st.patches.add_undo(stack.close, "VGPU stack swap folder")
-        services = {"distributed": distributed}
+        services = {"distributed": distributed, "overrides": builtin_overrides()}
         distributed.attach(services)  # the distributed policy sees the paging session through these
         st.adopter = Adopter(StepSession(config, selection.device, st.patches, stack, services), st.log)
         st.distributed = distributed
@@ -559,6 +559,8 @@ def _install_patches(st: _State) -> None:
 
 
 def _global_pre_hook(module: nn.Module, args: tuple):
+    if torch.compiler.is_compiling():  # inside a captured graph: a model being compiled was adopted already
+        return None
     st = _state
     if st.suspended or module in st.seen:
         return None

@@ -33,6 +33,13 @@ FEATURES: dict[str, FeatureSpec] = {
                     "route attention through fused SDPA where it runs and is not slower", "VB_ATTENTION"),
         FeatureSpec("mixed_precision", ("auto", "bf16", "fp16", "off"), True,
                     "autocast where the probe says the device is faster (auto picks bf16 only)", "VB_MIXED_PRECISION"),
+        FeatureSpec("compile", ("auto", "override", "off"), True,
+                    "the compile ladder per model: auto = torch.compile, else a registered override "
+                    "(hand-written attention -> SDPA), else eager, each kept only if the on-line trial shows it "
+                    "faster; override = the override rung only (no compiler)", "VB_COMPILE"),
+        FeatureSpec("tf32", ("auto", "off"), True,
+                    "fp32 matmuls and convolutions in TF32 where the device has TF32 units (numerics change "
+                    "within TF32's 10-bit mantissa; never in memory mode, which keeps the script's fp32)", "VB_TF32"),
         FeatureSpec("fp4", ("off", "native", "storage", "all"), True,
                     "FP4 weights: storage = frozen nn.Linear weights kept in FP4 (dequantized per call); "
                     "native = FP4 matmul where the probe finds FP4 units (else unchanged); all = both", "VB_FP4"),
@@ -51,13 +58,13 @@ FEATURES: dict[str, FeatureSpec] = {
 
 #: What each mode requests, feature by feature.
 MODE_TABLE: dict[str, dict[str, object]] = {
-    "performance": {"attention": "auto", "mixed_precision": "auto", "fp4": "native",
+    "performance": {"attention": "auto", "mixed_precision": "auto", "compile": "auto", "tf32": "auto", "fp4": "native",
                     "activation_checkpointing": False, "activation_offload": False, "paging": "over_budget"},
-    "balanced": {"attention": "auto", "mixed_precision": "auto", "fp4": "off",
+    "balanced": {"attention": "auto", "mixed_precision": "auto", "compile": "override", "tf32": "auto", "fp4": "off",
                  "activation_checkpointing": False, "activation_offload": False, "paging": "over_budget"},
-    "memory": {"attention": "auto", "mixed_precision": "auto", "fp4": "storage",
+    "memory": {"attention": "auto", "mixed_precision": "auto", "compile": "override", "tf32": "off", "fp4": "storage",
                "activation_checkpointing": True, "activation_offload": True, "paging": "tight"},
-    "full": {"attention": "auto", "mixed_precision": "auto", "fp4": "all",
+    "full": {"attention": "auto", "mixed_precision": "auto", "compile": "auto", "tf32": "auto", "fp4": "all",
              "activation_checkpointing": True, "activation_offload": True, "paging": "tight"},
 }
 

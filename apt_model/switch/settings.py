@@ -73,6 +73,7 @@ def _compose() -> tuple[dict, SettingsTable]:
     from apt_model.activations import settings as activations
     from apt_model.attention import settings as attention
     from apt_model.base import settings as base
+    from apt_model.compile import settings as compile_
     from apt_model.devices import settings as devices
     from apt_model.distributed import settings as distributed
     from apt_model.memory import settings as memory
@@ -80,7 +81,7 @@ def _compose() -> tuple[dict, SettingsTable]:
     from apt_model.quantization import settings as quantization
 
     packages = {"switch": SETTINGS, "devices": devices.SETTINGS, "precision": precision.SETTINGS,
-                "attention": attention.SETTINGS, "memory": memory.SETTINGS, "activations": activations.SETTINGS,
+                "attention": attention.SETTINGS, "compile": compile_.SETTINGS, "memory": memory.SETTINGS, "activations": activations.SETTINGS,
                 "quantization": quantization.SETTINGS, "distributed": distributed.SETTINGS, "base": base.SETTINGS}
     # by kind (KINDS: the mode, the feature toggles, the settings, then the variables read where
     # they are used), in package order within a kind

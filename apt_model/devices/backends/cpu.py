@@ -100,5 +100,14 @@ class CpuBackend(AcceleratorBackend):
     def empty_cache(self) -> None:
         return None
 
+    def compile_backend(self):
+        """TorchInductor's C++ backend needs a C++ compiler on the PATH (``c++``, ``g++`` or ``clang++``)."""
+        import shutil
+
+        for cxx in ("c++", "g++", "clang++"):
+            if shutil.which(cxx):
+                return "inductor", f"TorchInductor's C++ backend (compiler {shutil.which(cxx)})"
+        return None, "TorchInductor on the CPU needs a C++ compiler (c++, g++ or clang++) and none is on the PATH"
+
     def synchronize(self, index: int | None = None) -> None:
         return None

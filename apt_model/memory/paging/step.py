@@ -43,7 +43,7 @@ class PagingStep(FeatureStep):
         bw = stack.measure()
         plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=stack.levels, device=ctx.device)
         return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
-                        plan=plan, details={"plan": plan.to_dict()})
+                        plan=plan, details={"plan": plan.to_dict()}, facts={"paged": True})
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         plan, stack = decision.plan, self.session.stack

@@ -1,0 +1,74 @@
+"""The compiler a device kind offers, and a wrapper that counts what it compiles.
+
+The device contract (:class:`~apt_model.devices.backend.AcceleratorBackend`) names the
+``torch.compile`` backend per kind (``compile_backend``: TorchInductor by default, its C++ backend
+on the CPU only where a C++ compiler is on the PATH, a kind's own graph mode where it has one).
+:class:`CountingBackend` wraps that backend so the ladder sees every compilation: the first, each
+recompilation (a new input shape, a guard that failed), and each piece a graph break leaves — the
+count behind recompile-storm detection — and the seconds spent compiling.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+from apt_model.devices.registry import registered_backends
+
+
+def device_backend(device: torch.device | str):
+    """The registered :class:`~apt_model.devices.backend.AcceleratorBackend` for ``device``'s type
+    (the first registered kind with that device type), or None."""
+    dtype = torch.device(device).type
+    for backend in registered_backends():
+        if backend.device_type == dtype:
+            return backend
+    return None
+
+
+def compiler_for(device: torch.device | str) -> tuple[Any, str, Any]:
+    """``(backend, reason, device_backend)`` of the compile rung on ``device``: backend is None
+    (with the reason) where the kind offers no compiler."""
+    kind = device_backend(device)
+    if kind is None:
+        return None, f"no device backend is registered for {torch.device(device).type}", None
+    backend, reason = kind.compile_backend()
+    return backend, reason, kind
+
+
+def resolve_backend(backend: str | Callable) -> Callable:
+    """A backend name (``"inductor"``, ``"eager"``...) as the callable ``torch.compile`` would use."""
+    if callable(backend):
+        return backend
+    from torch._dynamo import lookup_backend  # torch.compile's own name -> backend table
+
+    return lookup_backend(backend)
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that delegates to ``backend`` and counts.
+
+    Args:
+        backend: a backend name or callable ``(gm, example_inputs) -> callable``.
+
+    Attributes:
+        compiles: graphs compiled so far (first compilation, recompilations, graph-break pieces).
+        seconds: wall seconds spent inside the backend (forward graphs; a backward graph compiled
+            lazily at the first backward is not counted here).
+        name: the backend's name for the report.
+    """
+
+    def __init__(self, backend: str | Callable):
+        self.name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+        self._inner = resolve_backend(backend)
+        self.compiles = 0
+        self.seconds = 0.0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
+        start = time.perf_counter()
+        self.compiles += 1
+        try:
+            return self._inner(gm, example_inputs)
+        finally:
+            self.seconds += time.perf_counter() - start

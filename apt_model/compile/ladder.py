@@ -1,0 +1,347 @@
+"""The compile ladder of one model: compile → override → eager, each rung tried, timed, recorded.
+
+States (per model; the policy is in this docstring, the transitions in :class:`CompileLadder`):
+
+``waiting``
+    Training calls run eagerly until the gate opens: the autocast trial (if any) has decided, so
+    the two trials never time each other's variants. Evaluation calls never start a rung.
+``warmup`` (rung *r*)
+    The rung's callable is built (``torch.compile`` with the kind's compiler, or with the
+    override backend) and the next :data:`WARMUP_CALLS` training calls run it untimed: that is
+    where compilation happens (the forward graph at the first call, the backward graph at the
+    first backward). Leaving the rung: building or running it raised (the exception text is
+    recorded, the call is re-run eagerly, nothing is lost); the warm-up took longer than
+    ``compile_warmup_budget`` seconds; the override rung found nothing to rewrite.
+``trial`` (rung *r*)
+    Training calls alternate the rung and eager in ABBA order and are timed forward+backward
+    (:class:`~apt_model.devices.call_timer.CallTimer`, the autocast trial's mechanism: device
+    events, no synchronize, nothing after the verdict). The rung is kept only if it is at least
+    ``compile_min_speedup`` times faster with non-overlapping quartiles; otherwise the next rung
+    starts. Recompilations are counted all along; more than ``compile_recompile_limit`` after the
+    warm-up is a storm: the first storm recompiles the rung with ``dynamic=True`` (shapes
+    symbolic, as ``torch._dynamo.mark_dynamic`` would make them), a second leaves the rung.
+``done``
+    The chosen rung's callable replaces the model's ``forward`` (eager: the instance attribute is
+    removed); the ladder's hooks are removed, so a call costs nothing extra.
+
+Every attempt is an entry of :attr:`CompileLadder.timeline` (rung, outcome, reason, warm-up
+seconds, compilations, the trial's figures), reported per model. ``disable()`` restores the
+model's own forward (parameters untouched: the optimizer keeps training the same tensors).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from apt_model.base.log import get_logger
+from apt_model.base.patches import PatchSet
+from apt_model.compile.backends import CountingBackend
+from apt_model.compile.overrides import OverrideBackend
+from apt_model.devices.call_timer import CallTimer
+from apt_model.devices.trial import SpeedTrial
+
+log = get_logger(__name__)
+
+#: Untimed training calls a rung runs before its trial (compilation of forward and backward).
+WARMUP_CALLS = 2
+
+
+@dataclass(frozen=True)
+class LadderPolicy:
+    """How rungs are judged (the switch's settings; validated there).
+
+    Attributes:
+        trial_calls: timed calls of a rung's trial (multiple of 4).
+        min_speedup: a kept rung is at least this many times faster than eager.
+        warmup_budget_s: seconds a rung's warm-up may take.
+        recompile_limit: recompilations after the warm-up that count as a storm.
+    """
+
+    trial_calls: int = 16
+    min_speedup: float = 1.03
+    warmup_budget_s: float = 900.0
+    recompile_limit: int = 8
+
+
+@dataclass
+class Rung:
+    """One rung: ``name`` (``compile`` / ``override``), what it runs (``label``), and how to build
+    its callable from the eager forward (``build(eager, dynamic) -> (callable, counter)``; the
+    counter has ``compiles`` and ``seconds``, and for the override rung ``sites`` / ``rejected``)."""
+
+    name: str
+    label: str
+    build: Callable[[Callable, bool], tuple[Callable, Any]]
+
+
+def compile_rung(compile_fn: Callable, backend: Any, label: str) -> Rung:
+    """The compile rung: ``compile_fn(eager, backend=CountingBackend(backend), dynamic=...)`` (the
+    device contract's ``compile``)."""
+
+    def build(eager, dynamic):
+        counter = CountingBackend(backend)
+        return compile_fn(eager, backend=counter, dynamic=True if dynamic else None), counter
+
+    return Rung("compile", label, build)
+
+
+def override_rung(overrides: dict[str, Callable]) -> Rung:
+    """The override rung: ``torch.compile`` with an :class:`OverrideBackend` over ``overrides``."""
+
+    def build(eager, dynamic):
+        backend = OverrideBackend(overrides)
+        return torch.compile(eager, backend=backend, dynamic=True if dynamic else None), backend
+
+    return Rung("override", f"registered rewrites ({', '.join(overrides)}), run eagerly", build)
+
+
+class LadderForward:
+    """The adopted model's ``forward`` while its ladder climbs: the ladder's dispatcher. A copy of
+    the model (``copy.deepcopy``, pickling) gets a plain eager forward instead: compiled callables
+    and the trial's state do not travel."""
+
+    def __init__(self, ladder: "CompileLadder | None", model: nn.Module):
+        self.ladder, self.model = ladder, model
+
+    def __call__(self, *args, **kwargs):
+        if self.ladder is not None:
+            return self.ladder._dispatch(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __getstate__(self):
+        return {"ladder": None, "model": self.model}
+
+
+class CompileLadder:
+    """Climbs the rungs for one model (see the module docstring).
+
+    Args:
+        model: the adopted model.
+        rungs: the rungs to try, in order (eager is always the last resort, implicit).
+        policy: the judging policy.
+        device: the model's device (the trial's timing events).
+        record: ``record(chosen, reason, details)`` — called at every verdict (the switch records
+            it as the model's ``compile`` decision).
+        gate: returns True once training calls may start a rung (the autocast trial is done).
+        tag: the model's name in the timeline and logs.
+    """
+
+    def __init__(self, model: nn.Module, rungs: list[Rung], policy: LadderPolicy, device: torch.device,
+                 record: Callable[[str, str, dict], None], gate: Callable[[], bool] = lambda: True, tag: str = "model"):
+        self.model_ref = model
+        self.rungs = list(rungs)
+        self.policy = policy
+        self.device = torch.device(device)
+        self.record = record
+        self.gate = gate
+        self.tag = tag
+        self.timeline: list[dict] = []
+        self.state = "waiting"
+        self.index = 0  # the rung under way
+        self.chosen: str | None = None
+        self.eager = model.forward  # the model's own forward (bound), captured before ours replaces it
+        self._fn: Callable | None = None
+        self._counter: Any = None
+        self._dynamic = False
+        self._storms = 0
+        self._warm_calls = 0
+        self._warm_start = 0.0
+        self._warm_seconds = 0.0
+        self._baseline_compiles = 0
+        self._timer: CallTimer | None = None
+        self._tls = threading.local()
+        self._handles: list = []
+        self._patches: PatchSet | None = None
+
+    def __getstate__(self):
+        """A copy of an adopted model (pickling, ``copy.deepcopy``) carries an inert ladder: its
+        hooks do nothing and its forward is the eager one (compiled callables do not travel)."""
+        return {"model_ref": self.model_ref, "state": "done", "chosen": "eager", "rungs": [], "index": 0,
+                "timeline": list(self.timeline), "tag": self.tag, "_timer": None, "_fn": None, "_handles": []}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._tls = threading.local()
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self, patches: PatchSet) -> None:
+        """Replace the model's forward by the ladder's dispatcher and add the trial's hooks; all
+        undone by ``patches`` (the model's own forward comes back)."""
+        model = self.model_ref
+        self._patches = patches
+        patches.set_attr(model, "forward", LadderForward(self, model), label=f"compile ladder forward {self.tag}")
+        pre = model.register_forward_pre_hook(self._pre)
+        post = model.register_forward_hook(self._post, always_call=True)
+        self._handles = [pre, post]
+        patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
+        patches.add_handle(post, f"compile ladder hook {self.tag}")
+
+    def _finish(self, chosen: str, fn: Callable | None) -> None:
+        """Enter ``done``: the chosen callable becomes the model's forward, the hooks go."""
+        self.state, self.chosen = "done", chosen
+        model = self.model_ref
+        if fn is None:
+            try:
+                del model.forward  # the class's forward again: not a wrapper, not a cost
+            except AttributeError:
+                pass
+        else:
+            model.forward = fn  # the undo registered at attach() removes it again
+        for h in self._handles:
+            h.remove()
+        self._timer = None
+
+    # ------------------------------------------------------------------ the per-call path
+    def _dispatch(self, *args, **kwargs):
+        if getattr(self._tls, "use", False) and self._fn is not None:
+            fn = self._fn
+            try:
+                return fn(*args, **kwargs)
+            except Exception as err:  # noqa: BLE001 - the rung fails; this call is re-run eagerly
+                self._leave(f"raised {type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}",
+                            outcome="failed")
+        return self.eager(*args, **kwargs)
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        self._tls.use, self._tls.sample = False, None
+        if self.state == "done":
+            return None
+        training = torch.is_grad_enabled() and module.training
+        if self.state == "waiting":
+            if not training or not self.gate():
+                return None
+            self._start()
+        if self.state == "warmup":
+            if not training:
+                return None
+            if self._warm_calls >= WARMUP_CALLS:
+                self._end_warmup()
+            else:
+                self._warm_calls += 1
+                self._tls.use = True
+                return None
+        if self.state == "trial":
+            self._check_storm()
+        if self.state == "trial":
+            variant, sample = self._timer.begin(module)
+            self._tls.use = bool(variant) if variant is not None else False
+            self._tls.sample = sample
+        elif self.state == "warmup":  # a storm restarted the warm-up
+            self._warm_calls += 1
+            self._tls.use = True
+        return None
+
+    def _post(self, module: nn.Module, args: tuple, output) -> None:
+        sample = getattr(self._tls, "sample", None)
+        timer = self._timer
+        if sample is not None and timer is not None:
+            self._tls.sample = None
+            timer.end(module, output, sample)
+        return None
+
+    # ------------------------------------------------------------------ transitions
+    def _start(self) -> None:
+        """Build the rung at :attr:`index` and begin its warm-up (or go to the next one)."""
+        while self.index < len(self.rungs):
+            rung = self.rungs[self.index]
+            try:
+                self._fn, self._counter = rung.build(self.eager, self._dynamic)
+            except Exception as err:  # noqa: BLE001 - recorded; the next rung is tried
+                self._entry(rung, "failed", f"could not be built: {type(err).__name__}: {err}")
+                self.index += 1
+                continue
+            self.state, self._warm_calls, self._warm_start = "warmup", 0, time.perf_counter()
+            return
+        self._conclude_eager()
+
+    def _end_warmup(self) -> None:
+        rung = self.rungs[self.index]
+        self._warm_seconds = time.perf_counter() - self._warm_start
+        if self._warm_seconds > self.policy.warmup_budget_s:
+            return self._leave(f"warm-up took {self._warm_seconds:.1f} s, over the {self.policy.warmup_budget_s:g} s "
+                               "budget (compile_warmup_budget)", outcome="too slow to warm up")
+        if rung.name == "override" and not getattr(self._counter, "sites", None):
+            rejected = "; ".join(getattr(self._counter, "rejected", []) or [])
+            return self._leave("no registered rewrite matched the captured graphs"
+                               + (f" ({rejected})" if rejected else ""), outcome="not applicable")
+        self._baseline_compiles = self._counter.compiles
+        trial = SpeedTrial(self.policy.trial_calls, self.policy.min_speedup)
+        self._timer = CallTimer(trial, self._verdict, self.device)
+        self.state = "trial"
+
+    def _check_storm(self) -> None:
+        extra = self._counter.compiles - self._baseline_compiles
+        if extra <= self.policy.recompile_limit:
+            return
+        self._storms += 1
+        if self._storms == 1 and not self._dynamic:
+            self._entry(self.rungs[self.index], "recompile storm",
+                        f"{extra} recompilations after the warm-up (limit {self.policy.recompile_limit}): "
+                        "compiled again with dynamic shapes (dynamic=True)")
+            self._dynamic = True
+            self._start()
+            return
+        self._leave(f"{extra} recompilations after the warm-up (limit {self.policy.recompile_limit})"
+                    + (" even with dynamic shapes" if self._dynamic else ""), outcome="recompile storm")
+
+    def _verdict(self, keep: bool, summary: dict) -> None:
+        """The trial's verdict (possibly on autograd's device thread)."""
+        rung = self.rungs[self.index]
+        timing = (f"{rung.name} {summary['on_ms']} ms vs eager {summary['off_ms']} ms per forward+backward "
+                  f"(median of {summary['calls'] // 2} calls each): {summary['speedup']:.2f}x")
+        if keep:
+            entry = self._entry(rung, "kept", f"{timing} >= {summary['min_speedup']:.2f}x, a clear win", trial=summary)
+            self._finish(rung.name, self._fn)
+            self.record(rung.name, f"{rung.label}: {entry['reason']}", self._details())
+            return
+        clear = summary["speedup"] >= summary["min_speedup"]
+        self._leave(f"{timing}: " + ("no clear win (the timings overlap)" if clear
+                                     else f"below {summary['min_speedup']:.2f}x"), outcome="not faster", trial=summary)
+
+    def _leave(self, reason: str, outcome: str, trial: dict | None = None) -> None:
+        """The rung under way is left (``outcome``, ``reason``); the next one starts at the next
+        training call, or eager is concluded."""
+        rung = self.rungs[self.index]
+        self._entry(rung, outcome, reason, trial=trial)
+        self._fn, self._timer, self._dynamic, self._storms = None, None, False, 0
+        self.index += 1
+        self.state = "waiting"
+        if self.index >= len(self.rungs):
+            self._conclude_eager()
+
+    def _conclude_eager(self) -> None:
+        tried = "; ".join(f"{e['rung']}: {e['outcome']}" for e in self.timeline) or "no rung offered"
+        self._finish("eager", None)
+        self.record("eager", f"the model runs as written ({tried})", self._details())
+
+    def _entry(self, rung: Rung, outcome: str, reason: str, trial: dict | None = None) -> dict:
+        counter = self._counter
+        entry = {"rung": rung.name, "runs": rung.label, "outcome": outcome, "reason": reason,
+                 "warmup_s": round(self._warm_seconds, 3) if self._warm_seconds else None,
+                 "compiles": getattr(counter, "compiles", None), "compile_s": round(getattr(counter, "seconds", 0.0), 3),
+                 "dynamic": self._dynamic}
+        sites = getattr(counter, "sites", None)
+        if sites:  # each distinct rewrite once, with how many times it was made (recompilations repeat them)
+            counts: dict[str, int] = {}
+            for tag, site in sites:
+                counts[f"{tag}: {site}"] = counts.get(f"{tag}: {site}", 0) + 1
+            entry["rewrites"] = [f"{n} x {text}" for text, n in counts.items()]
+        if trial is not None:
+            entry["trial"] = trial
+        self.timeline.append(entry)
+        log.info("compile ladder %s: %s %s: %s", self.tag, rung.name, outcome, reason)
+        return entry
+
+    def _details(self) -> dict:
+        return {"timeline": list(self.timeline)}
+
+    # ------------------------------------------------------------------ report
+    def describe(self) -> dict:
+        """State, chosen rung and timeline (JSON-safe)."""
+        return {"state": self.state, "chosen": self.chosen, "rung": self.rungs[self.index].name
+                if self.index < len(self.rungs) and self.state != "done" else None, "timeline": list(self.timeline)}

@@ -1,0 +1,116 @@
+"""The switch's compile step: the ladder (compile → override → eager) per adopted model.
+
+Decision (per adopted model), ``compile`` = ``auto`` (performance, full), ``override`` (balanced,
+memory) or ``off``:
+
+* ``off``: the model runs as written;
+* the model is paged (an earlier step's fact ``paged``): eager — the page-fault handler is a
+  ``TorchFunctionMode`` that runs Python on every op and the paging hooks move storage, neither of
+  which a captured graph can follow;
+* the switch attaches DDP at the first training forward (fact ``ddp``): eager — compiling the
+  switch's in-place DDP is not supported in this version;
+* otherwise the rungs this device kind offers, in order: ``compile`` (only with ``auto``; the
+  kind's compiler from the device contract, e.g. TorchInductor, needing a C++ compiler on the
+  CPU), ``override`` (the registered rewrites: hand-written attention → SDPA, plus the kind's
+  own), then eager. The ladder (:mod:`apt_model.compile.ladder`) starts at the first training call
+  after the autocast trial has decided, and records every rung tried in the model's timeline
+  (``vb.get_report()["models"][i]["timeline"]``).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
+from apt_model.base.patches import PatchSet
+from apt_model.compile.backends import compiler_for
+from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, override_rung
+
+
+def softmax_callers(model: nn.Module) -> list[str]:
+    """Classes of ``model``'s modules whose ``forward`` source mentions ``softmax``: where a
+    hand-written attention (the built-in override) can be. A cheap screen before any capture, so
+    models without one never pay for the override rung; a class whose source cannot be read
+    (built in C, generated) is not a candidate."""
+    import inspect
+
+    found = []
+    for cls in {type(m) for m in model.modules()}:
+        forward = getattr(cls, "forward", None)
+        if forward is None or cls.__module__.startswith("torch.nn"):
+            continue
+        try:
+            source = inspect.getsource(forward)
+        except (OSError, TypeError):
+            continue
+        if "softmax" in source:
+            found.append(cls.__name__)
+    return sorted(found)
+
+
+class CompileStep(FeatureStep):
+    """Feature ``compile``; see the module docstring. ``session.services["overrides"]`` holds the
+    built-in override rewrites (``tag -> fn``), wired by the switch."""
+
+    name = "compile"
+
+    def __init__(self, session: StepSession):
+        super().__init__(session)
+        self.ladders: list[CompileLadder] = []
+
+    def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
+        req = ctx.config.compile
+        if req == "off":
+            return Decision(self.name, req, "eager", "compile=off")
+        if ctx.facts.get("paged"):
+            return Decision(self.name, req, "eager", "the model is paged: the page-fault handler (a TorchFunctionMode "
+                            "running Python on every op) and the paging hooks cannot be captured in a graph")
+        if ctx.facts.get("ddp"):
+            return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
+                            "the switch's in-place DDP is not supported in this version")
+        backend, why, kind = compiler_for(ctx.device)
+        overrides = dict(self.session.services.get("overrides", {}))
+        if kind is not None:
+            overrides.update(kind.overrides())
+        rungs, tried = [], []
+        if req == "auto":
+            if backend is not None:
+                tag = ctx.record.scope
+                rungs.append(compile_rung(lambda fn, **options: kind.compile(fn, tag, **options), backend,
+                                          f"torch.compile with {why}"))
+                tried.append(f"compile: {why}")
+            else:
+                tried.append(f"compile: not offered ({why})")
+        if overrides:
+            calls = softmax_callers(model)
+            if calls:
+                rungs.append(override_rung(overrides))
+                tried.append(f"override: {', '.join(overrides)} (softmax called in {', '.join(calls[:3])})")
+            else:
+                tried.append("override: no module's forward calls softmax, so no registered rewrite can apply")
+        if not rungs:
+            return Decision(self.name, req, "eager", "no rung offered on this device: " + "; ".join(tried), tried)
+        names = " → ".join([r.name for r in rungs] + ["eager"])
+        return Decision(self.name, req, "on trial",
+                        f"ladder {names}: each rung warms up (compiles) at the first training calls after the autocast "
+                        "trial, then is kept only if an A/B trial against eager shows it faster", tried,
+                        act=True, plan=rungs)
+
+    def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
+        cfg = ctx.config
+        policy = LadderPolicy(cfg.compile_trial_calls, cfg.compile_min_speedup, cfg.compile_warmup_budget,
+                              cfg.compile_recompile_limit)
+        autocast_trial = ctx.facts.get("autocast_trial")
+
+        def gate() -> bool:
+            return autocast_trial is None or not autocast_trial.running
+
+        def record(chosen: str, reason: str, details: dict) -> None:
+            ctx.record_later(Decision(self.name, decision.requested, chosen, reason, details=details))
+
+        ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope)
+        ladder.attach(patches)
+        self.ladders.append(ladder)
+        return decision.amend(details={"timeline": ladder.timeline})
+
+    def report(self) -> dict:
+        return {"ladders": [ladder.describe() for ladder in self.ladders]}

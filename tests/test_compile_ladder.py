@@ -1,0 +1,195 @@
+"""The compile ladder: rungs that fail, rungs that win, rungs that are not faster, storms, and
+what disable() restores. The ladder is driven directly with rungs whose behaviour is chosen by
+the test (no compiler needed), then through the switch; a real TorchInductor run is `slow`."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apt_model.base.patches import PatchSet
+from apt_model.compile.ladder import WARMUP_CALLS, CompileLadder, LadderPolicy, Rung, override_rung
+
+
+class Net(nn.Module):
+    """A small MLP whose eager forward can be made slower (``delay`` seconds), so a rung that
+    skips the delay is clearly faster."""
+
+    def __init__(self, delay: float = 0.0):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 32), nn.Linear(32, 4)
+        self.delay = delay
+
+    def fast(self, x):
+        return self.b(F.relu(self.a(x)))
+
+    def forward(self, x):
+        if self.delay:
+            time.sleep(self.delay)
+        return self.fast(x)
+
+
+class Counter:
+    def __init__(self):
+        self.compiles, self.seconds = 1, 0.0
+
+
+def rung(name, fn_factory, counter=None):
+    return Rung(name, f"test rung {name}", lambda eager, dynamic: (fn_factory(eager, dynamic), counter or Counter()))
+
+
+def train(model, steps, seed=0):
+    torch.manual_seed(seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(8, 16)
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def ladder_for(model, rungs, records, **policy):
+    ladder = CompileLadder(model, rungs, LadderPolicy(**{"trial_calls": 8, "min_speedup": 1.05, **policy}),
+                           torch.device("cpu"), lambda chosen, reason, d: records.append((chosen, reason)), tag="net")
+    patches = PatchSet()
+    ladder.attach(patches)
+    return ladder, patches
+
+
+def test_a_rung_that_cannot_be_built_and_one_that_raises_fall_to_eager_with_both_reasons():
+    torch.manual_seed(1)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+
+    def broken(eager, dynamic):
+        raise RuntimeError("no compiler here")
+
+    def raises(eager, dynamic):
+        def fn(*a, **k):
+            raise ValueError("unsupported op in the compiled graph")
+        return fn
+
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", broken), rung("override", raises)], records)
+    losses = train(model, 4)
+    assert losses == train(ref, 4)  # the failing call was re-run eagerly: nothing lost, bitwise eager
+    outcomes = [(e["rung"], e["outcome"]) for e in ladder.timeline]
+    assert outcomes == [("compile", "failed"), ("override", "failed")]
+    assert "RuntimeError: no compiler here" in ladder.timeline[0]["reason"]
+    assert "ValueError: unsupported op in the compiled graph" in ladder.timeline[1]["reason"]
+    assert ladder.state == "done" and ladder.chosen == "eager" and "forward" not in vars(model)
+    assert records and records[-1][0] == "eager" and "compile: failed; override: failed" in records[-1][1]
+    patches.restore_all()
+
+
+def test_a_faster_rung_is_kept_after_its_trial_and_disable_restores_the_eager_module():
+    model = Net(delay=0.004)
+    params = [id(p) for p in model.parameters()]
+    records = []
+    calls = []
+
+    def fast(eager, dynamic):
+        def fn(x):
+            calls.append(1)
+            return model.fast(x)
+        return fn
+
+    ladder, patches = ladder_for(model, [rung("compile", fast)], records)
+    train(model, WARMUP_CALLS + 48 + 2 * 8 + 4)
+    assert ladder.state == "done" and ladder.chosen == "compile", ladder.timeline
+    entry = ladder.timeline[-1]
+    assert entry["outcome"] == "kept" and entry["trial"]["speedup"] >= 1.05
+    assert records[-1][0] == "compile" and "a clear win" in records[-1][1]
+    n = len(calls)
+    train(model, 2)
+    assert len(calls) == n + 2 and not model._forward_pre_hooks  # the rung runs every call; hooks gone
+    patches.restore_all()
+    assert "forward" not in vars(model) and [id(p) for p in model.parameters()] == params
+    train(model, 2)  # the optimizer keeps training the same tensors, eagerly
+    assert len(calls) == n + 2
+
+
+def test_a_rung_that_is_not_faster_is_left_with_its_timings():
+    model = Net()
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", lambda eager, dynamic: eager)], records)
+    train(model, WARMUP_CALLS + 48 + 2 * 8 + 4)
+    assert ladder.chosen == "eager"
+    (entry,) = ladder.timeline
+    assert entry["outcome"] == "not faster" and "vs eager" in entry["reason"] and "trial" in entry
+    patches.restore_all()
+
+
+def test_a_recompile_storm_retries_with_dynamic_shapes_then_leaves_the_rung():
+    model = Net()
+    counter = Counter()
+    dynamic_seen = []
+
+    def storming(eager, dynamic):
+        dynamic_seen.append(dynamic)
+
+        def fn(x):
+            counter.compiles += 1  # every call recompiles
+            return eager(x)
+        return fn
+
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", storming, counter)], records, recompile_limit=3)
+    train(model, 30)
+    outcomes = [e["outcome"] for e in ladder.timeline]
+    assert outcomes == ["recompile storm", "recompile storm"] and dynamic_seen == [False, True]
+    assert "dynamic=True" in ladder.timeline[0]["reason"] and "even with dynamic shapes" in ladder.timeline[1]["reason"]
+    assert ladder.chosen == "eager"
+    patches.restore_all()
+
+
+def test_evaluation_calls_never_start_a_rung_and_the_gate_holds_it():
+    model = Net()
+    open_ = [False]
+    built = []
+    ladder = CompileLadder(model, [rung("compile", lambda e, d: built.append(1) or e)], LadderPolicy(),
+                           torch.device("cpu"), lambda *a: None, gate=lambda: open_[0])
+    patches = PatchSet()
+    ladder.attach(patches)
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    train(model, 2)
+    assert not built and ladder.state == "waiting"  # gate closed: eager, untimed
+    open_[0] = True
+    train(model, 1)
+    assert built and ladder.state == "warmup"
+    patches.restore_all()
+
+
+def test_the_override_rung_uses_a_rewrite_only_after_it_matched_the_captured_graph():
+    """A rewrite that changes the result (relu -> gelu) is rejected by the verification on the
+    first call's inputs; the model's outputs stay the eager ones and the rung is not applicable."""
+    torch._dynamo.reset()
+
+    def wrong(gm):
+        sites = []
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target in (F.relu, torch.relu):
+                node.target = F.gelu
+                sites.append(node.name)
+        gm.recompile()
+        return sites
+
+    torch.manual_seed(2)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    records = []
+    ladder, patches = ladder_for(model, [override_rung({"wrong": wrong})], records)
+    losses = train(model, WARMUP_CALLS + 1)
+    assert losses == pytest.approx(train(ref, WARMUP_CALLS + 1), rel=1e-6)
+    (entry,) = ladder.timeline
+    assert entry["outcome"] == "not applicable" and "not used: output 0 differs" in entry["reason"]
+    patches.restore_all()
+    torch._dynamo.reset()

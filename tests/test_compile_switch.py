@@ -1,0 +1,243 @@
+"""The compile ladder through the switch: balanced mode's override rung on hand-written attention,
+models it leaves alone, memory mode with checkpointing and offload, paging, disable(), and the
+TF32 decision (with a CUDA device stood in at the boundary). A real TorchInductor run is `slow`."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+
+
+class TextbookAttention(nn.Module):
+    """Causal self-attention written by hand, nanoGPT style."""
+
+    def __init__(self, d=64, heads=4, seq=32):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.register_buffer("bias", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float("-inf"))
+        att = F.softmax(att, dim=-1)
+        return self.proj((att @ v).transpose(1, 2).contiguous().view(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.ln, self.attn, self.mlp = nn.LayerNorm(d), TextbookAttention(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln(x))
+        return x + self.mlp(x)
+
+
+class TinyLM(nn.Module):
+    def __init__(self, d=64, layers=2):
+        super().__init__()
+        self.emb = nn.Embedding(256, d)
+        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
+        self.head = nn.Linear(d, 256)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def model(seed=0):
+    torch.manual_seed(seed)
+    return TinyLM()
+
+
+def train(m, steps, seed=1):
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo(cpu_device):
+    torch._dynamo.reset()
+    yield
+    vb.disable()
+    torch._dynamo.reset()
+
+
+FAST_TRIAL = dict(compile_trial_calls=8, mixed_precision="off", attention="off", banner=False)
+STEPS = 2 + 48 + 16 + 8  # warm-up, the trial's settle limit and calls, a margin: the verdict is in
+
+
+def test_balanced_rewrites_hand_written_attention_and_judges_it_against_eager():
+    """The override rung captures the model, rewrites both attention sites to SDPA (verified
+    against the captured graph), and an A/B trial keeps or leaves it; every loss stays within
+    1e-4 (relative) of plain eager training — the rewrite is an exact reformulation up to
+    summation order."""
+    reference = train(model(), STEPS)
+    vb.enable("balanced", **FAST_TRIAL)
+    m = model()
+    m.to("cpu")
+    first = vb.get_report()["models"][0]["features"]["compile"]
+    assert first["chosen"] == "on trial" and "override → eager" in first["reason"]
+    losses = train(m, STEPS)
+    assert losses == pytest.approx(reference, rel=1e-4)
+    rec = vb.get_report()["models"][0]
+    compile_ = rec["features"]["compile"]
+    assert compile_["chosen"] in ("override", "eager"), compile_
+    (entry,) = rec["timeline"]
+    assert entry["rung"] == "override" and entry["outcome"] in ("kept", "not faster")
+    assert sum(int(r.split(" x ")[0]) for r in entry["rewrites"]) >= 2
+    assert all("textbook_attention" in r for r in entry["rewrites"])
+    assert entry["trial"]["calls"] >= 8 and entry["warmup_s"] is not None
+    assert any(d["feature"] == "compile" and d["chosen"] == compile_["chosen"] for d in vb.get_report()["decisions"])
+
+
+def test_a_model_without_softmax_is_left_alone_without_any_capture():
+    vb.enable("balanced", **FAST_TRIAL)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    m.to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["compile"]
+    assert feature["chosen"] == "eager" and "no module's forward calls softmax" in feature["reason"]
+    assert "forward" not in vars(m) and len(m._forward_pre_hooks) == 0
+
+
+def test_memory_mode_composes_with_checkpointing_and_offload(tmp_path):
+    """Memory mode: checkpointed blocks, offloaded activations and the override rung together;
+    losses within 1e-4 of plain training and every feature did its work."""
+    reference = train(model(), STEPS)
+    vb.enable("memory", swap_dir=str(tmp_path), paging="off", activation_budget="16KB", offload_min_bytes=1024,
+              **FAST_TRIAL)
+    m = model()
+    m.to("cpu")
+    losses = train(m, STEPS)
+    report = vb.get_report()
+    assert losses == pytest.approx(reference, rel=1e-4)
+    assert report["activations"]["models"][0]["checkpointed"] == ["blocks.0", "blocks.1"]
+    assert report["activations"]["offload"]["offloaded_bytes"] > 0
+    (entry,) = report["models"][0]["timeline"]
+    assert entry["rung"] == "override" and entry["outcome"] in ("kept", "not faster")
+    assert entry["rewrites"]  # the attention inside the checkpointed blocks' captured bodies was rewritten
+
+
+def test_a_paged_model_is_not_compiled(tmp_path):
+    vb.enable("balanced", paging="always", device_budget="64KB", swap_dir=str(tmp_path), **FAST_TRIAL)
+    m = model()
+    m.to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["compile"]
+    assert feature["chosen"] == "eager" and "the model is paged" in feature["reason"]
+
+
+def test_disable_during_the_trial_restores_the_model_and_training_goes_on():
+    vb.enable("balanced", **FAST_TRIAL)
+    m = model()
+    params = [id(p) for p in m.parameters()]
+    m.to("cpu")
+    train(m, 6)  # warm-up done, trial under way
+    assert "forward" in vars(m)
+    vb.disable()
+    assert "forward" not in vars(m) and not m._forward_pre_hooks
+    assert [id(p) for p in m.parameters()] == params
+    assert all(math.isfinite(x) for x in train(m, 2))
+
+
+# ---------------------------------------------------------------------------- TF32
+
+
+class FakeCuda:
+    """``torch.cuda`` answers for a CUDA device of a chosen capability (nothing else is called)."""
+
+    def __init__(self, monkeypatch, capability):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.version, "hip", None)
+
+
+def tf32_decision(config, capability, monkeypatch, step=None):
+    from types import SimpleNamespace
+
+    from apt_model.base.feature import AdoptionContext, ModelRecord, StepSession
+    from apt_model.base.patches import PatchSet
+    from apt_model.precision.tf32 import TF32Step
+
+    FakeCuda(monkeypatch, capability)
+    patches = PatchSet()
+    step = step or TF32Step(StepSession(SimpleNamespace(tf32=config), torch.device("cuda:0"), patches))
+    rec = ModelRecord(1, "M", "adopt()", "cuda:0", 0, None)
+    ctx = AdoptionContext(step.session, rec, torch.device("cuda:0"), "adopt()", lambda r, d: None)
+    decision = step.decide(nn.Linear(2, 2), ctx)
+    if decision.act:
+        decision = step.apply(nn.Linear(2, 2), ctx, patches, decision)
+    return decision, patches, step
+
+
+def test_tf32_is_turned_on_for_ampere_and_restored(monkeypatch):
+    before = torch.backends.cuda.matmul.fp32_precision
+    assert before in ("none", "ieee")
+    decision, patches, step = tf32_decision("auto", (8, 0), monkeypatch)
+    assert decision.chosen == "tf32" and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    again, _, _ = tf32_decision("auto", (8, 0), monkeypatch, step=step)  # a second model: the session's decision
+    assert again.chosen == "tf32" and not again.act and "decided for this session" in again.reason
+    patches.restore_all()
+    assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_tf32_is_not_used_before_ampere_nor_when_off_nor_over_the_scripts_choice(monkeypatch):
+    decision, _, _ = tf32_decision("auto", (7, 5), monkeypatch)
+    assert decision.chosen == "ieee fp32" and "7.5" in decision.reason
+    decision, _, _ = tf32_decision("off", (9, 0), monkeypatch)
+    assert decision.chosen == "ieee fp32" and not decision.act
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # the script chose
+    try:
+        decision, _, _ = tf32_decision("auto", (9, 0), monkeypatch)
+        assert not decision.act and "the script chose" in decision.reason
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = "none"
+
+
+def test_tf32_is_off_on_the_cpu_and_in_memory_mode():
+    vb.enable("balanced", banner=False)
+    nn.Linear(4, 4).to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["tf32"]
+    assert feature["chosen"] == "ieee fp32" and "cpu has none" in feature["reason"]
+    vb.disable()
+    assert vb.enable("memory", banner=False).tf32 == "off"
+
+
+# ---------------------------------------------------------------------------- a real compiler
+
+
+@pytest.mark.slow
+def test_performance_mode_climbs_the_real_ladder_with_inductor():
+    """TorchInductor on this CPU: the compile rung warms up (tens of seconds on 2 cores), its
+    compilations are counted, and a verdict is reached; losses stay within 1e-3 of eager."""
+    from apt_model.compile.backends import compiler_for
+
+    if compiler_for("cpu")[0] is None:
+        pytest.skip(compiler_for("cpu")[1])
+    reference = train(model(), STEPS)
+    vb.enable("performance", **FAST_TRIAL)
+    m = model()
+    m.to("cpu")
+    losses = train(m, STEPS)
+    assert losses == pytest.approx(reference, rel=1e-3)
+    timeline = vb.get_report()["models"][0]["timeline"]
+    assert timeline[0]["rung"] == "compile" and timeline[0]["compiles"] >= 1, timeline
+    assert vb.get_report()["models"][0]["features"]["compile"]["chosen"] in ("compile", "override", "eager")

@@ -20,7 +20,9 @@ def collect_info(device: str | None = None, probe: bool = True, progress=None) -
     the budgets in force, with their sources, and the ``.vbrc`` files read), ``memory`` (bytes per
     tier: ``device``, ``host``, ``disk``; with probes also ``levels``, ``stack`` and ``swap_dir``:
     the VGPU stack this configuration gives, capacities in bytes, bandwidths measured in GB/s),
-    ``capabilities`` (``support`` and ``speed`` probe results, or None with ``--no-probe``).
+    ``capabilities`` (``support`` and ``speed`` probe results, or None with ``--no-probe``),
+    ``compile_ladder`` (per detected kind: the rungs it offers, see
+    :func:`apt_model.compile.backends.ladder_rungs`).
 
     Args:
         device: describe this device instead of the ranking's choice.
@@ -70,8 +72,16 @@ def collect_info(device: str | None = None, probe: bool = True, progress=None) -
               "paging_source": cfg.sources["paging"],
               "budgets": {k: {"value": cfg.settings[k], "source": cfg.sources[k]} for k in budget_keys},
               "files": cfg.config_files()}
+    from apt_model.compile.backends import ladder_rungs
+    from apt_model.devices.registry import registered_backends
+    from apt_model.switch.adoption import builtin_overrides
+
+    builtin = builtin_overrides()
+    ladder = {b.kind: ladder_rungs(b, builtin) for b in registered_backends()
+              if any(c.kind == b.kind for c in cands)}
     return {
         "candidates": [c.to_dict() for c in cands],
+        "compile_ladder": ladder,
         "selected": sel.to_dict(),
         "config": config,
         "memory": tiers,
@@ -89,6 +99,13 @@ def format_info(info: dict) -> str:
     out.append(f"  {'kind':<6} {'status':<14} {'count':>5}  {'comm':<6} reason")
     for c in info["candidates"]:
         out.append(f"  {c['kind']:<6} {c['status']:<14} {c['count']:>5}  {str(c['dist_backend'] or '-'):<6} {c['reason']}")
+    ladder = info.get("compile_ladder") or {}
+    if ladder:
+        out.append("\nCompile ladder per kind (rungs tried in order in performance mode; balanced: override, eager)")
+        for kind, rungs in ladder.items():
+            shown = "; ".join(f"{r['rung']}: {r['how'] if r['offered'] else 'not offered (' + r['how'] + ')'}"
+                              for r in rungs)
+            out.append(f"  {kind:<6} {shown}")
     s = info["selected"]
     out.append(f"\nSelected: {s['device']} ({s['kind']}) — {s['reason']}")
     out.append(f"Communication backend: {s['dist_backend'] or 'none'}")

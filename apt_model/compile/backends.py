@@ -72,3 +72,20 @@ class CountingBackend:
             return self._inner(gm, example_inputs)
         finally:
             self.seconds += time.perf_counter() - start
+
+
+def ladder_rungs(kind, builtin_overrides: dict) -> list[dict]:
+    """The rungs a device kind offers, for ``apt-vb info``: ``[{"rung", "offered", "how"}, ...]``
+    (compile: the kind's compiler or why there is none; override: the built-in rewrites plus the
+    kind's own; eager: always).
+
+    Args:
+        kind: an :class:`~apt_model.devices.backend.AcceleratorBackend`.
+        builtin_overrides: the switch's built-in override rewrites (``tag -> fn``).
+    """
+    backend, why = kind.compile_backend()
+    overrides = [*builtin_overrides, *(t for t in kind.overrides() if t not in builtin_overrides)]
+    return [{"rung": "compile", "offered": backend is not None, "how": why},
+            {"rung": "override", "offered": bool(overrides),
+             "how": ", ".join(overrides) + " (captured graph rewritten, verified, run eagerly)" if overrides else "none registered"},
+            {"rung": "eager", "offered": True, "how": "the model as written"}]

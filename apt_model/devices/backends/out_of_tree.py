@@ -102,6 +102,19 @@ class NpuBackend(OutOfTreeBackend):
     visible_devices_env = "ASCEND_RT_VISIBLE_DEVICES"
     install_hint = " (install torch_npu matching your torch and CANN versions)"
 
+    def compile_backend(self):
+        """Ascend's graph mode through ``torchair`` (``torchair.get_npu_backend()``, the backend
+        Huawei documents for ``torch.compile`` on NPUs); TorchInductor has no NPU code generator.
+        Not verified on an NPU in this version."""
+        if not self.package_installed("torchair"):
+            return None, "torchair (Ascend graph mode) is not installed; TorchInductor has no NPU code generator"
+        try:
+            import torchair
+
+            return torchair.get_npu_backend(compiler_config=torchair.CompilerConfig()), "torchair (Ascend graph mode)"
+        except Exception as err:  # noqa: BLE001 - a broken vendor package must be survivable
+            return None, f"torchair failed to load: {describe_exception(err)}"
+
 
 @register_backend
 class MluBackend(OutOfTreeBackend):
@@ -120,3 +133,6 @@ class MluBackend(OutOfTreeBackend):
     visible_devices_env = "MLU_VISIBLE_DEVICES"
     detect_env = {"PYTORCH_CNDEV_BASED_MLU_CHECK": "1"}  # count through CNDev, no device init
     install_hint = " (Cambricon ships torch_mlu with its Neuware SDK)"
+
+    def compile_backend(self):
+        return None, "no torch.compile backend is known for Cambricon MLU in this version"

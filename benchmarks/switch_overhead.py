@@ -97,6 +97,16 @@ def worker(conn, mode: str, args) -> None:
     while hooks is not None and hooks.trial is not None and hooks.trial.running and trial_steps < 500:
         step()  # the switch's autocast trial is a one-time cost: finish it before timing
         trial_steps += 1
+
+    def ladder_pending() -> bool:
+        if not vb.is_enabled():
+            return False
+        models = vb.get_report()["models"]
+        return bool(models) and models[0]["features"].get("compile", {}).get("chosen") == "on trial"
+
+    while ladder_pending() and trial_steps < 500:
+        step()  # likewise the compile ladder's warm-up and trial (docs/compile.md)
+        trial_steps += 1
     conn.send("ready")
     while True:
         msg = conn.recv()

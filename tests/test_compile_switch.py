@@ -241,3 +241,67 @@ def test_performance_mode_climbs_the_real_ladder_with_inductor():
     timeline = vb.get_report()["models"][0]["timeline"]
     assert timeline[0]["rung"] == "compile" and timeline[0]["compiles"] >= 1, timeline
     assert vb.get_report()["models"][0]["features"]["compile"]["chosen"] in ("compile", "override", "eager")
+
+
+# ---------------------------------------------------------------------------- on an accelerator
+
+
+@pytest.mark.gpu
+def test_the_ladder_on_the_accelerator_times_with_events_and_reaches_a_verdict(monkeypatch):
+    """On the accelerator: the ladder's trial is timed with device events (no synchronize per
+    call), a verdict is reached within the trial's call budget, losses stay within 1e-3 of eager,
+    and after the verdict the model's forward is the chosen callable with no ladder hooks."""
+    from conftest import require_accelerator
+
+    from apt_model.devices import timing
+
+    dev = require_accelerator()
+    vb.disable()
+    vb.enable("performance", device=str(dev), **FAST_TRIAL)
+    torch.manual_seed(0)
+    m = TinyLM().to(dev)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    step = next(s for s in vb.session().steps if s.name == "compile")
+    steps = 0
+    while vb.get_report()["models"][0]["features"]["compile"]["chosen"] == "on trial" and steps < 300:
+        x = torch.randint(0, 256, (4, 32), device=dev)
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+    ladder = step.ladders[0]
+    assert ladder.state == "done", ladder.describe()
+    trials = [e for e in ladder.timeline if "trial" in e]
+    assert all(e["trial"]["calls"] >= 8 for e in trials)
+    assert not m._forward_pre_hooks or all("CompileLadder" not in repr(h) for h in m._forward_pre_hooks.values())
+    calls = []
+
+    def counting(fn):
+        return lambda *a, **k: (calls.append(fn), fn(*a, **k))[1]
+
+    monkeypatch.setattr(timing, "synchronize", counting(timing.synchronize))
+    monkeypatch.setattr(torch.accelerator, "synchronize", counting(torch.accelerator.synchronize))
+    if dev.type == "cuda":
+        monkeypatch.setattr(torch.cuda, "synchronize", counting(torch.cuda.synchronize))
+    for _ in range(3):
+        x = torch.randint(0, 256, (4, 32), device=dev)
+        F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)).backward()
+    assert not calls  # nothing of the ladder synchronizes after its verdict
+
+
+@pytest.mark.gpu
+def test_tf32_on_a_real_ampere_gpu():
+    from conftest import require_accelerator
+
+    dev = require_accelerator()
+    if dev.type != "cuda" or torch.version.hip is not None or torch.cuda.get_device_capability(dev)[0] < 8:
+        pytest.skip(f"{dev}: not an NVIDIA GPU of compute capability >= 8.0")
+    before = torch.backends.cuda.matmul.fp32_precision
+    vb.disable()
+    vb.enable("balanced", device=str(dev), banner=False)
+    nn.Linear(4, 4).to(dev)
+    assert vb.get_report()["models"][0]["features"]["tf32"]["chosen"] == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    vb.disable()
+    assert torch.backends.cuda.matmul.fp32_precision == before

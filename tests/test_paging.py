@@ -899,3 +899,35 @@ def test_a_host_level_full_of_prefetches_is_freed_by_finishing_them(tmp_path):
         assert torch.equal(m(x), ref)
     finally:
         patches.restore_all()
+
+
+def test_the_report_puts_the_plans_estimate_beside_what_was_measured(tmp_path):
+    """After the first steps the report holds the plan's bytes per step next to the measured ones
+    (the steps after the first, averaged): for a model paged whole, the pager moves exactly what
+    the plan counted — a plan that miscounted would show here."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(seq_len=64, d_model=128, n_layers=4, n_heads=4))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    vb.enable("balanced", paging="always", device_budget="256KB", swap_dir=str(tmp_path), banner=False,
+              mixed_precision="off", compile="off")
+    m.to("cpu")
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 64))
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if _ == 0:
+            assert vb.get_report()["memory"]["paging"]["plan_vs_measured"]["measured"] is None  # one step: no average
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 64))
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    pvm = vb.get_report()["memory"]["paging"]["plan_vs_measured"]
+    vb.disable()
+    assert pvm["measured"]["steps"] == 3 and pvm["planned"]["read_bytes_per_step"] > 0
+    assert pvm["measured_over_planned"]["read_bytes_per_step"] == pytest.approx(1.0, abs=0.05)
+    assert pvm["measured_over_planned"]["write_bytes_per_step"] == pytest.approx(1.0, abs=0.05)
+    assert pvm["measured"]["stall_s_per_step"] >= 0 and pvm["measured_over_planned"]["stall_over_io_floor"] is not None

@@ -94,6 +94,7 @@ class OptimizerPaging:
         self._stash: dict[int, list] = {}
         self._in_step = False
         self.steps = 0
+        self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
 
     def install(self, patches) -> None:
@@ -282,6 +283,8 @@ class OptimizerPaging:
             pager.commit()
             undo.commit()
             self.steps += 1
+            for fn in self.after_step:
+                fn(self.steps)
             pager.trim()  # the step's temporaries and freed chunks go back to the OS
         except BaseException as err:
             lost = undo.rollback()

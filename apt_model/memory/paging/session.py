@@ -68,6 +68,8 @@ class PagingSession:
         self.params: dict[int, nn.Parameter] = {}
         self.labels: dict[int, str] = {}
         self.optimizers = OptimizerPaging(self, page_states)
+        self._traffic_marks: dict[int, tuple] = {}  # step -> counters after it (the first and the last)
+        self.optimizers.after_step.append(self._mark_traffic)
         self._bw_pinned: dict[int, Page] = {}
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
@@ -395,3 +397,29 @@ class PagingSession:
                     "bytes_out": io.read_stats.bytes, "write_gbps": io.write_stats.gbps, "read_gbps": io.read_stats.gbps,
                     "writes": io.write_stats.ops, "reads": io.read_stats.ops}
         return {}
+
+    def _counters(self) -> tuple[int, int, float]:
+        """(bytes moved up into level 0, bytes written to the level below, seconds stalled) so far."""
+        store = self.pager.store
+        down = store.stats().get("bytes_in", 0) if store.level_kind == "host" else self.pager.io.write_stats.bytes
+        st = self.pager.stats
+        return int(st.bytes_in), int(down or 0), float(st.stall_s)
+
+    def _mark_traffic(self, step: int) -> None:
+        marks = self._traffic_marks
+        if step == 1 or 1 not in marks:
+            marks[1] = (step, *self._counters())
+        marks[0] = (step, *self._counters())  # the latest
+
+    def traffic(self) -> dict | None:
+        """What paging moved per optimizer step, measured: the steps after the first (which also
+        pages everything out once), averaged. ``read_bytes_per_step`` (moved up into level 0),
+        ``write_bytes_per_step`` (written to the level below), ``stall_s_per_step`` (the training
+        thread waiting for pages), over ``steps`` steps; None before two steps."""
+        first, last = self._traffic_marks.get(1), self._traffic_marks.get(0)
+        if first is None or last is None or last[0] <= first[0]:
+            return None
+        n = last[0] - first[0]
+        return {"steps": n, "read_bytes_per_step": (last[1] - first[1]) // n,
+                "write_bytes_per_step": (last[2] - first[2]) // n,
+                "stall_s_per_step": round((last[3] - first[3]) / n, 4)}

@@ -23,6 +23,10 @@ class PagingStep(FeatureStep):
 
     name = "paging"
 
+    def __init__(self, session):
+        super().__init__(session)
+        self.plans: list = []  # the placement plans of the paged models
+
     @property
     def paging(self):
         """The session's :class:`~apt_model.memory.paging.session.PagingSession`, or None before
@@ -57,7 +61,25 @@ class PagingStep(FeatureStep):
                 host_budget=host)
         session.optimizers.page_states |= plan.page_states
         session.page_model(model, plan.page_params, plan.page_grads)
+        self.plans.append(plan)
         return decision
 
     def report(self) -> dict | None:
-        return self.paging.report() if self.paging is not None else None
+        """The paging session's report, plus ``plan_vs_measured``: the plans' bytes and seconds
+        per step (summed over the paged models) next to what was measured after the first steps."""
+        if self.paging is None:
+            return None
+        out = self.paging.report()
+        planned = {"read_bytes_per_step": sum(p.read_bytes_per_step for p in self.plans),
+                   "write_bytes_per_step": sum(p.write_bytes_per_step for p in self.plans),
+                   "io_seconds_per_step": (None if any(p.io_seconds_per_step is None for p in self.plans)
+                                           else round(sum(p.io_seconds_per_step for p in self.plans), 3))}
+        measured = self.paging.traffic()
+        ratios = None
+        if measured is not None:
+            ratios = {k: round(measured[k] / planned[k], 3) if planned[k] else None
+                      for k in ("read_bytes_per_step", "write_bytes_per_step")}
+            io_s = planned["io_seconds_per_step"]  # the estimate is the I/O floor; the stall is what was not hidden
+            ratios["stall_over_io_floor"] = round(measured["stall_s_per_step"] / io_s, 3) if io_s else None
+        out["plan_vs_measured"] = {"planned": planned, "measured": measured, "measured_over_planned": ratios}
+        return out

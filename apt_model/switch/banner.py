@@ -75,6 +75,14 @@ def feature_effect(name: str, value, config: dict, facts: dict) -> str:
                 return f"bf16 only where {probe} finds it faster"
             return f"bf16 only where {probe} and a trial on the model find it faster"
         return f"{value} autocast wherever it runs on {dev} (forced" + ("; use a GradScaler)" if value == "fp16" else ")")
+    if name == "compile":
+        if value == "override":
+            return "hand-written attention -> SDPA in the captured model, kept only if a trial finds it faster"
+        return "torch.compile, else the SDPA override, else eager: each kept only if a trial on the model finds it faster"
+    if name == "tf32":
+        if dev != "cuda":
+            return f"{dev} has no TF32 units: fp32 matmuls unchanged"
+        return "fp32 matmuls on TF32 tensor cores where the GPU has them (compute capability >= 8.0)"
     if name == "fp4":
         fmt = str((settings.get("fp4_policy") or {}).get("format") or "nvfp4").upper()
         native_here = dev == "cuda"  # the only device type with FP4 matrix units (probed per model)

@@ -305,3 +305,13 @@ def test_tf32_on_a_real_ampere_gpu():
     assert torch.backends.cuda.matmul.fp32_precision == "tf32"
     vb.disable()
     assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_the_softmax_screen_skips_modules_with_an_sdpa_implementation_of_their_own():
+    """The project's GPT has an eager branch that calls softmax, but it declares an SDPA
+    implementation (the attention step routes it): the override rung is not attempted."""
+    from apt_model.compile.step import softmax_callers
+    from apt_model.models.gpt import GPT, GPTConfig
+
+    assert softmax_callers(GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2))) == []
+    assert softmax_callers(TinyLM()) == ["TextbookAttention"]

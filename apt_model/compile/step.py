@@ -29,8 +29,10 @@ from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, 
 def softmax_callers(model: nn.Module) -> list[str]:
     """Classes of ``model``'s modules whose ``forward`` source mentions ``softmax``: where a
     hand-written attention (the built-in override) can be. A cheap screen before any capture, so
-    models without one never pay for the override rung; a class whose source cannot be read
-    (built in C, generated) is not a candidate."""
+    models without one never pay for the override rung. Not candidates: a class whose source
+    cannot be read (built in C, generated), torch.nn's own, and classes with an SDPA
+    implementation of their own (``supported_attn_implementations`` with ``"sdpa"``, Hugging Face
+    ``_supports_sdpa``), which the attention step routes."""
     import inspect
 
     found = []
@@ -38,6 +40,10 @@ def softmax_callers(model: nn.Module) -> list[str]:
         forward = getattr(cls, "forward", None)
         if forward is None or cls.__module__.startswith("torch.nn"):
             continue
+        if "sdpa" in getattr(cls, "supported_attn_implementations", ()):
+            continue  # it has an SDPA implementation of its own: the attention step chooses it
+        if getattr(cls, "_supports_sdpa", False) is True:
+            continue  # a Hugging Face model with SDPA attention: the attention step routes it
         try:
             source = inspect.getsource(forward)
         except (OSError, TypeError):

@@ -925,3 +925,74 @@ def test_the_report_puts_the_plans_estimate_beside_what_was_measured(tmp_path):
     assert pvm["measured_over_planned"]["read_bytes_per_step"] == pytest.approx(1.0, abs=0.05)
     assert pvm["measured_over_planned"]["write_bytes_per_step"] == pytest.approx(1.0, abs=0.05)
     assert pvm["measured"]["stall_s_per_step"] >= 0 and pvm["measured_over_planned"]["stall_over_io_floor"] is not None
+
+
+@pytest.mark.parametrize("host_level", [False, True], ids=["host-nvme", "device-host-nvme"])
+def test_no_device_synchronize_on_the_paging_hot_path(tmp_path, monkeypatch, host_level):
+    """Training steps of a paged model (the accelerator's three levels with the CPU standing in
+    for the device, and the CPU's two) issue no device-wide synchronize: pages move on their own
+    completions, never by stalling the whole device (counted at every entry point the project and
+    PyTorch offer)."""
+    from apt_model.devices import timing
+
+    calls = []
+
+    def counting(fn, name):
+        def wrapper(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapper
+
+    from apt_model.base.patches import PatchSet
+    from apt_model.memory.paging.session import PagingSession
+    from apt_model.memory.swap import SwapSpace
+
+    m = two_layers()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    patches = PatchSet()
+    session = PagingSession(4096, SwapSpace(tmp_path), patches, device="cpu", host_budget=256 * 1024,
+                            host_level=host_level)
+    session.page_model(m, page_params=True, page_grads=True)
+    monkeypatch.setattr(timing, "synchronize", counting(timing.synchronize, "devices.timing.synchronize"))
+    monkeypatch.setattr(torch.accelerator, "synchronize", counting(torch.accelerator.synchronize, "torch.accelerator"))
+    monkeypatch.setattr(torch.cpu, "synchronize", counting(torch.cpu.synchronize, "torch.cpu"))
+    try:
+        for _ in range(3):
+            loss = m(torch.randn(2, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        assert session.pager.stats.loads > 0  # pages really moved
+    finally:
+        patches.restore_all()
+    assert calls == []
+
+
+def test_an_optimizer_step_through_a_host_level_smaller_than_its_chunk_loses_nothing(tmp_path):
+    """The accelerator's levels with the CPU standing in, a 20 KiB host level and 16 KiB pages:
+    the optimizer's chunk (a weight and its two AdamW states) cannot sit in the host level at
+    once. A page read into the host level is held there until it is copied up (it was spilled in
+    flight before: a KeyError, then the weights lost as NaN at disable()); now the step either
+    streams through or fails with the clear HostLevelFullError naming VB_HOST_BUDGET, and either
+    way every parameter comes back finite."""
+    from apt_model.memory.stores import HostLevelFullError
+
+    m = two_layers()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    session, patches = paged_session(tmp_path, m, host_level=True)
+    raised = None
+    try:
+        for _ in range(3):  # the second step is the first with AdamW states to page in
+            loss = m(torch.randn(2, 64)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    except Exception as err:  # noqa: BLE001 - the kind of error is asserted below
+        raised = err
+    finally:
+        patches.restore_all()
+    if raised is not None:
+        chain = [raised, raised.__cause__, raised.__context__]
+        assert any(isinstance(e, HostLevelFullError) for e in chain), repr(raised)
+        assert "VB_HOST_BUDGET" in str(raised)
+    assert all(torch.isfinite(p).all() for p in m.parameters())

@@ -276,6 +276,7 @@ class HostStore:
             self._touch(page.key)
             if page.key in self.entries:
                 self.hits += 1
+                self._inflight.add(page.key)  # held until finish_read copies it up: never spilled before
                 return _done()
             self.misses += 1
             self._segment_for(page.key, page.nbytes)

@@ -19,11 +19,11 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
+from apt_model.compile.overrides import dropout_free as without_dropout
 from apt_model.attention.textbook import (
     AttentionSite,
     find_textbook_attention,
     rewrite_textbook_attention,
-    without_dropout,
 )
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -68,11 +68,10 @@ scaled scores; ``scale`` defaults to ``1/sqrt(E)``; ``dropout_p`` is applied to 
 weights. The rewrite is exact up to float rounding except for two cases: a query row whose keys
 are all masked (the original gives NaN for ``-inf`` or a uniform average for a finite fill value,
 SDPA gives zeros), and the dropout pattern (SDPA draws its own random mask; compare with
-:func:`without_dropout`).
+``apt_model.compile.overrides.dropout_free``, which the override rung verifies with).
 """
 from __future__ import annotations
 
-import copy
 import math
 import operator
 from dataclasses import dataclass
@@ -85,7 +84,7 @@ import torch.nn.functional as F
 
 from apt_model.base.log import get_logger
 
-__all__ = ["AttentionSite", "find_textbook_attention", "rewrite_textbook_attention", "without_dropout"]
+__all__ = ["AttentionSite", "find_textbook_attention", "rewrite_textbook_attention"]
 
 logger = get_logger(__name__)
 
@@ -107,12 +106,6 @@ _TRANSPOSE_FUNCS = {torch.transpose, torch.swapaxes, torch.swapdims, torch.Tenso
 _TRANSPOSE_METHODS = {"transpose", "swapaxes", "swapdims"}
 _NOT_FUNCS = {operator.invert, torch.logical_not, torch.bitwise_not}
 _NOT_METHODS = {"logical_not", "bitwise_not", "__invert__"}
-#: Dropout of every flavour, made identity by :func:`without_dropout`.
-_DROPOUT_FUNCS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
-                  torch.dropout, torch.dropout_, torch.alpha_dropout, torch.alpha_dropout_,
-                  torch.feature_dropout, torch.feature_dropout_, torch.feature_alpha_dropout,
-                  torch.feature_alpha_dropout_}
-_DROPOUT_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 #: A ``masked_fill`` value at or below this masks a position (besides ``-inf`` and finfo minima).
 MASK_FILL_MAX = -1e9
@@ -704,46 +697,4 @@ def rewrite_textbook_attention(gm: fx.GraphModule) -> list[AttentionSite]:
     gm.recompile()
     logger.info("textbook attention -> SDPA at %d site(s): %s", len(sites), ", ".join(s.scores for s in sites))
     return sites
-
-
-def _is_dropout(node: fx.Node, gm: fx.GraphModule) -> bool:
-    if node.op == "call_function":
-        return node.target in _DROPOUT_FUNCS
-    if node.op == "call_module":
-        try:
-            return isinstance(gm.get_submodule(node.target), _DROPOUT_MODULES)
-        except AttributeError:
-            return False
-    return False
-
-
-def without_dropout(gm: fx.GraphModule) -> fx.GraphModule:
-    """A copy of ``gm`` in which every dropout is the identity, for checking a rewrite.
-
-    Dropout calls (``F.dropout*``, ``F.alpha_dropout``, ``torch.dropout`` and friends, ``nn.Dropout*``
-    submodules) are replaced by their input, and SDPA calls get ``dropout_p=0.0``, so the original
-    and the rewritten graph can be compared on a probe input in training mode (their random masks
-    cannot match). The copy has its own graph and shares ``gm``'s parameters, buffers and
-    submodules (gradients reach the same tensors); ``gm`` is not changed. Inputs and outputs are
-    ``gm``'s.
-
-    Raises:
-        TypeError: when ``gm`` is not a ``torch.fx.GraphModule``.
-    """
-    _check_gm(gm)
-    graph = copy.deepcopy(gm.graph)  # new nodes; meta dicts are copied shallowly (fake tensors shared)
-    clone = fx.GraphModule(gm, graph, class_name=type(gm).__name__)
-    for node in list(clone.graph.nodes):
-        if _is_dropout(node, clone):
-            src = node.args[0] if node.args else node.kwargs.get("input")
-            node.replace_all_uses_with(src)
-            clone.graph.erase_node(node)
-        elif node.op == "call_function" and node.target is _SDPA:
-            if len(node.args) > 4:
-                node.args = (*node.args[:4], 0.0, *node.args[5:])
-            else:
-                node.kwargs = {**node.kwargs, "dropout_p": 0.0}
-    clone.graph.lint()
-    clone.recompile()
-    return clone
 

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 from apt_model.base.errors import ConfigError
 
 __all__ = ["KINDS", "Setting", "SettingsTable", "read_env", "relabel", "choice", "boolean", "env_flag",
-           "size_or_none", "size", "number_between", "positive_seconds", "folder_path", "any_text",
+           "size_or_none", "size", "number_between", "whole_number", "positive_seconds", "folder_path", "any_text",
            "TRUE_VALUES", "FALSE_VALUES",
            "LOG_LEVEL", "LOG_LEVELS", "CACHE_ROOT", "SETTINGS"]
 
@@ -279,6 +279,18 @@ def number_between(low: float, high: float) -> Check:
         if not low < number < high:
             raise ConfigError(f"{label}={value!r} must be between {low:g} and {high:g}")
         return number
+
+    return check
+
+
+def whole_number(minimum: int, multiple: int = 1) -> Check:
+    """A whole number (not a bool) >= ``minimum`` and, with ``multiple`` > 1, a multiple of it."""
+    rule = f"a multiple of {multiple}, >= {minimum}" if multiple > 1 else f"a whole number >= {minimum}"
+
+    def check(value, label):
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum or value % multiple:
+            raise ConfigError(f"{label}={value!r} must be {rule}")
+        return value
 
     return check
 

@@ -57,10 +57,12 @@ class CountingBackend:
         seconds: wall seconds spent inside the backend (forward graphs; a backward graph compiled
             lazily at the first backward is not counted here).
         name: the backend's name for the report.
+        backend: the backend as given (the override rung reads its ``sites`` / ``rejected``).
     """
 
     def __init__(self, backend: str | Callable):
         self.name = backend if isinstance(backend, str) else getattr(backend, "__name__", type(backend).__name__)
+        self.backend = backend
         self._inner = resolve_backend(backend)
         self.compiles = 0
         self.seconds = 0.0

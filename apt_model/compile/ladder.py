@@ -72,7 +72,8 @@ class LadderPolicy:
 class Rung:
     """One rung: ``name`` (``compile`` / ``override``), what it runs (``label``), and how to build
     its callable from the eager forward (``build(eager, dynamic) -> (callable, counter)``; the
-    counter has ``compiles`` and ``seconds``, and for the override rung ``sites`` / ``rejected``)."""
+    counter has ``compiles`` and ``seconds``; for the override rung its ``backend`` is the
+    :class:`~apt_model.compile.overrides.OverrideBackend`, with ``sites`` / ``rejected``)."""
 
     name: str
     label: str
@@ -94,8 +95,8 @@ def override_rung(overrides: dict[str, Callable]) -> Rung:
     """The override rung: ``torch.compile`` with an :class:`OverrideBackend` over ``overrides``."""
 
     def build(eager, dynamic):
-        backend = OverrideBackend(overrides)
-        return torch.compile(eager, backend=backend, dynamic=True if dynamic else None), backend
+        counter = CountingBackend(OverrideBackend(overrides))
+        return torch.compile(eager, backend=counter, dynamic=True if dynamic else None), counter
 
     return Rung("override", f"registered rewrites ({', '.join(overrides)}), run eagerly", build)
 
@@ -265,8 +266,9 @@ class CompileLadder:
         if self._warm_seconds > self.policy.warmup_budget_s:
             return self._leave(f"warm-up took {self._warm_seconds:.1f} s, over the {self.policy.warmup_budget_s:g} s "
                                "budget (compile_warmup_budget)", outcome="too slow to warm up")
-        if rung.name == "override" and not getattr(self._counter, "sites", None):
-            rejected = "; ".join(getattr(self._counter, "rejected", []) or [])
+        override = getattr(self._counter, "backend", None)
+        if rung.name == "override" and not getattr(override, "sites", None):
+            rejected = "; ".join(getattr(override, "rejected", []) or [])
             return self._leave("no registered rewrite matched the captured graphs"
                                + (f" ({rejected})" if rejected else ""), outcome="not applicable")
         self._baseline_compiles = self._counter.compiles
@@ -325,7 +327,7 @@ class CompileLadder:
                  "warmup_s": round(self._warm_seconds, 3) if self._warm_seconds else None,
                  "compiles": getattr(counter, "compiles", None), "compile_s": round(getattr(counter, "seconds", 0.0), 3),
                  "dynamic": self._dynamic}
-        sites = getattr(counter, "sites", None)
+        sites = getattr(getattr(counter, "backend", None), "sites", None)
         if sites:  # each distinct rewrite once, with how many times it was made (recompilations repeat them)
             counts: dict[str, int] = {}
             for tag, site in sites:

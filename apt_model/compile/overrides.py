@@ -31,31 +31,54 @@ log = get_logger(__name__)
 #: (rtol = atol) per output dtype for the verification; other dtypes must match exactly
 TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 
-_DROPOUT = {F.dropout, torch.dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
-            torch.nn.functional.alpha_dropout}
+#: what :func:`dropout_free` makes the identity
+DROPOUT_FUNCTIONS = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout,
+                     torch.dropout, torch.dropout_, torch.alpha_dropout, torch.alpha_dropout_, torch.feature_dropout,
+                     torch.feature_dropout_, torch.feature_alpha_dropout, torch.feature_alpha_dropout_}
+DROPOUT_MODULES = (torch.nn.Dropout, torch.nn.Dropout1d, torch.nn.Dropout2d, torch.nn.Dropout3d,
+                   torch.nn.AlphaDropout, torch.nn.FeatureAlphaDropout)
 
 
 def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule with its own copy of ``gm``'s graph (submodules and parameters shared)."""
-    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
+
+
+def _is_dropout(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    if node.op == "call_function":
+        return node.target in DROPOUT_FUNCTIONS
+    if node.op == "call_module":
+        try:
+            return isinstance(gm.get_submodule(node.target), DROPOUT_MODULES)
+        except AttributeError:
+            return False
+    return False
 
 
 def dropout_free(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A copy of ``gm`` whose dropout calls are identity and whose SDPA calls have ``dropout_p=0``
-    (for comparing two graphs that would otherwise draw different random masks)."""
+    """A copy of ``gm`` in which every dropout is the identity, for checking a rewrite.
+
+    Dropout calls (:data:`DROPOUT_FUNCTIONS`) and ``nn.Dropout*`` submodules are replaced by their
+    input, and SDPA calls get ``dropout_p=0.0``, so an original and a rewritten graph can be
+    compared on a probe input in training mode (their random masks cannot match). The copy has its
+    own graph and shares ``gm``'s parameters, buffers and submodules; ``gm`` is not changed.
+
+    Raises:
+        TypeError: when ``gm`` is not a ``torch.fx.GraphModule``.
+    """
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"expected a torch.fx.GraphModule, got {type(gm).__name__}")
     out = copy_graph_module(gm)
     for node in list(out.graph.nodes):
-        if node.op == "call_function" and node.target in _DROPOUT:
-            node.replace_all_uses_with(node.args[0])
-            out.graph.erase_node(node)
-        elif node.op == "call_module" and isinstance(out.get_submodule(node.target), torch.nn.modules.dropout._DropoutNd):
-            node.replace_all_uses_with(node.args[0])
+        if _is_dropout(node, out):
+            node.replace_all_uses_with(node.args[0] if node.args else node.kwargs.get("input"))
             out.graph.erase_node(node)
         elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
             if len(node.args) > 4:  # (query, key, value, attn_mask, dropout_p, ...)
                 node.args = (*node.args[:4], 0.0, *node.args[5:])
             else:
                 node.kwargs = {**node.kwargs, "dropout_p": 0.0}
+    out.graph.lint()
     out.recompile()
     return out
 
@@ -104,7 +127,8 @@ class OverrideBackend:
             graph and to each subgraph a higher-order op holds (a checkpointed block's body).
 
     Attributes:
-        graphs: graphs captured so far.
+        graphs: graphs captured so far (the ladder counts compilations and their seconds by
+            wrapping this backend in a :class:`~apt_model.compile.backends.CountingBackend`).
         sites: ``[(tag, site), ...]`` rewrites in use (verified).
         rejected: why rewrites were not used (a failed verification, a rewrite that raised).
     """
@@ -114,40 +138,30 @@ class OverrideBackend:
         self.graphs = 0
         self.sites: list[tuple[str, object]] = []
         self.rejected: list[str] = []
-        self.compiles = 0  # as CountingBackend: graphs handed to this backend
-        self.seconds = 0.0
-        self.name = "override"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
-        import time
-
-        start = time.perf_counter()
         self.graphs += 1
-        self.compiles += 1
-        try:
-            reference = copy_graph_module(gm)
-            found = []
-            # the captured graph and the subgraphs of its higher-order ops (a checkpointed
-            # block's body is one: torch.utils.checkpoint is captured as a higher-order op)
-            graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
-            for tag, fn in self.overrides.items():
-                try:
-                    sites = [site for g in graphs for site in (fn(g) or [])]
-                except Exception as err:  # noqa: BLE001 - a broken rewrite must not break training
-                    self.rejected.append(f"{tag}: the rewrite raised {type(err).__name__}: {err}")
-                    log.debug("override %s raised", tag, exc_info=True)
-                    return reference.forward
-                found.extend((tag, site) for site in sites)
-            if not found:
-                return gm.forward
-            ok, why = outputs_match(reference, gm, example_inputs)
-            if not ok:
-                tags = ", ".join(sorted({t for t, _ in found}))
-                self.rejected.append(f"{tags}: not used: {why}")
+        reference = copy_graph_module(gm)
+        found = []
+        # the captured graph and the subgraphs of its higher-order ops (a checkpointed
+        # block's body is one: torch.utils.checkpoint is captured as a higher-order op)
+        graphs = [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+        for tag, fn in self.overrides.items():
+            try:
+                sites = [site for g in graphs for site in (fn(g) or [])]
+            except Exception as err:  # noqa: BLE001 - a broken rewrite must not break training
+                self.rejected.append(f"{tag}: the rewrite raised {type(err).__name__}: {err}")
+                log.debug("override %s raised", tag, exc_info=True)
                 return reference.forward
-            self.sites.extend(found)
+            found.extend((tag, site) for site in sites)
+        if not found:
             return gm.forward
-        finally:
-            self.seconds += time.perf_counter() - start
+        ok, why = outputs_match(reference, gm, example_inputs)
+        if not ok:
+            tags = ", ".join(sorted({t for t, _ in found}))
+            self.rejected.append(f"{tags}: not used: {why}")
+            return reference.forward
+        self.sites.extend(found)
+        return gm.forward
 
 

@@ -5,27 +5,12 @@ Declared here, next to the ladder; composed into the one table by :mod:`apt_mode
 """
 from __future__ import annotations
 
-from apt_model.base.errors import ConfigError
-from apt_model.base.settings import Setting, number_between, positive_seconds
-
-
-def _trial_calls(value, label):
-    """A whole number of calls, a multiple of 4, >= 4."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 4 or value % 4:
-        raise ConfigError(f"{label}={value!r} must be a multiple of 4, >= 4")
-    return value
-
-
-def _recompiles(value, label):
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{label}={value!r} must be a whole number >= 1")
-    return value
-
+from apt_model.base.settings import Setting, number_between, positive_seconds, whole_number
 
 COMPILE_TRIAL_CALLS = Setting(
     "compile_trial_calls", 16, None,
-    "timed training calls (alternating the rung and eager, ABBA) deciding whether a rung is kept", _trial_calls,
-    values="a multiple of 4, >= 4")
+    "timed training calls (alternating the rung and eager, ABBA) deciding whether a rung is kept",
+    whole_number(4, multiple=4), values="a multiple of 4, >= 4")
 COMPILE_MIN_SPEEDUP = Setting(
     "compile_min_speedup", 1.03, None, "keep a rung only if its calls are this much faster than eager (times)",
     number_between(0, 100), values="a number between 0 and 100")
@@ -36,7 +21,7 @@ COMPILE_WARMUP_BUDGET = Setting(
 COMPILE_RECOMPILE_LIMIT = Setting(
     "compile_recompile_limit", 8, None,
     "recompilations of one model after its warm-up that count as a storm (first answer: dynamic shapes; "
-    "a second storm leaves the rung)", _recompiles, values="a whole number >= 1")
+    "a second storm leaves the rung)", whole_number(1), values="a whole number >= 1")
 
 #: The entries :mod:`apt_model.compile` owns.
 SETTINGS = (COMPILE_TRIAL_CALLS, COMPILE_MIN_SPEEDUP, COMPILE_WARMUP_BUDGET, COMPILE_RECOMPILE_LIMIT)

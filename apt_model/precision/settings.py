@@ -5,15 +5,7 @@ Declared here, next to the autocast hooks and the speed trial; composed into the
 """
 from __future__ import annotations
 
-from apt_model.base.errors import ConfigError
-from apt_model.base.settings import Setting, number_between
-
-
-def _trial_calls(value, label):
-    """A whole number of calls, a multiple of 4, >= 0 (0: no trial)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or value % 4:
-        raise ConfigError(f"{label}={value!r} must be a multiple of 4, >= 0")
-    return value
+from apt_model.base.settings import Setting, number_between, whole_number
 
 
 AUTOCAST_MIN_SPEEDUP = Setting(
@@ -22,7 +14,7 @@ AUTOCAST_MIN_SPEEDUP = Setting(
     values="a number between 0 and 100")
 AUTOCAST_TRIAL_CALLS = Setting(
     "autocast_trial_calls", 16, None,
-    "timed training calls on the model itself confirming autocast (0: no trial)", _trial_calls,
+    "timed training calls on the model itself confirming autocast (0: no trial)", whole_number(0, multiple=4),
     values="a multiple of 4, >= 0")
 AUTOCAST_TRIAL_MIN_SPEEDUP = Setting(
     "autocast_trial_min_speedup", 1.05, None, "keep autocast after the trial only if this much faster (times)",

@@ -85,6 +85,7 @@ class ProbeBook:
         self.config = config
         self.supports: dict[str, dict] = {}
         self.speeds: dict[str, dict] = {}
+        self._got: dict[tuple, object] = {}  # (device[, width]) -> the probe object, asked once
 
     def _needed(self) -> bool:
         return self.config.attention != "off" or self.config.mixed_precision != "off"
@@ -92,18 +93,22 @@ class ProbeBook:
     def support(self, dev: torch.device) -> Support | None:
         if not self._needed():
             return None
-        sup = get_support(dev)
-        self.supports[sup.device] = sup.to_dict()
-        return sup
+        key = (str(dev),)
+        if key not in self._got:
+            sup = self._got[key] = get_support(dev)
+            self.supports[sup.device] = sup.to_dict()
+        return self._got[key]
 
     def speed(self, dev: torch.device, width: int | None) -> Speed | None:
         cfg = self.config
         if not self._needed() or not (cfg.attention == "auto" or cfg.mixed_precision in ("auto", "bf16", "fp16")):
             return None
-        dtypes = ("bfloat16",) if cfg.mixed_precision != "fp16" else ("bfloat16", "float16")
-        sp = get_speed(dev, width, dtypes)
-        self.speeds[f"{sp.device}/w{sp.width}"] = sp.to_dict()
-        return sp
+        key = (str(dev), width)
+        if key not in self._got:
+            dtypes = ("bfloat16",) if cfg.mixed_precision != "fp16" else ("bfloat16", "float16")
+            sp = self._got[key] = get_speed(dev, width, dtypes)
+            self.speeds[f"{sp.device}/w{sp.width}"] = sp.to_dict()
+        return self._got[key]
 
     def seconds(self) -> float:
         """Seconds spent probing (support and speed) in this session."""

@@ -1,0 +1,174 @@
+"""benchmarks/offload.py: the GPU mode's refusal without CUDA, its skip decisions, its comparison
+with the issue's targets, and (slow) its whole run on the CPU with --gpu-code-on-cpu."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "offload.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("offload_bench", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # puts benchmarks/ on sys.path, imports offload_gpu
+    return mod, sys.modules["offload_gpu"]
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # never a GPU, even on a machine that has one
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=timeout)
+
+
+def test_device_cuda_without_cuda_exits_2_with_one_line(monkeypatch, capsys):
+    offload, gpu = _load()
+    monkeypatch.setattr(gpu.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exc:
+        offload.main(["--device", "cuda"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "CUDA" in err and "--device cuda" in err
+
+
+def test_device_cuda_without_cuda_from_the_command_line_has_no_traceback():
+    res = _run("--device", "cuda", timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "Traceback" not in res.stderr and "CUDA" in res.stderr
+    assert res.stdout == ""
+
+
+def _importer(missing=(), modules=None):
+    """An importer that raises ImportError for ``missing`` and returns ``modules[name]`` where given."""
+    modules = modules or {}
+
+    def imp(name):
+        if name in missing:
+            raise ImportError(f"No module named {name!r}")
+        if name in modules:
+            return modules[name]
+        return types.SimpleNamespace()
+
+    return imp
+
+
+def _fsdp_modules(nccl=True, policy=True, dist_ok=True):
+    dist = types.SimpleNamespace(is_available=lambda: dist_ok, is_nccl_available=lambda: nccl,
+                                 is_gloo_available=lambda: True)
+    fsdp = types.SimpleNamespace(fully_shard=object())
+    if policy:
+        fsdp.CPUOffloadPolicy = object()
+    return {"torch.distributed": dist, "torch.distributed.fsdp": fsdp}
+
+
+def test_skip_reasons_follow_what_is_importable():
+    _, gpu = _load()
+    present = {"torchao.optim": types.SimpleNamespace(CPUOffloadOptimizer=object()), **_fsdp_modules()}
+    for name in gpu.VARIANTS:
+        assert gpu.skip_reason(name, "cuda", _importer(modules=present)) is None, name
+
+    no_torchao = _importer(missing=("torchao", "torchao.optim"), modules=present)
+    for name in gpu.TORCHAO:
+        assert "torchao is not installed" in gpu.skip_reason(name, "cuda", no_torchao)
+    assert gpu.skip_reason("in_memory", "cuda", no_torchao) is None
+    assert gpu.skip_reason("vb_all_paged", "cuda", no_torchao) is None
+
+    old_torchao = _importer(modules={**present, "torchao.optim": types.SimpleNamespace(),
+                                     "torchao": types.SimpleNamespace(__version__="0.1")})
+    assert "torchao 0.1 has no torchao.optim.CPUOffloadOptimizer" in gpu.skip_reason("torchao_offload", "cuda",
+                                                                                      old_torchao)
+    assert "CUDA or XPU" in gpu.skip_reason("torchao_offload_grads", "cpu", _importer(modules=present))
+
+    no_policy = _importer(modules={**present, **_fsdp_modules(policy=False)})
+    assert "CPUOffloadPolicy" in gpu.skip_reason("fsdp2_cpu_offload", "cuda", no_policy)
+    no_nccl = _importer(modules={**present, **_fsdp_modules(nccl=False)})
+    assert "NCCL" in gpu.skip_reason("fsdp2_cpu_offload", "cuda", no_nccl)
+    assert gpu.skip_reason("fsdp2_cpu_offload", "cpu", no_nccl) is None  # gloo on the CPU
+    no_dist = _importer(modules={**present, **_fsdp_modules(dist_ok=False)})
+    assert "torch.distributed is not available" in gpu.skip_reason("fsdp2_cpu_offload", "cuda", no_dist)
+
+    def broken(name):
+        if name.startswith("torchao"):
+            raise RuntimeError("built for another torch")
+        return _importer(modules=present)(name)
+
+    assert "RuntimeError: built for another torch" in gpu.skip_reason("torchao_offload", "cuda", broken)
+    assert "unknown variant" in gpu.skip_reason("deepspeed", "cuda", _importer(modules=present))
+
+
+def test_skip_reason_with_the_real_imports_never_raises():
+    _, gpu = _load()
+    for name in gpu.VARIANTS:
+        for dev in ("cuda", "cpu"):
+            r = gpu.skip_reason(name, dev)
+            assert r is None or isinstance(r, str)
+
+
+def _row(median, peak=None, **kw):
+    return {"status": "ok", "step": {"median": median}, "peak_hbm_bytes": peak, **kw}
+
+
+def test_compare_applies_each_target_where_it_holds():
+    _, gpu = _load()
+    rows = {
+        "in_memory": _row(1.0, 10e9),
+        "torchao_offload": _row(1.5, 6e9),
+        "torchao_offload_grads": _row(1.2, 5e9),
+        "fsdp2_cpu_offload": _row(4.0, 3e9),
+        "vb_params_kept": _row(1.25, 4e9, link_floor_s=0.6),  # compute (1.0 s) dominates its floor
+        "vb_all_paged": _row(1.6, 2e9, link_floor_s=1.5),  # the link dominates
+    }
+    by = {c["what"].split(" (")[0]: c for c in gpu.compare(rows)}
+    kept = by["vb_params_kept vs torchao_offload_grads"]  # the faster torchao variant
+    assert kept["value"] == pytest.approx(1.2 / 1.25) and kept["met"] is True
+    paged_mem = by["vb_all_paged vs in_memory"]
+    assert paged_mem["applicable"] is False and paged_mem["met"] is None
+    assert by["vb_all_paged vs fsdp2_cpu_offload"]["value"] == pytest.approx(2.5)
+    assert by["vb_all_paged vs fsdp2_cpu_offload"]["met"] is True
+    assert by["vb_all_paged vs the link floor"]["applicable"] is True
+    assert by["vb_all_paged vs the link floor"]["met"] is True  # 1.6 / 1.5 <= 1.2
+    assert by["vb_params_kept vs the link floor"]["applicable"] is False
+
+    rows["vb_params_kept"]["peak_hbm_bytes"] = 6e9  # faster but more HBM than torchao: not met
+    rows["vb_all_paged"]["link_floor_s"] = 0.5  # now compute dominates: 1.0 / 1.6 < 0.8
+    by = {c["what"].split(" (")[0]: c for c in gpu.compare(rows)}
+    assert by["vb_params_kept vs torchao_offload_grads"]["met"] is False
+    assert by["vb_all_paged vs in_memory"]["applicable"] is True and by["vb_all_paged vs in_memory"]["met"] is False
+
+    skipped = {"status": "skipped", "reason": "torchao is not installed"}
+    rows["torchao_offload"] = rows["torchao_offload_grads"] = skipped
+    rows["fsdp2_cpu_offload"] = {"status": "failed", "reason": "OutOfMemoryError: ..."}
+    out = gpu.compare(rows)
+    missing = [c for c in out if c["value"] is None]
+    assert len(missing) == 2 and all(c["met"] is None for c in missing)
+    assert "torchao_offload skipped" in missing[0]["note"] and "fsdp2_cpu_offload failed" in missing[1]["note"]
+
+
+@pytest.mark.slow
+def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
+    out = tmp_path / "gpu.json"
+    res = _run("--device", "cuda", "--gpu-code-on-cpu", "--threads", "1", "--d-model", "32", "--layers", "1",
+               "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--rounds", "2", "--steps-per-round", "1",
+               "--warmup", "1", "--variants", "in_memory,torchao_offload,fsdp2_cpu_offload,vb_all_paged,vb_params_kept",
+               "--budget-kept", "1KB", "--swap-dir", str(tmp_path), "--json", str(out), timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    r = json.loads(out.read_text())
+    v = r["variants"]
+    assert r["benchmark"] == "offload_gpu" and r["machine"]["cpu"]
+    assert v["torchao_offload"]["status"] == "skipped" and "torchao_offload" in r["skipped"]
+    assert v["vb_params_kept"]["status"] == "failed" and "vb_params_kept" in r["failed"]  # 1KB: no plan holds it
+    for name in ("in_memory", "fsdp2_cpu_offload", "vb_all_paged"):
+        assert v[name]["status"] == "ok" and v[name]["step"]["n"] == 2, name
+    assert v["in_memory"]["ratio_vs_in_memory"] == pytest.approx(1.0)
+    assert v["vb_all_paged"]["up_bytes_per_step"] > 0 and v["vb_all_paged"]["down_bytes_per_step"] > 0
+    assert v["vb_all_paged"]["info"]["plan"]["plan"]["page_params"] is True
+    assert len(r["comparison"]) == 5
+    assert "SKIPPED: torchao" in res.stdout and "FAILED" in res.stdout and "against the issue's targets" in res.stdout

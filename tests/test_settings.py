@@ -33,6 +33,8 @@ ENV_ALLOWLIST = {
                                 "that torchrun / SLURM set",
     "apt_model/base/user_cache.py": "XDG_CACHE_HOME (the XDG base-directory convention) after APT_MODEL_CACHE",
     "apt_model/switch/vbrc.py": "XDG_CONFIG_HOME: where the user's .vbrc lives",
+    "apt_model/memory/host.py": "glibc's MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES: a user's own malloc tuning is "
+                                "kept, not overridden",
     "apt_model/devices/backend.py": "a backend's visible-devices variable (CUDA_VISIBLE_DEVICES, "
                                     "ASCEND_RT_VISIBLE_DEVICES...), reported and respected",
     "apt_model/devices/plugins.py": "TORCH_DEVICE_BACKEND_AUTOLOAD, off while torch is imported so a broken "
@@ -169,7 +171,8 @@ def test_the_table_holds_every_packages_entries_once():
     assert SETTING_ENV == {"device_budget": "VB_DEVICE_BUDGET", "host_budget": "VB_HOST_BUDGET",
                            "swap_dir": "VB_SWAP_DIR", "swap_budget": "VB_SWAP_BUDGET",
                            "activation_budget": "VB_ACTIVATION_BUDGET", "checkpoint_policy": "VB_CHECKPOINT_POLICY",
-                           "distributed": "VB_DISTRIBUTED", "compile_warmup_budget": "VB_COMPILE_WARMUP_BUDGET"}
+                           "distributed": "VB_DISTRIBUTED", "compile_warmup_budget": "VB_COMPILE_WARMUP_BUDGET",
+                           "paging_step": "VB_PAGING_STEP", "paging_exact": "VB_PAGING_EXACT"}
     from apt_model.switch import vbrc
     from apt_model.switch.modes import FEATURES
 
@@ -294,6 +297,8 @@ SETTING_CASES = {
     "compile_min_speedup": ("1.1", 1.1, -1, "must be between 0 and 100"),
     "compile_warmup_budget": (60, 60.0, "soon", "is not a number"),
     "compile_recompile_limit": (4, 4, 0, "must be a whole number >= 1"),
+    "paging_step": ("Host", "host", "gpu", "valid values: auto, device, host"),
+    "paging_exact": ("off", False, "maybe", "is not valid; use one of"),
     "device_budget": ("4GiB", "4GiB", "lots", "is not a size"),
     "host_budget": (1 << 30, 1 << 30, 0, "must be a positive size"),
     "swap_dir": ("/tmp", "/tmp", 3, "must be a folder path"),
@@ -341,6 +346,8 @@ ENV_CASES = {
     "VB_COMPILE": ("Override", "override", "inductor"),
     "VB_TF32": ("off", "off", "on"),
     "VB_COMPILE_WARMUP_BUDGET": ("30", 30.0, "-1"),
+    "VB_PAGING_STEP": ("device", "device", "cpu"),
+    "VB_PAGING_EXACT": ("0", False, "maybe"),
     "VB_CHECKPOINTING": ("on", True, "maybe"),
     "VB_ACTIVATION_OFFLOAD": ("0", False, "sometimes"),
     "VB_PAGING": ("tight", "tight", "never"),

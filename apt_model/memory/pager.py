@@ -16,7 +16,10 @@ Policy:
 * **Pins.** A page pinned by a running forward, backward or optimizer chunk is never evicted.
 * **Prefetch.** Loads can start ahead of use on the reader thread; ``acquire`` waits for them.
 * **Writes never race compute.** Acquiring a page whose write is in flight waits for the write.
-  A write that completed at once (the host level's device-to-host copy) frees the page at once.
+  A write that completed at once (the host level's copy with the CPU standing in for a device)
+  frees the page at once; an accelerator's device-to-host copy runs on a copy stream, and the
+  page's device memory is freed only once its event completed (:meth:`reap`, or a wait for room):
+  never while the copy still reads it.
 * **Bounded waits.** Every wait (a read, a write, the lock) gives up after ``VB_SWAP_TIMEOUT``
   seconds with a :class:`~apt_model.memory.swap.SwapTimeoutError` naming the page, its bytes, the
   level and the I/O queues (:mod:`apt_model.memory.waits`).
@@ -45,7 +48,10 @@ Policy:
 The level below is a store (:mod:`apt_model.memory.stores`): the swap files directly on a
 CPU-only run (where the compute level *is* host RAM), or host RAM with its own budget and the swap
 files under it on an accelerator. Memory freed by eviction on the CPU is returned to the OS
-(``malloc_trim``) so the budget shows in the process's RSS, not only in our books.
+(``malloc_trim`` every 64 MB freed and after each optimizer step; blocks of 1 MiB or more are
+unmapped as they are freed, see :func:`~apt_model.memory.host.return_big_blocks_to_os`) so the
+budget shows in the process's RSS, not only in our books; the paging report's ``host_rss`` says
+what the RSS above it is made of.
 """
 from __future__ import annotations
 
@@ -114,12 +120,15 @@ class LevelStats:
         self.bytes_in = 0
         self.bytes_out = 0  # bytes freed from this level by eviction
         self.stall_s = 0.0  # seconds the training thread waited for I/O
+        self.stall_by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}  # of which, when
         self.peak_resident = 0  # bytes: pages resident, loading or writing, plus kept state
         self.over_budget_bytes = 0  # largest excess of the above over the level's budget
 
     def to_dict(self) -> dict:
         return {"hits": self.hits, "misses": self.loads, "faults": self.faults, "bytes_in": self.bytes_in,
-                "bytes_out": self.bytes_out, "stall_s": round(self.stall_s, 4), "peak_resident": self.peak_resident,
+                "bytes_out": self.bytes_out, "stall_s": round(self.stall_s, 4),
+                "stall_s_by_phase": {k: round(v, 4) for k, v in self.stall_by_phase.items()},
+                "peak_resident": self.peak_resident,
                 "over_budget_bytes": self.over_budget_bytes}
 
 
@@ -162,11 +171,16 @@ class Pager:
         self.pages: dict[str, Page] = {}
         self.by_tensor: dict[int, Page] = {}  # id(live tensor) -> page, for fault handling
         self.stats = LevelStats()
+        #: what the training loop is doing, set by the paging hooks (forward, backward, optimizer,
+        #: other): the stall is counted per phase (a label only; on an accelerator the backward
+        #: hooks set it from autograd's thread)
+        self.phase = "other"
         self._lock = TimedLock(f"pager ({self.device} level)")
         self._tick = 0
         self._resident = 0
         self._writing = 0  # bytes of resident pages whose copies below are being written
         self._freed_since_trim = 0
+        self.rss = None  # a host.RSSWatch sampled before each trim (set by the paging session)
         self._deferred: deque[Page] = deque()  # releases asked for by finalizers, applied by the next call
         self._txn: dict[str, tuple[Page, _Saved]] | None = None  # protected pages of the step under way
         self._closed = False
@@ -386,7 +400,9 @@ class Pager:
                                  f"{'from' if what == 'read' else 'to'} the {self.store.level_kind} level below "
                                  f"{self.device}", self.io.describe())
             finally:
-                self.stats.stall_s += time.perf_counter() - t0
+                dt = time.perf_counter() - t0
+                self.stats.stall_s += dt
+                self.stats.stall_by_phase[self.phase] = self.stats.stall_by_phase.get(self.phase, 0.0) + dt
         else:
             fut.result()  # re-raise I/O errors
 
@@ -488,11 +504,27 @@ class Pager:
                 else:
                     t.mul_(factor)
 
+    def zero_lower(self, page: Page) -> bool:
+        """Zero a paged-out page without reading it (``grad.zero_()`` by ``zero_grad(set_to_none=False)``):
+        it loads as zeros next time. Returns False (the caller zeroes it in memory instead) unless
+        the page is only below and unpinned."""
+        with self._lock:
+            if self._live(page) is None or page.state is not State.LOWER or page.pins:
+                return False
+            page.zero_on_load, page.scales, page.cached_norm = True, [], None
+            return True
+
     def defer_scale(self, page: Page, factor: torch.Tensor, foreach: bool) -> bool:
         """Multiply a paged-out page by ``factor`` lazily (on its next load). Returns False if the
         page is resident (the caller multiplies it in place instead)."""
         with self._lock:
-            if self._live(page) is None or page.state is not State.LOWER:
+            if self._live(page) is None:
+                return False
+            if page.state is State.WRITING and page.future is not None:
+                # scaling it in place would wait for this write too, then dirty the page and write
+                # it again: wait (bounded) here and defer instead (an async device-to-host copy)
+                self._finish_write(page, wait=True)
+            if page.state is not State.LOWER:
                 return False
             page.scales.append((factor, foreach))
             page.cached_norm = None
@@ -505,8 +537,8 @@ class Pager:
         if page.dirty or not self.store.has(page):
             page.future = self.store.start_write(page, storage)
             self._set(page, State.WRITING)
-            if page.future.done():  # the host level copies synchronously: free the device bytes now
-                self._finish_write(page, wait=False)
+            if page.future.done():  # a synchronous copy (CPU host level): free the bytes now; an
+                self._finish_write(page, wait=False)  # async one is freed by reap() once its event completed
         else:
             self._free(page)
 
@@ -519,8 +551,7 @@ class Pager:
         self.stats.bytes_out += page.nbytes
         self._freed_since_trim += page.nbytes
         if self.device.type == "cpu" and self._freed_since_trim >= _TRIM_EVERY:
-            release_free_memory()
-            self._freed_since_trim = 0
+            self.trim()
 
     def _finish_write(self, page: Page, wait: bool) -> bool:
         """Complete a page's write; frees it unless pinned. Returns False if still running."""
@@ -721,12 +752,15 @@ class Pager:
             self.trim()
 
     def trim(self) -> None:
-        """Return freed heap memory to the OS now (``malloc_trim``)."""
+        """Return freed heap memory to the OS now (``malloc_trim``), sampling the RSS first."""
+        if self.rss is not None:
+            self.rss.sample()
         release_free_memory()
         self._freed_since_trim = 0
 
-    def materialize(self, page: Page) -> torch.Tensor:
-        """A new CPU tensor with the page's current data (the page stays where it is).
+    def materialize(self, page: Page, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A CPU tensor with the page's current data (the page stays where it is): a new one, or
+        ``out`` (a CPU tensor of the page's shape and dtype) filled in place.
 
         Raises:
             SwapCorruptionError / SwapError: the page is only below and its copy cannot be read;
@@ -742,8 +776,11 @@ class Pager:
                     self._finish_load(page)
                 if page.state is not State.LOWER:
                     with torch._C.DisableTorchFunction():
-                        return t.detach().to("cpu", copy=True)
-            out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                        if out is None:
+                            return t.detach().to("cpu", copy=True)
+                        return out.copy_(t.detach())
+            if out is None:
+                out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
             if page.zero_on_load:
                 out.zero_()
             else:

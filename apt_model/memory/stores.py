@@ -4,13 +4,15 @@
   right below the compute memory, which *is* host RAM). Reads and writes run on the I/O threads.
 * :class:`HostStore` — host RAM below an accelerator: page copies live in a :class:`PinnedPool`
   (pinned slabs allocated once and reused, never per-tensor pinning); when the host budget is
-  full, the least recently used host copies spill to a :class:`DiskStore`.
+  full, the least recently used host copies spill to a :class:`DiskStore`. On an accelerator its
+  copies run on a side copy stream, ordered with events (:mod:`apt_model.devices.streams`).
 
 A store moves bytes between a page's storage on the compute device and itself:
 ``start_write(page, storage) -> Future``, ``start_read(page, storage) -> Future`` and
 ``finish_read(page, storage)`` (the part that must run on the training thread, e.g. the
-host-to-device copy after a disk read), plus ``has``, ``remove``, ``read_to_cpu`` and ``close``;
-and, by key, ``rename(key, new_key)`` (a page's lower copy kept under another name: the previous
+host-to-device copy after a disk read; afterwards the bytes are in ``storage`` for work queued on
+the calling thread's current stream), ``abort_read(page)``, plus ``has``, ``remove``,
+``read_to_cpu`` and ``close``; and, by key, ``rename(key, new_key)`` (a page's lower copy kept under another name: the previous
 version an optimizer step may roll back to) and ``discard(key)``.
 
 A background job holds the storage it reads from or writes into until it ends: the tensor that
@@ -25,10 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
+from apt_model.base.log import get_logger
+from apt_model.devices import streams as device_streams
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import Page, cpu_byte_view
 from apt_model.memory.swap import SwapSpace
-from apt_model.memory.waits import TimedLock
+from apt_model.memory.waits import ENV as WAIT_ENV
+from apt_model.memory.waits import TimedLock, timeout_error, wait_timeout
+
+log = get_logger(__name__)
 
 _ALIGN = 4096
 
@@ -127,6 +134,10 @@ class PinnedPool:
     """Host memory for page copies: slabs of ``slab_bytes`` allocated on demand (pinned when
     ``pin``), up to ``budget`` bytes, sub-allocated first-fit in 4 KiB units and reused.
 
+    The pool knows nothing of copies in flight: its user gives a segment back (:meth:`release`)
+    only once no copy reads or writes it any more (:class:`HostStore` tracks that with the copies'
+    events). Slabs are never freed while the pool lives.
+
     Raises:
         ValueError: for a budget below one 4 KiB unit.
     """
@@ -186,10 +197,54 @@ class PinnedPool:
 class HostStore:
     """Host RAM below an accelerator (Level 1), spilling to disk (Level 2) when full.
 
-    Device-to-host and host-to-device copies run on the training thread (synchronously, from
-    pinned memory); disk traffic runs on the I/O threads. Works for any device whose tensors
-    support ``copy_`` to and from CPU tensors — a CPU "device" too, which is how the test suite
-    exercises the three-level path without an accelerator.
+    **Copies overlap compute on accelerators.** Device-to-host and host-to-device copies run on a
+    side *copy stream* (:class:`~apt_model.devices.streams.CopyStream`), ordered against the
+    calling thread's current (compute) stream with events; the training thread never waits for
+    the device as a whole (no device-wide synchronize), and waits for one copy's event only where
+    the bytes are needed on the host now. Disk traffic runs on the I/O threads. On the CPU (and a
+    device without usable streams and events) the copies are plain synchronous ``copy_`` calls —
+    which is how the test suite exercises the three-level path without an accelerator, with a
+    fake stream layer to make the copies late.
+
+    How each copy is ordered, and when memory is given back:
+
+    * **Device -> host** (:meth:`start_write`): an event is recorded on the compute stream (the
+      page's bytes are final there), the copy stream waits for it, copies into the page's pinned
+      segment (``non_blocking``) and records a *done* event; the returned future's ``done()`` is
+      that event's ``query()`` and ``result(timeout)`` waits for that event only, bounded. The
+      page's device memory is freed by the pager only once that future is done (the page stays
+      WRITING until then, and counts on the level): memory is never handed back to the caching
+      allocator while the copy stream still reads it. This was chosen over ``record_stream``,
+      which frees at once but lets the allocator hold the block for an unknown time — the pager's
+      books would then show free memory the device does not have — and which is not a generic
+      API across device kinds. The copy event also holds the storage until it completes, so a
+      tensor dropped meanwhile (``zero_grad(set_to_none=True)``) cannot free it early either.
+      Until the copy completed, the segment is never spilled to disk (spilling reads it on the
+      CPU) nor reused.
+    * **Host -> device** (:meth:`start_read` / :meth:`finish_read`): a host hit starts the copy at
+      :meth:`start_read` time (so a prefetch overlaps compute), after the point the compute stream
+      had reached (the page's device memory was just handed out by the caching allocator on the
+      compute stream: earlier kernels there may still use the block); a page read from disk is
+      copied at :meth:`finish_read` (after its disk read completed), after the point compute had
+      reached at :meth:`start_read`. :meth:`finish_read` makes the compute stream wait for the
+      copy's event on the device — the host does not block. The host segment stays *in flight*
+      (not spillable, not reusable) until that event completed; it is given back lazily: every
+      call that needs room first releases the segments whose copies completed, and when only
+      in-flight segments are left, waits for the oldest copy's event (bounded), not the device.
+    * :meth:`abort_read` and :meth:`discard` of a page whose copy to the device is in flight make
+      the compute stream wait for it before the caller frees the page's device memory.
+
+    Args:
+        device: the compute device.
+        budget: bytes of the host level (the pinned pool's budget).
+        disk: the level below (swap files).
+        pin: pin the slabs (default: on any device but the CPU).
+
+    Raises:
+        HostLevelFullError: (from :meth:`start_write` / :meth:`start_read`) no room is left but
+            pages read into the level and not yet copied to the device.
+        SwapTimeoutError: (idem, and :meth:`read_to_cpu`) a copy whose segment was needed did not
+            complete within ``VB_SWAP_TIMEOUT`` seconds.
     """
 
     level_kind = "host"
@@ -206,7 +261,16 @@ class HostStore:
         self.hits = self.misses = self.spills = 0
         self.bytes_in = self.bytes_out = 0
         self._nbytes: dict[str, int] = {}
-        self._inflight: set[str] = set()  # read from disk into the host, not yet copied to the device
+        self._inflight: set[str] = set()  # being read (start_read), not yet finished: never spilled
+        self._from_disk: set[str] = set()  # of those, the ones read from disk into the host (misses)
+        #: the side stream of the copies (None: synchronous copies, the CPU)
+        self.copies: device_streams.CopyStream | None = device_streams.copy_stream(self.device)
+        # segments with a copy in flight, in issue order: id(segment) -> (segment, its latest copy)
+        self._copying: dict[int, tuple[Segment, device_streams.CopyEvent]] = {}
+        self._orphans: dict[int, Segment] = {}  # released while a copy was in flight: freed when it completes
+        self._loads: dict[str, device_streams.CopyEvent] = {}  # host-to-device copies started by start_read
+        self._marks: dict[str, object] = {}  # misses: where compute was at start_read (the copy starts after it)
+        self.copy_waits = 0  # host waits for one copy's event, to get room
 
     # ---------------------------------------------------------------- host residency
     def _touch(self, key: str) -> None:
@@ -220,8 +284,49 @@ class HostStore:
         seg = self.entries[key]
         return cpu_byte_view(self.pool.slabs[seg.slab].untyped_storage())[seg.offset:seg.offset + self._nbytes[key]]
 
+    def _track(self, seg: Segment, event: device_streams.CopyEvent) -> None:
+        """``event`` is the latest copy reading or writing ``seg`` (copies on the one copy stream
+        complete in issue order: it completing means every earlier one did)."""
+        self._copying.pop(id(seg), None)
+        self._copying[id(seg)] = (seg, event)
+
+    def _reclaim(self) -> None:
+        """Forget the copies that completed; give their released segments back to the pool."""
+        for sid, (seg, event) in list(self._copying.items()):
+            if event.done():
+                del self._copying[sid]
+                orphan = self._orphans.pop(sid, None)
+                if orphan is not None:
+                    self.pool.release(orphan)
+
+    def _release(self, seg: Segment) -> None:
+        """Give ``seg`` back to the pool — once its copy in flight, if any, completed."""
+        if id(seg) in self._copying:
+            self._orphans[id(seg)] = seg
+        else:
+            self.pool.release(seg)
+
+    def _busy(self, seg: Segment) -> bool:
+        return id(seg) in self._copying
+
+    def _wait_copy(self, seg: Segment, event: device_streams.CopyEvent, why: str) -> None:
+        """Block (bounded) until ``event`` — one copy — completed, then reclaim.
+
+        Raises:
+            SwapTimeoutError: it did not complete within the wait limit.
+        """
+        limit = wait_timeout()
+        if not event.wait(limit):
+            raise timeout_error(
+                f"waited {limit:g} s for a copy between {self.device} and the host level (a {seg.nbytes}-byte "
+                f"segment, {len(self._copying)} copies in flight) {why}; it has not completed; raise {WAIT_ENV} "
+                "if the device is only busy, else look for a hung device")
+        self.copy_waits += 1
+        self._reclaim()
+
     def _spill_one(self, protect: str) -> bool:
-        victims = sorted((k for k in self.entries if k != protect and k not in self._inflight),
+        victims = sorted((k for k in self.entries if k != protect and k not in self._inflight
+                          and not self._busy(self.entries[k])),
                          key=lambda k: self._lru.get(k, 0))
         if not victims:
             return False
@@ -240,19 +345,27 @@ class HostStore:
     def _segment_for(self, key: str, nbytes: int) -> Segment:
         seg = self.entries.get(key)
         if seg is not None and seg.nbytes >= nbytes:
-            return seg
+            return seg  # a copy in flight on it is ordered before the next one (same copy stream)
         if seg is not None:
-            self.pool.release(self.entries.pop(key))
+            self._release(self.entries.pop(key))
         while True:
             seg = self.pool.alloc(nbytes)
             if seg is not None:
                 break
-            if not self._spill_one(protect=key):
-                raise HostLevelFullError(
-                    f"the host level ({self.pool.budget} bytes, {self.pool.used} in use) cannot hold the "
-                    f"{nbytes}-byte page {key} next to the {len(self._inflight)} page(s) read into it and not yet "
-                    "copied to the device; raise VB_HOST_BUDGET", in_flight=len(self._inflight)
-                )
+            if self._spill_one(protect=key):
+                continue
+            # the room is held by copies in flight: wait for the oldest (one event) whose segment it
+            # frees or makes spillable (not one of a page waiting for finish_read: that frees nothing)
+            waiting = {id(self.entries[k]) for k in self._inflight if k in self.entries}
+            held = next((pair for sid, pair in self._copying.items() if sid not in waiting), None)
+            if held is not None:
+                self._wait_copy(held[0], held[1], f"to make room for the {nbytes}-byte page {key}")
+                continue
+            raise HostLevelFullError(
+                f"the host level ({self.pool.budget} bytes, {self.pool.used} in use) cannot hold the "
+                f"{nbytes}-byte page {key} next to the {len(self._inflight)} page(s) read into it and not yet "
+                "copied to the device; raise VB_HOST_BUDGET", in_flight=len(self._inflight)
+            )
         self.entries[key] = seg
         self._nbytes[key] = nbytes
         return seg
@@ -262,50 +375,120 @@ class HostStore:
         return page.key in self.entries or page.key in self.on_disk
 
     def start_write(self, page: Page, storage: torch.UntypedStorage) -> Future:
+        """Copy the page's device bytes into its host segment.
+
+        Returns:
+            a future: done at once on the CPU; on an accelerator an
+            :class:`~apt_model.devices.streams.EventFuture` done when the copy's event completed
+            (the device memory must not be freed before).
+        """
         with self._lock:
-            self._segment_for(page.key, page.nbytes)
-            self._host_bytes(page.key).copy_(byte_view(storage, 0, page.nbytes))  # device -> host
+            self._reclaim()
+            seg = self._segment_for(page.key, page.nbytes)
+            dst, src = self._host_bytes(page.key), byte_view(storage, 0, page.nbytes)
+            try:
+                if self.copies is None:
+                    dst.copy_(src)  # device -> host
+                    fut = _done()
+                else:
+                    event = self.copies.copy(dst, src, keep=(storage,))  # device -> host, after compute
+                    self._track(seg, event)
+                    fut = device_streams.EventFuture(
+                        event, f"copy of page {page.label} ({page.nbytes} bytes) from {self.device} to the host level")
+            except BaseException:
+                self._release(self.entries.pop(page.key))  # half-written: the disk copy, if any, stays current
+                self._nbytes.pop(page.key, None)
+                raise
             self.on_disk.discard(page.key)  # the disk copy, if any, is stale now
             self.disk.remove(page)
             self._touch(page.key)
             self.bytes_in += page.nbytes
-        return _done()
+        return fut
 
     def start_read(self, page: Page, storage: torch.UntypedStorage) -> Future:
+        """Start bringing the page into ``storage`` (device memory already allocated): a host hit
+        starts its host-to-device copy now; a miss reads the page from disk into a host segment
+        on an I/O thread. :meth:`finish_read` completes either (after the returned future)."""
         with self._lock:
+            self._reclaim()
             self._touch(page.key)
             if page.key in self.entries:
                 self.hits += 1
                 self._inflight.add(page.key)  # held until finish_read copies it up: never spilled before
+                if self.copies is not None:
+                    try:
+                        event = self.copies.copy(byte_view(storage, 0, page.nbytes), self._host_bytes(page.key),
+                                                 keep=(storage,))  # host -> device, overlapping compute
+                    except BaseException:
+                        self._inflight.discard(page.key)
+                        raise
+                    self._track(self.entries[page.key], event)
+                    self._loads[page.key] = event
                 return _done()
             self.misses += 1
             self._segment_for(page.key, page.nbytes)
             self._inflight.add(page.key)
+            self._from_disk.add(page.key)
+            if self.copies is not None:
+                self._marks[page.key] = self.copies.mark()  # the device memory is safe to write after this
             view, key = self._host_memoryview(page.key), page.key
             return self.disk.io.submit_read(page.nbytes, lambda: self.disk.swap.read_into(key, view),
                                             f"read of page {page.label} ({page.nbytes} bytes) into the host level")
 
     def finish_read(self, page: Page, storage: torch.UntypedStorage) -> None:
+        """Complete a read (its future done): the page's bytes are in ``storage`` for any work
+        queued on the calling thread's current stream from now on (on an accelerator the compute
+        stream waits for the copy on the device; the host does not block)."""
         with self._lock:
+            key = page.key
             try:
-                byte_view(storage, 0, page.nbytes).copy_(self._host_bytes(page.key))  # host -> device
+                event = self._loads.pop(key, None)
+                after = self._marks.pop(key, None)
+                if self.copies is None:
+                    byte_view(storage, 0, page.nbytes).copy_(self._host_bytes(key))  # host -> device
+                else:
+                    if event is None:  # read from disk: copy it up now
+                        event = self.copies.copy(byte_view(storage, 0, page.nbytes), self._host_bytes(key),
+                                                 after=after, keep=(storage,))
+                        self._track(self.entries[key], event)
+                    self.copies.join(event)
             finally:
-                self._inflight.discard(page.key)
+                self._inflight.discard(key)
+                self._from_disk.discard(key)
             self.bytes_out += page.nbytes
 
+    def _cancel_load(self, key: str) -> None:
+        """A load of ``key`` ends without :meth:`finish_read`: the caller frees the page's device
+        memory next, so a copy into it still in flight must come before any later use of that
+        memory on the compute stream (where the caching allocator hands it out again)."""
+        self._marks.pop(key, None)
+        event = self._loads.pop(key, None)
+        if event is not None and self.copies is not None:
+            self.copies.join(event)
+
     def abort_read(self, page: Page) -> None:
-        """A disk read into the host failed: its host segment holds nothing valid."""
+        """A read did not complete: a page read from disk leaves nothing valid in its host segment
+        (given back); a host hit keeps its host copy (it may be the only one)."""
         with self._lock:
+            self._cancel_load(page.key)
             if page.key in self._inflight:
                 self._inflight.discard(page.key)
-                seg = self.entries.pop(page.key, None)
-                if seg is not None:
-                    self.pool.release(seg)
+                if page.key in self._from_disk:
+                    self._from_disk.discard(page.key)
+                    seg = self.entries.pop(page.key, None)
+                    if seg is not None:
+                        self._release(seg)
 
     def read_to_cpu(self, page: Page, out: torch.Tensor) -> None:
+        """Copy the page's lower copy into the CPU tensor ``out`` (waiting, bounded, for a copy
+        still writing its host segment)."""
         with self._lock:
+            self._reclaim()
             dst = byte_view(out.untyped_storage(), 0, page.nbytes)
             if page.key in self.entries:
+                seg = self.entries[page.key]
+                if self._busy(seg):
+                    self._wait_copy(seg, self._copying[id(seg)][1], f"to read page {page.label} on the host")
                 dst.copy_(self._host_bytes(page.key))
             else:
                 self.disk.read_to_cpu(page, out)
@@ -316,10 +499,12 @@ class HostStore:
     def discard(self, key: str) -> None:
         """Forget the copies (host and disk) stored under ``key``."""
         with self._lock:
+            self._cancel_load(key)
             self._inflight.discard(key)
+            self._from_disk.discard(key)
             seg = self.entries.pop(key, None)
             if seg is not None:
-                self.pool.release(seg)
+                self._release(seg)
             self._nbytes.pop(key, None)
             self._lru.pop(key, None)
             self.on_disk.discard(key)
@@ -333,9 +518,16 @@ class HostStore:
                 return False
             self.discard(new_key)
             if key in self.entries:
-                self.entries[new_key] = self.entries.pop(key)
+                self.entries[new_key] = self.entries.pop(key)  # a copy in flight follows its segment
                 self._nbytes[new_key] = self._nbytes.pop(key)
                 self._lru[new_key] = self._lru.pop(key, 0)
+            for held in (self._inflight, self._from_disk):
+                if key in held:
+                    held.discard(key)
+                    held.add(new_key)
+            for pending in (self._loads, self._marks):
+                if key in pending:
+                    pending[new_key] = pending.pop(key)
             if key in self.on_disk:
                 self.on_disk.discard(key)
                 self.on_disk.add(new_key)
@@ -349,9 +541,23 @@ class HostStore:
         return self.disk.describe(key)
 
     def stats(self) -> dict:
+        """The level's figures: bytes resident, capacity and moved in/out, hits, misses, spills,
+        whether copies run on a copy stream (``async_copies``), the copies in flight now and the
+        host waits for one copy's event (``copy_waits``), and the disk level's."""
         return {"resident_bytes": self.pool.used, "capacity": self.pool.budget, "pinned": self.pool.pin,
                 "slabs": len(self.pool.slabs), "hits": self.hits, "misses": self.misses, "spills_to_disk": self.spills,
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "disk": self.disk.stats()}
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "async_copies": self.copies is not None,
+                "copies_in_flight": len(self._copying), "copy_waits": self.copy_waits, "disk": self.disk.stats()}
 
     def close(self) -> None:
+        """Let the copies in flight complete (their events, not the device; all within one wait
+        limit — copies left over are logged), then close the disk level."""
+        with self._lock:
+            self._reclaim()
+            deadline = time.monotonic() + wait_timeout()
+            for seg, event in list(self._copying.values()):
+                if not event.wait(max(0.0, deadline - time.monotonic())):
+                    log.warning("host level: a copy of a %d-byte segment to or from %s did not complete at close",
+                                seg.nbytes, self.device)
+            self._reclaim()
         self.disk.close()

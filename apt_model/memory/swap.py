@@ -365,6 +365,7 @@ class SwapSpace:
         self.budget = budget
         self.direct = supports_direct_io(self.folder)
         self._tls = threading.local()
+        self._staged: dict[int, int] = {}  # thread id -> bytes of its staging buffer touched so far (RSS)
         self.bytes_on_disk = 0
         self._records: dict[str, SwapRecord] = {}
         # files of removed pages, left at their size for the page's next write (path -> bytes);
@@ -423,7 +424,16 @@ class SwapSpace:
             if buf is not None:
                 buf.close()
             buf = self._tls.buf = mmap.mmap(-1, max(n, _CHUNK))
+        me = threading.get_ident()
+        if n > self._staged.get(me, 0):  # its pages stay resident once touched
+            self._staged[me] = min(n, len(buf))
         return buf
+
+    @property
+    def staging_bytes(self) -> int:
+        """Resident bytes of the I/O threads' O_DIRECT staging buffers (0 without O_DIRECT): each
+        thread's buffer, as far as it was touched — up to 8 MiB (one I/O call) per thread."""
+        return sum(self._staged.values())
 
     def _path_for(self, key: str, old: SwapRecord | None) -> Path:
         """The file for a new write of ``key``: its previous file (overwritten in place), else the

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.log import get_logger
+from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
@@ -61,6 +62,10 @@ class PagingSession:
         else:
             self.pager = Pager(budget, swap, device=device)
         self.swap = swap
+        if device.type == "cpu":  # the compute level is host RAM: freed pages must leave the RSS at once
+            return_big_blocks_to_os()
+        self.host_rss = RSSWatch()  # the process's RSS from the first page-out on (report: host_rss)
+        self.pager.rss = self.host_rss
         self.patches = patches
         self.models: list[PagedModel] = []
         self.param_pages: dict[int, Page] = {}
@@ -68,13 +73,16 @@ class PagingSession:
         self.params: dict[int, nn.Parameter] = {}
         self.labels: dict[int, str] = {}
         self.optimizers = OptimizerPaging(self, page_states)
+        self.host_step = None  # a HostStep once a model's plan steps its optimizer on the host
         self._traffic_marks: dict[int, tuple] = {}  # step -> counters after it (the first and the last)
         self.optimizers.after_step.append(self._mark_traffic)
+        self.optimizers.after_step.append(lambda step: self.host_rss.sample())
         self._bw_pinned: dict[int, Page] = {}
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
         self.forward_depth = 0  # > 0 while a paged model's forward runs
+        self.uncovered_accesses = 0  # ops in a forward on a paged tensor no module hook had pinned
         self._lock = TimedLock("paging session")
         self.mode = PageFaultMode(self.pager.by_tensor, self)
         self.mode.__enter__()
@@ -125,7 +133,32 @@ class PagingSession:
             self.patches.add_handle(unit.module.register_load_state_dict_post_hook(
                 SessionHook(lambda m, keys, u=unit: self.pager.release(u.pages, evict=True))),
                 f"paging load post-hook {unit.name}")
+        if self.host_rss.start is None:
+            self.host_rss.begin()  # the first model is paged out (and trimmed): growth counts from here
         return pm
+
+    def step_on_host(self, model: nn.Module, exact: bool) -> None:
+        """Step ``model``'s parameters on the host from now on (see :mod:`~apt_model.memory.paging.host_step`);
+        the host copies, states and gradient buffers come out of the host level's budget.
+
+        Args:
+            exact: keep the kernels the user's optimizer would use (else the CPU's fused kernel
+                where there is one).
+        """
+        from apt_model.memory.paging.host_step import HostStep
+
+        if self.host_step is None:
+            self.host_step = HostStep(self, fused=not exact)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.host_step.add(params)
+        pool = getattr(self.pager.store, "pool", None)
+        if pool is not None:
+            from apt_model.memory.placement import model_state_sizes
+
+            p_bytes, t_bytes = model_state_sizes(model)
+            need = p_bytes + 3 * t_bytes  # host copies, gradient buffers, Adam's m and v
+            pool.budget = max(pool.budget - need, 4096)
+            pool.slab_bytes = min(pool.slab_bytes, pool.budget)
 
     def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> None:
         from apt_model.memory.placement import model_state_sizes
@@ -171,7 +204,9 @@ class PagingSession:
                 for p in fresh:
                     self._bw_pinned[id(p)] = p
             if not self._callback_queued:
+                self.pager.phase = "backward"
                 self._callback_queued = True
+                self.host_rss.sample()  # a backward starts: activations and the first gradients peak here
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def forward_starts(self) -> None:
@@ -200,6 +235,7 @@ class PagingSession:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self.pager.phase = "other"
         self.release_backward_pins()
         if self.optimizers.first_chunk:  # the optimizer step usually comes next: start its reads
             self.pager.prefetch(self.optimizers.first_chunk)
@@ -258,12 +294,18 @@ class PagingSession:
                     continue  # its tensor was dropped or replaced: the old one has its bytes back
                 if page.pins > 0 or page.state is State.ABSENT:
                     continue
+                if self.forward_depth:
+                    self.uncovered_accesses += 1  # a forward needs the op-level handler (see paging/model.py)
                 loaded = page.state is not State.RESIDENT
                 if loaded:
                     self.pager.stats.faults += 1
                 self.pager.acquire([page], for_write=True)  # unknown access: it may write through an alias
                 held.append((page, loaded))
         return held
+
+    def zero_lower(self, page: Page) -> bool:
+        """Fault handler: zero a paged-out tensor without reading it (see ``Pager.zero_lower``)."""
+        return self.pager.zero_lower(page)
 
     def exit(self, held: list[tuple[Page, bool]], output) -> None:
         """Fault handler, after the op: keep pages the output aliases; release the rest."""
@@ -280,7 +322,9 @@ class PagingSession:
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.device.type == self.pager.device.type:
                     page = by_ptr.get(t.untyped_storage().data_ptr())
-                    if page is not None:
+                    # an in-place op returns the paged tensor itself (``p.grad.zero_()``): that is
+                    # the page's own tensor, freed and refilled by paging, not an alias to protect
+                    if page is not None and t is not page.bound():
                         self.pager.acquire([page])
                         weakref.finalize(t, self._release_alias, page)
             for page, loaded in held:
@@ -295,6 +339,20 @@ class PagingSession:
         # pager lock waiting for that thread, so it only queues the release (no lock taken here)
         if not self.pager._closed:
             self.pager.defer_release(page)
+
+    def suspend_fault_handler(self) -> bool:
+        """Take the page-fault handler off this thread's torch-function mode stack, if it is on
+        top (a mode pushed above it stays untouched, and so does the handler). Returns whether it
+        was taken off; :meth:`restore_fault_handler` puts it back."""
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not stack or stack[-1] is not self.mode:
+            return False
+        torch._C._pop_torch_function_stack()
+        return True
+
+    def restore_fault_handler(self) -> None:
+        """Put the handler taken off by :meth:`suspend_fault_handler` back on the stack."""
+        torch._C._push_on_torch_function_stack(self.mode)
 
     # ------------------------------------------------------------------ state_dict
     def _pause_faults(self) -> None:
@@ -352,7 +410,33 @@ class PagingSession:
             "models": [m.describe() for m in self.models],
             "kept_resident": self.kept,
             "optimizer_steps": self.optimizers.steps,
+            "host_rss": self.host_rss_report(),
+            "host_step": self.host_step.report() if self.host_step is not None else None,
         }
+
+    def host_rss_report(self) -> dict:
+        """What the process's RSS above its value at the first page-out is made of, in bytes:
+        ``budget`` (the host bytes paging may hold: the level budget on a CPU-only run, plus the
+        host level's), ``rss_at_start``, ``peak_rss_growth`` (sampled: see ``note``),
+        ``pages_resident_peak`` (the pager's peak on a CPU-only run, plus the host level's slabs),
+        ``staging_buffers`` (the swap I/O threads' O_DIRECT buffers), ``other`` (the growth minus
+        those two) and ``samples``."""
+        store, w = self.pager.store, self.host_rss
+        on_host = self.pager.device.type == "cpu"
+        budget = self.level_budget if on_host else 0
+        pages = self.pager.stats.peak_resident if on_host else 0
+        pool = getattr(store, "pool", None) if store.level_kind == "host" else None
+        if pool is not None:
+            budget += int(pool.budget)
+            pages += sum(int(s.numel() * s.element_size()) for s in pool.slabs)  # allocated once, kept
+        staging = int(getattr(self.swap, "staging_bytes", 0))
+        growth = w.growth
+        return {"budget": budget, "rss_at_start": w.start, "peak_rss_growth": growth, "pages_resident_peak": pages,
+                "staging_buffers": staging, "other": growth - pages - staging, "samples": w.samples,
+                "note": "RSS sampled at each backward's start, each optimizer step's end and before each "
+                        "malloc_trim (no thread: a lower bound of the peak); 'other' is activations, autograd's "
+                        "saved tensors, optimizer temporaries, freed memory the allocator still holds, code and "
+                        "Python objects loaded since the start; the page cache of the swap files is not RSS"}
 
     def residency(self, levels) -> dict[str, int]:
         """Bytes of paged training state per level now (cheap counters only).
@@ -381,13 +465,14 @@ class PagingSession:
         """This session's figures for one level of the stack (read-only): for level 0 the pager's
         resident bytes, peak, traffic (bytes), hits/misses/faults and stall seconds; for a host
         level below the device its resident bytes, traffic, hits/misses and spills; for the NVMe
-        level the bytes on disk, bytes written/read, GB/s and operation counts. ``{}`` for a
+        level the bytes on disk, bytes written/read, GB/s and operation counts. Level 0's stall is also
+        split by phase (``stall_s_by_phase``: forward, backward, optimizer, other). ``{}`` for a
         level the session does not use.
         """
         if level.index == 0:
             pr = self.pager.report()
             return {k: pr[k] for k in ("resident_bytes", "peak_resident", "bytes_in", "bytes_out", "hits", "misses",
-                                       "faults", "stall_s", "over_budget_bytes")}
+                                       "faults", "stall_s", "stall_s_by_phase", "over_budget_bytes")}
         if level.kind == "host":
             hs = self.pager.store.stats() if self.pager.store.level_kind == "host" else {}
             return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_out", "hits", "misses", "spills_to_disk")}
@@ -407,19 +492,22 @@ class PagingSession:
 
     def _mark_traffic(self, step: int) -> None:
         marks = self._traffic_marks
+        now = (step, *self._counters(), dict(self.pager.stats.stall_by_phase))
         if step == 1 or 1 not in marks:
-            marks[1] = (step, *self._counters())
-        marks[0] = (step, *self._counters())  # the latest
+            marks[1] = now
+        marks[0] = now  # the latest
 
     def traffic(self) -> dict | None:
         """What paging moved per optimizer step, measured: the steps after the first (which also
         pages everything out once), averaged. ``read_bytes_per_step`` (moved up into level 0),
         ``write_bytes_per_step`` (written to the level below), ``stall_s_per_step`` (the training
-        thread waiting for pages), over ``steps`` steps; None before two steps."""
+        thread waiting for pages) and ``stall_s_per_step_by_phase`` (forward, backward, optimizer,
+        other), over ``steps`` steps; None before two steps."""
         first, last = self._traffic_marks.get(1), self._traffic_marks.get(0)
         if first is None or last is None or last[0] <= first[0]:
             return None
         n = last[0] - first[0]
         return {"steps": n, "read_bytes_per_step": (last[1] - first[1]) // n,
                 "write_bytes_per_step": (last[2] - first[2]) // n,
-                "stall_s_per_step": round((last[3] - first[3]) / n, 4)}
+                "stall_s_per_step": round((last[3] - first[3]) / n, 4),
+                "stall_s_per_step_by_phase": {k: round((v - first[4].get(k, 0.0)) / n, 4) for k, v in last[4].items()}}

@@ -1,0 +1,614 @@
+"""The host level's copies on a side copy stream, ordered with events (issue 15, "overlap on
+accelerators"), checked on the CPU by construction.
+
+A fake stream and event layer is injected at the device-layer boundary
+(:func:`apt_model.devices.streams.stream_ops`): the CPU stands in for the device, the compute
+stream is the training thread itself (its work is done as soon as it is queued), and the copy
+stream *queues* its copies and runs them late — when an event behind them completes (after a
+number of queries of that event, or when the test says so) or, for the data only, when the
+compute stream is made to wait for them. A copy's destination is poisoned (NaN bytes) when it is
+queued, so reading it before the copy ran shows; a copy whose source or destination memory was
+freed before it ran is recorded as a violation and poisons its destination. While a copy's event
+has not completed, the memory it touches is watched: a pinned-pool segment released, handed out
+again, or spilled to the swap files over it is recorded as a violation.
+
+So a premature free, a premature spill or reuse, or a missing wait corrupts data or is observed.
+"""
+from __future__ import annotations
+
+import ctypes
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from apt_model.devices import streams
+from apt_model.memory import waits
+from apt_model.memory.stores import PinnedPool
+from apt_model.memory.swap import SwapSpace, SwapTimeoutError
+from apt_model.models.gpt import GPT, GPTConfig
+
+PAGE = 16 * 1024  # bytes of a 4096-float page
+
+
+# ------------------------------------------------------------------ the fake stream layer
+class FakeStream:
+    def __init__(self, name: str, compute: bool, stream_id: int):
+        self.name, self.compute, self.stream_id = name, compute, stream_id
+        self.queue: list[tuple[str, object]] = []  # ("wait", event) / ("copy", FakeCopy) / ("event", event)
+
+
+class FakeEvent:
+    def __init__(self, n: int):
+        self.n = n
+        self.stream: FakeStream | None = None
+        self.completed = False
+        self.queries = 0
+
+
+class FakeCopy:
+    """A queued copy. Like a device stream, it holds no reference to the tensors it moves: if
+    nothing else keeps them alive, their memory is gone when the copy runs."""
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor, seq: int):
+        self.dst, self.src, self.seq = weakref.ref(dst), weakref.ref(src), seq
+        self.ran = False
+        self.dst_range = (dst.data_ptr(), dst.data_ptr() + dst.numel())
+        self.src_range = (src.data_ptr(), src.data_ptr() + src.numel())
+        self.ranges = (self.dst_range, self.src_range)
+
+
+def _alive(t: torch.Tensor) -> bool:
+    return t.untyped_storage().nbytes() >= (t.storage_offset() + t.numel()) * t.element_size()
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
+class FakeOps:
+    """The :class:`~apt_model.devices.streams.StreamOps` interface with late copies.
+
+    Args:
+        after: queries of an event after which it completes by itself (None: only when the test
+            calls :meth:`complete_all`, or an unbounded wait synchronizes it).
+    """
+
+    def __init__(self, after: int | None = 3):
+        self.device = torch.device("cpu")
+        self.after = after
+        self.compute = FakeStream("compute", True, 0)
+        self.side: list[FakeStream] = []
+        self.violations: list[str] = []
+        self.copies = self.joins = self.late_queries = self.event_syncs = 0
+        self._events = 0
+
+    # the StreamOps interface
+    def current_stream(self):
+        return self.compute
+
+    def new_stream(self):
+        s = FakeStream(f"copy{len(self.side)}", False, len(self.side) + 1)
+        self.side.append(s)
+        return s
+
+    def new_event(self):
+        self._events += 1
+        return FakeEvent(self._events)
+
+    def record(self, event, stream):
+        event.stream = stream
+        if stream.compute:
+            event.completed = True  # the training thread's work is done when it is queued
+        else:
+            stream.queue.append(("event", event))
+
+    def wait_event(self, stream, event):
+        if stream.compute:  # compute waits for a copy: what compute does next sees its bytes
+            self.joins += 1
+            if event.stream is not None and not event.completed:
+                self._run_until(event)
+        else:
+            stream.queue.append(("wait", event))
+
+    def query(self, event) -> bool:
+        event.queries += 1
+        if not event.completed and self.after is not None and event.queries >= self.after:
+            self._complete(event)
+        if not event.completed:
+            self.late_queries += 1
+        return event.completed
+
+    def synchronize_event(self, event) -> None:
+        self.event_syncs += 1
+        self._complete(event)
+
+    def copy(self, dst, src, stream):
+        if stream.compute:
+            self.violations.append("a copy was queued on the compute stream")
+        self.copies += 1
+        q = stream.queue
+        after_compute = bool(q) and q[-1][0] == "wait" and q[-1][1].stream is self.compute
+        if not after_compute:
+            self.violations.append(f"copy {self.copies} was not ordered after the compute stream")
+        c = FakeCopy(dst, src, self.copies)
+        # a destination nothing queued before reads is poisoned: reading it before the copy ran shows as NaN
+        if not any(_overlap(c.dst_range, p.src_range) for p in self.pending()):
+            dst.fill_(0xFF)
+        q.append(("copy", c))
+
+    # test control and checks
+    def pending(self) -> list[FakeCopy]:
+        """Copies whose completion event has not completed (their memory is in use)."""
+        return [op for s in self.side for kind, op in s.queue if kind == "copy"]
+
+    def in_flight(self, lo: int, hi: int) -> FakeCopy | None:
+        return next((c for c in self.pending() for r in c.ranges if _overlap((lo, hi), r)), None)
+
+    def delay(self, n: int) -> None:
+        """From now on, every event completes at its ``n``-th query from now."""
+        self.after = n
+        for s in self.side:
+            for kind, op in s.queue:
+                if kind == "event":
+                    op.queries = 0
+
+    def complete_all(self) -> None:
+        for s in self.side:
+            while s.queue:
+                self._pop(s)
+
+    def _run(self, c: FakeCopy) -> None:
+        if c.ran:
+            return
+        c.ran = True
+        src, dst = c.src(), c.dst()
+        for t, role in ((src, "source"), (dst, "destination")):
+            if t is None or not _alive(t):
+                self.violations.append(f"copy {c.seq}: its {role} was freed before the copy ran")
+                if dst is not None and _alive(dst):
+                    dst.fill_(0xFF)
+                return
+        dst.copy_(src)
+
+    def _run_until(self, event) -> None:
+        for kind, op in event.stream.queue:
+            if kind == "copy":
+                self._run(op)
+            elif kind == "event" and op is event:
+                return
+
+    def _pop(self, s: FakeStream) -> FakeEvent | None:
+        kind, op = s.queue.pop(0)
+        if kind == "copy":
+            self._run(op)
+        elif kind == "event":
+            op.completed = True
+            return op
+        return None
+
+    def _complete(self, event) -> None:
+        s = event.stream
+        while not event.completed and s.queue:  # in order: every earlier copy and event first
+            self._pop(s)
+        event.completed = True
+
+
+def _address(view: memoryview) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) if len(view) else 0
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A FakeOps injected for the CPU, with watches on the pinned pool and the spills."""
+    ops = FakeOps()
+    monkeypatch.setattr(streams, "stream_ops", lambda device: ops if torch.device(device).type == "cpu" else None)
+
+    release, alloc, write = PinnedPool.release, PinnedPool.alloc, SwapSpace.write
+
+    def seg_range(pool, seg):
+        base = pool.slabs[seg.slab].data_ptr() + seg.offset
+        return base, base + seg.nbytes
+
+    def watched_release(pool, seg):
+        c = ops.in_flight(*seg_range(pool, seg))
+        if c is not None:
+            ops.violations.append(f"a host segment was given back to the pool while copy {c.seq} used it")
+        return release(pool, seg)
+
+    def watched_alloc(pool, nbytes):
+        seg = alloc(pool, nbytes)
+        c = ops.in_flight(*seg_range(pool, seg)) if seg is not None else None
+        if c is not None:
+            ops.violations.append(f"a host segment was handed out again while copy {c.seq} used it")
+        return seg
+
+    def watched_write(swap, key, data):
+        lo = _address(data)
+        c = ops.in_flight(lo, lo + len(data)) if lo else None
+        if c is not None:
+            ops.violations.append(f"{key} was spilled to disk while copy {c.seq} used its host segment")
+        return write(swap, key, data)
+
+    monkeypatch.setattr(PinnedPool, "release", watched_release)
+    monkeypatch.setattr(PinnedPool, "alloc", watched_alloc)
+    monkeypatch.setattr(SwapSpace, "write", watched_write)
+    return ops
+
+
+@pytest.fixture
+def short_waits():
+    previous = waits.set_wait_timeout(0.3)
+    yield
+    waits.set_wait_timeout(previous)
+
+
+def pager_with_host_level(tmp_path, host_budget: int, budget: int = 1 << 30):
+    from apt_model.memory.io_engine import IOEngine
+    from apt_model.memory.pager import Pager
+    from apt_model.memory.stores import DiskStore, HostStore
+
+    io = IOEngine()
+    swap = SwapSpace(tmp_path)
+    store = HostStore("cpu", host_budget, DiskStore(swap, io))
+    return Pager(budget, swap, io=io, store=store, device="cpu"), store
+
+
+def register(pager, t, label: str):
+    """Page ``t`` (a tensor, or a function returning the page's tensor)."""
+    from apt_model.memory.pages import Category
+
+    return pager.register(Category.PARAM, t if callable(t) else (lambda t=t: t), label)
+
+
+# ------------------------------------------------------------------ training through the three levels
+def gpt(seed=0):
+    torch.manual_seed(seed)
+    return GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.1))
+
+
+def train(m, opt, steps, accum=2, clip=0.5, device="cpu"):
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for _ in range(accum):
+            x = torch.randint(0, 256, (4, 32), generator=gen).to(device)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)) / accum
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def state_of(m, opt):
+    params = {k: v.detach().clone().cpu() for k, v in m.state_dict().items()}
+    states = {i: {k: torch.as_tensor(v).clone().cpu() for k, v in st.items()}
+              for i, st in opt.state_dict()["state"].items()}
+    return params, states
+
+
+def assert_bitwise(a, b):
+    (pa, sa), (pb, sb) = a, b
+    assert pa.keys() == pb.keys() and sa.keys() == sb.keys()
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    for i in sa:
+        for k in sa[i]:
+            assert torch.equal(sa[i][k], sb[i][k]), (i, k)
+
+
+@pytest.mark.parametrize("after,host_budget", [(1, 4 << 20), (4, 4 << 20), (3, 96 * 1024)],
+                         ids=["done-at-first-query", "late-copies", "late-copies-host-spills"])
+def test_training_through_async_host_copies_is_bitwise_identical(tmp_path, monkeypatch, fake, after, host_budget):
+    """(a) + (b): AdamW with gradient accumulation and clipping through device -> host -> NVMe,
+    every host copy queued on the fake copy stream and run late, gives bitwise the in-memory
+    losses, parameters and optimizer states; no copy touched freed memory, no segment was reused
+    or spilled under a copy, and no device-wide synchronize was issued anywhere."""
+    from apt_model.base.patches import PatchSet
+    from apt_model.devices import timing
+    from apt_model.memory.paging.session import PagingSession
+
+    ref_m = gpt()
+    ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.1)
+    ref = train(ref_m, ref_opt, 5)
+
+    syncs = []
+
+    def counting(fn, name):
+        def wrapper(*a, **k):
+            syncs.append(name)
+            return fn(*a, **k)
+        return wrapper
+
+    fake.after = after
+    m = gpt()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    patches = PatchSet()
+    session = PagingSession(4096, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget, host_level=True)
+    store = session.pager.store
+    monkeypatch.setattr(timing, "synchronize", counting(timing.synchronize, "devices.timing.synchronize"))
+    monkeypatch.setattr(torch.accelerator, "synchronize", counting(torch.accelerator.synchronize, "torch.accelerator"))
+    monkeypatch.setattr(torch.cpu, "synchronize", counting(torch.cpu.synchronize, "torch.cpu"))
+    monkeypatch.setattr(torch.cuda, "synchronize", counting(torch.cuda.synchronize, "torch.cuda"))
+    try:
+        session.page_model(m, page_params=True, page_grads=True)
+        got = train(m, opt, 5)
+        host = session.report()["host_level"]
+        state = state_of(m, opt)
+    finally:
+        patches.restore_all()
+    assert store.copies is not None and host["async_copies"] is True  # the fake layer was used
+    assert fake.violations == []
+    assert got == ref
+    assert_bitwise(state, state_of(ref_m, ref_opt))
+    assert fake.copies > 100 and fake.joins > 0 and host["hits"] > 0
+    if after > 1:
+        assert fake.late_queries > 0  # copies really were still in flight when asked
+    if host_budget < 1 << 20:
+        assert host["spills_to_disk"] > 0 and host["misses"] > 0
+    assert syncs == [] and fake.event_syncs == 0  # no device-wide synchronize, no unbounded event wait
+
+
+# ------------------------------------------------------------------ (c) device memory and the D2H event
+def test_a_page_is_freed_only_after_its_device_to_host_copy_completed(tmp_path, fake, short_waits):
+    """(c) An evicted page stays WRITING, its device bytes allocated, while its copy's event has
+    not completed — reaping does not free it and a wait for its room times out naming it — and is
+    freed once the event completed; reloaded, it is bitwise what was written."""
+    from apt_model.memory.pages import State
+
+    fake.after = None  # events complete only when the test says so
+    pager, store = pager_with_host_level(tmp_path, 1 << 20)
+    t = torch.randn(4096)
+    want = t.clone()
+    page = register(pager, t, "w")
+    pager.evict_now([page])
+    storage = t.untyped_storage()
+    assert page.state is State.WRITING and storage.nbytes() == PAGE
+    assert not page.future.done() and len(fake.pending()) == 1
+    pager.reap()
+    assert page.state is State.WRITING and storage.nbytes() == PAGE  # not freed under the copy
+    pager.budget = 0
+    with pytest.raises(SwapTimeoutError, match="page w"):
+        pager.make_room(0)  # needs the page's room: waits for its copy (one event), bounded
+    assert page.state is State.WRITING and storage.nbytes() == PAGE
+    fake.complete_all()
+    pager.reap()
+    assert page.state is State.LOWER and storage.nbytes() == 0
+    pager.budget = 1 << 30
+    pager.acquire([page])
+    assert torch.equal(t, want)
+    pager.release([page])
+    assert fake.violations == []
+    fake.after = 1
+    pager.close()
+
+
+def test_a_tensor_dropped_during_its_copy_keeps_its_memory_until_the_copy_ran(tmp_path, fake):
+    """(c) The copy holds the storage it reads: user code dropping the tensor meanwhile (a
+    gradient set to None) cannot free the memory under the device-to-host copy."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, 1 << 20)
+    holder = {"t": torch.randn(4096)}
+    want = holder["t"].clone()
+    page = register(pager, lambda: holder.get("t"), "g")
+    pager.evict_now([page])
+    del holder["t"]  # the last user reference
+    gc.collect()
+    fake.complete_all()
+    assert fake.copies == 1 and fake.violations == []
+    out = torch.empty(4096)
+    store.read_to_cpu(page, out)
+    assert torch.equal(out, want)
+    fake.after = 1
+    pager.close()
+
+
+# ------------------------------------------------------------------ (d) host segments and the H2D event
+def test_a_host_segment_is_not_reused_or_spilled_before_its_host_to_device_copy_completed(tmp_path, fake, short_waits):
+    """(d) A host level of two pages: page A is copied up (its event held), page B's segment is
+    spilled for C; then D needs room and the only segments left are A's (copy to the device in
+    flight) and C's (copy to the host in flight): the store waits for the oldest copy's event —
+    bounded: it times out while the test holds the events, with nothing reused or spilled, and
+    the page stays in memory — and goes on once that one completed."""
+    from apt_model.memory.pages import State
+
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, 2 * PAGE)
+    ts = {k: torch.randn(4096) for k in "ABCD"}
+    want = {k: t.clone() for k, t in ts.items()}
+    pages = {k: register(pager, ts[k], k) for k in "AB"}
+    key = {k: p.key for k, p in pages.items()}
+    pager.evict_now(pages.values())
+    fake.complete_all()
+    pager.reap()
+    assert all(p.state is State.LOWER for p in pages.values())
+
+    pager.acquire([pages["A"]])  # a host hit: copied up on the copy stream, compute joins it
+    assert torch.equal(ts["A"], want["A"])  # the join made the bytes visible to compute
+    seg_a = store.entries[key["A"]]
+    assert fake.in_flight(*_seg_range(store, seg_a)) is not None  # its event has not completed
+    pages["C"] = register(pager, ts["C"], "C")
+    pager.evict_now([pages["C"]])  # room for C: B is spilled (A's segment is in flight)
+    assert key["B"] in store.on_disk and key["B"] not in store.entries and store.entries[key["A"]] is seg_a
+    pages["D"] = register(pager, ts["D"], "D")
+    key["D"] = pages["D"].key
+    with pytest.raises(SwapTimeoutError, match="host level"):
+        pager.evict_now([pages["D"]])
+    assert store.entries[key["A"]] is seg_a and key["A"] not in store.on_disk and fake.violations == []
+    assert pages["D"].state is State.RESIDENT and torch.equal(ts["D"], want["D"])  # nothing lost
+
+    fake.delay(3)  # the device catches up: each event completes at its third query from now
+    pager.evict_now([pages["D"]])  # waits for A's copy (the oldest), then spills A
+    assert store.copy_waits == 1 and key["D"] in store.entries and key["A"] in store.on_disk
+    fake.complete_all()
+    pager.reap()
+    pager.release([pages["A"]], evict=True)
+    fake.after = 1
+    for k, p in pages.items():
+        pager.acquire([p])
+        assert torch.equal(ts[k], want[k]), k
+        pager.release([p], evict=True)
+    assert fake.violations == []
+    pager.close()
+
+
+def test_a_steps_commit_gives_back_a_segment_only_after_the_copy_from_it_completed(tmp_path, fake):
+    """(d) A page is loaded from the host level (its copy to the device in flight), then an
+    optimizer step protects it (its host copy renamed aside as the pre-step version) and commits
+    (that copy dropped): the segment goes back to the pool only once the copy reading it
+    completed — until then the pool still counts it and nothing else can be put there."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, 2 * PAGE)
+    a, b = torch.randn(4096), torch.randn(4096)
+    want_a = a.clone()
+    pa, pb = register(pager, a, "A"), register(pager, b, "B")
+    pager.evict_now([pa, pb])
+    fake.complete_all()
+    pager.reap()
+    pager.acquire([pa])  # copied up from the host segment; the event is held
+    seg = store.entries[pa.key]
+    pager.begin_step()
+    pager.protect([pa])
+    pager.commit()  # the pre-step copy (that segment) is dropped
+    assert pa.key not in store.entries and store.pool.used == 2 * PAGE  # held, not given back
+    assert store.stats()["copies_in_flight"] == 1 and fake.in_flight(*_seg_range(store, seg)) is not None
+    fake.complete_all()
+    fake.after = 1
+    pager.release([pa], evict=True)  # written to the host level again: the segment is reclaimed first
+    pager.reap()
+    assert store.pool.used == 2 * PAGE and fake.violations == []
+    pager.acquire([pa])
+    assert torch.equal(a, want_a)
+    pager.release([pa])
+    pager.close()
+
+
+def test_reading_a_host_copy_on_the_cpu_waits_for_its_copy(tmp_path, fake):
+    """A copy written to the host level (a kept tensor's pre-step copy) read back on the CPU
+    right away: the read waits for the copy's event — the segment holds NaN until the copy ran."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, 1 << 20)
+    t = torch.randn(4096)
+    copy = pager.copy_out(t, "kept")
+    assert not copy.future.done()
+    fake.delay(3)
+    out = torch.empty(4096)
+    store.read_to_cpu(copy, out)
+    assert torch.equal(out, t) and store.copy_waits == 1
+    pager.copy_drop(copy)
+    assert fake.violations == []
+    pager.close()
+
+
+def _seg_range(store, seg):
+    base = store.pool.slabs[seg.slab].data_ptr() + seg.offset
+    return base, base + seg.nbytes
+
+
+def test_a_page_written_to_the_host_is_spilled_only_after_its_copy_completed(tmp_path, fake):
+    """A one-page host level: B's copy to the host is still in flight when A, on disk, is read
+    back. B's segment (poisoned until the copy ran) must not be spilled before: the store waits
+    for B's event, spills B, reads A from disk and copies it up after the disk read (compute
+    joins it). Both come back bitwise."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, PAGE)
+    a, b = torch.randn(4096), torch.randn(4096)
+    want_a, want_b = a.clone(), b.clone()
+    pa, pb = register(pager, a, "A"), register(pager, b, "B")
+    pager.evict_now([pa])
+    fake.complete_all()
+    pager.reap()
+    pager.evict_now([pb])  # A is spilled to disk for B; B's copy to the host is held
+    assert pa.key in store.on_disk and pa.key not in store.entries
+    fake.delay(3)
+    pager.acquire([pa])  # a miss: room from B's segment, once B's copy completed
+    assert store.misses == 1 and store.copy_waits >= 1 and torch.equal(a, want_a)
+    assert pb.key in store.on_disk
+    pager.release([pa], evict=True)
+    fake.after = 1
+    pager.acquire([pb])
+    assert torch.equal(b, want_b)
+    pager.release([pb])
+    assert fake.violations == []
+    pager.close()
+
+
+def test_the_cpu_and_a_device_without_streams_copy_synchronously(tmp_path):
+    """No streams on the CPU, and a device kind torch offers no streams and events for gets
+    synchronous copies (None), never an error; the host level then reports ``async_copies`` off."""
+    from apt_model.memory.io_engine import IOEngine
+    from apt_model.memory.stores import DiskStore, HostStore
+
+    assert streams.stream_ops("cpu") is None and streams.copy_stream("cpu") is None
+    assert streams.stream_ops("meta") is None and streams.copy_stream(torch.device("meta")) is None
+    io = IOEngine(readers=1, writers=1)
+    store = HostStore("cpu", 1 << 20, DiskStore(SwapSpace(tmp_path), io))
+    try:
+        assert store.copies is None and store.stats()["async_copies"] is False
+    finally:
+        store.close()
+
+
+# ------------------------------------------------------------------ on the accelerator (-m gpu)
+@pytest.mark.gpu
+def test_host_copies_on_the_accelerator_use_a_side_stream_and_training_is_exact(tmp_path, monkeypatch):
+    """The real path: a model on the accelerator paged through device -> pinned host (small, so
+    it spills) -> NVMe with copies on a side stream is bitwise the in-memory training on the same
+    device under deterministic algorithms; every host copy was queued on a stream other than the
+    default and the compute stream, and no device-wide synchronize was issued."""
+    from conftest import require_accelerator
+
+    from apt_model.base.patches import PatchSet
+    from apt_model.memory.paging.session import PagingSession
+
+    dev = require_accelerator()
+    if streams.stream_ops(dev) is None:
+        pytest.skip(f"{dev}: torch offers no streams and events here")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    mod = getattr(torch, dev.type)
+    queued_on = []
+    copy = streams.StreamOps.copy
+
+    def spying(self, dst, src, stream):
+        queued_on.append((stream.stream_id, self.current_stream().stream_id))
+        return copy(self, dst, src, stream)
+
+    monkeypatch.setattr(streams.StreamOps, "copy", spying)
+    syncs = []
+    if hasattr(mod, "synchronize"):
+        sync = mod.synchronize
+        monkeypatch.setattr(mod, "synchronize", lambda *a, **k: (syncs.append(1), sync(*a, **k))[1])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        ref_m = gpt().to(dev)
+        ref_opt = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, weight_decay=0.1)
+        ref = train(ref_m, ref_opt, 5, device=dev)
+        ref_state = state_of(ref_m, ref_opt)
+
+        m = gpt().to(dev)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+        patches = PatchSet()
+        session = PagingSession(4096, SwapSpace(tmp_path), patches, device=dev, host_budget=256 * 1024)
+        store = session.pager.store
+        try:
+            session.page_model(m, page_params=True, page_grads=True)
+            got = train(m, opt, 5, device=dev)
+            host = session.report()["host_level"]
+            state = state_of(m, opt)
+        finally:
+            patches.restore_all()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    assert got == ref
+    assert_bitwise(state, ref_state)
+    assert store.copies is not None and not store.copies.is_default_stream() and host["async_copies"]
+    default = mod.default_stream(dev).stream_id if hasattr(mod, "default_stream") else None
+    assert queued_on and all(s != c and s != default for s, c in queued_on)
+    assert host["spills_to_disk"] > 0 and host["pinned"] is True
+    assert syncs == []

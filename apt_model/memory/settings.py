@@ -6,7 +6,7 @@ Sizes are bytes, written as ``512MB``, ``4GiB`` or a plain number (:mod:`apt_mod
 """
 from __future__ import annotations
 
-from apt_model.base.settings import Setting, folder_path, positive_seconds, size_or_none
+from apt_model.base.settings import Setting, choice, env_flag, folder_path, positive_seconds, size_or_none
 
 _SIZE = "a size: 512MB, 4GiB, bytes"
 
@@ -30,5 +30,15 @@ SWAP_TIMEOUT = Setting(
     "a SwapTimeoutError naming what it waited for", positive_seconds, kind="process",
     values="seconds > 0")
 
+PAGING_STEP = Setting(
+    "paging_step", "auto", "VB_PAGING_STEP",
+    "where a paged model's optimizer step runs: auto (the cost model picks), device (states travel "
+    "to the device) or host (states stay in host memory; only with paging_exact off on an accelerator)",
+    choice(("auto", "device", "host")), values="auto, device, host")
+PAGING_EXACT = Setting(
+    "paging_exact", True, "VB_PAGING_EXACT",
+    "paged training stays bitwise the in-memory training; off allows the optimizer step on the host "
+    "for a model on an accelerator (the host's rounding)", env_flag, values="1/0, true/false, on/off")
+
 #: The entries :mod:`apt_model.memory` owns.
-SETTINGS = (DEVICE_BUDGET, HOST_BUDGET, SWAP_DIR, SWAP_BUDGET, SWAP_TIMEOUT)
+SETTINGS = (DEVICE_BUDGET, HOST_BUDGET, SWAP_DIR, SWAP_BUDGET, SWAP_TIMEOUT, PAGING_STEP, PAGING_EXACT)

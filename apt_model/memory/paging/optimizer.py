@@ -128,8 +128,9 @@ class OptimizerPaging:
                 self._page_new_states(opt, p)
 
     def _page_new_states(self, opt: torch.optim.Optimizer, p: torch.Tensor) -> list[Page]:
-        if not self.page_states:
-            return []
+        host = self.session.host_step
+        if not self.page_states or (host is not None and id(p) in host.params):
+            return []  # resident, or kept on the host by the host step
         pages = self.state_pages.setdefault(id(p), {})
         new = []
         for k, v in opt.state.get(p, {}).items():
@@ -159,11 +160,41 @@ class OptimizerPaging:
                 f"{type(opt).__name__}.step(closure) re-evaluates the model inside the step, which cannot be "
                 "streamed in chunks; call loss.backward() yourself and then optimizer.step() without a closure"
             )
-        self._stream(opt)
+        # every page the step touches is acquired by the step itself: its ops (the optimizer's
+        # arithmetic, this bookkeeping) need no op-level fault handler
+        handler_off = self.session.suspend_fault_handler()
+        pager = self.session.pager
+        phase, pager.phase = pager.phase, "optimizer"
+        try:
+            self._run(opt)
+        finally:
+            pager.phase = phase
+            if handler_off:
+                self.session.restore_fault_handler()
+        self.steps += 1
+        for fn in self.after_step:
+            fn(self.steps)
         self._stash[id(opt)] = [g["params"] for g in opt.param_groups]
         for g in opt.param_groups:
             g["params"] = []  # the step already under way has nothing left to do
         return None
+
+    def _run(self, opt) -> None:
+        """The step: host-stepped parameters on the host, the rest streamed in chunks."""
+        host = self.session.host_step
+        if host is not None and host.hosts(opt):
+            host.step(opt)  # the host-stepped parameters (see paging/host_step.py)
+            full = [g["params"] for g in opt.param_groups]
+            for g in opt.param_groups:
+                g["params"] = [p for p in g["params"] if id(p) not in host.params]
+            try:
+                if any(g["params"] for g in opt.param_groups):
+                    self._stream(opt)
+            finally:
+                for g, params in zip(opt.param_groups, full):
+                    g["params"] = params
+        else:
+            self._stream(opt)
 
     def _post(self, opt, args, kwargs):
         saved = self._stash.pop(id(opt), None)
@@ -282,9 +313,6 @@ class OptimizerPaging:
                     pager.evict_now(new)
             pager.commit()
             undo.commit()
-            self.steps += 1
-            for fn in self.after_step:
-                fn(self.steps)
             pager.trim()  # the step's temporaries and freed chunks go back to the OS
         except BaseException as err:
             lost = undo.rollback()
@@ -300,13 +328,14 @@ class OptimizerPaging:
             self._in_step = False
 
     # ------------------------------------------------------------------ state_dict
-    def _param_order(self, opt) -> list[torch.Tensor]:
+    def param_order(self, opt) -> list[torch.Tensor]:
+        """``opt``'s parameters in ``state_dict()`` order (its groups' lists, as the user set them)."""
         saved = self._stash.get(id(opt))
         groups = saved if saved is not None else [g["params"] for g in opt.param_groups]
         return [p for params in groups for p in params]
 
     def _state_dict_hook(self, opt, state_dict):
-        for idx, p in enumerate(self._param_order(opt)):
+        for idx, p in enumerate(self.param_order(opt)):
             pages = self.state_pages.get(id(p))
             entry = state_dict["state"].get(idx)
             if not pages or entry is None:
@@ -320,7 +349,7 @@ class OptimizerPaging:
 
     def _loaded_hook(self, opt):
         self._page_existing_states(opt)
-        pages = [pg for p in self._param_order(opt) for pg in self.state_pages.get(id(p), {}).values()]
+        pages = [pg for p in self.param_order(opt) for pg in self.state_pages.get(id(p), {}).values()]
         self.session.pager.evict_now(pages)
         return None
 

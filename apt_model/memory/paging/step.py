@@ -5,7 +5,9 @@ Decision (per adopted model): ``paging=off`` or no memory stack: ``off``; an ear
 otherwise the placement plan (:func:`~apt_model.memory.placement.plan_placement`) compares the
 model's training state with the stack's compute budget — ``resident`` when it fits (unless
 ``paging=always``), else ``paged`` with what stays resident and why, using the levels' measured
-bandwidths. Applying pages the model through the session's one
+bandwidths, and where the optimizer step runs (:mod:`~apt_model.memory.paging.step_placement`:
+on the device, or on the host where the cost model predicts it faster and exactness allows).
+Applying pages the model through the session's one
 :class:`~apt_model.memory.paging.session.PagingSession` (created by the first paged model, shared
 with the distributed step as ``services["paging"]``).
 """
@@ -15,6 +17,7 @@ import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.patches import PatchSet
+from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
 from apt_model.memory.placement import plan_placement
 
 
@@ -46,8 +49,25 @@ class PagingStep(FeatureStep):
             return Decision(self.name, req, "resident", plan.reason, details={"plan": plan.to_dict()})
         bw = stack.measure()
         plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=stack.levels, device=ctx.device)
+        step = self._step_placement(plan, ctx)
         return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
-                        plan=plan, details={"plan": plan.to_dict()}, facts={"paged": True})
+                        plan=plan, details={"plan": plan.to_dict(), "optimizer_step": step.to_dict()},
+                        facts={"paged": True})
+
+    def _step_placement(self, plan, ctx: AdoptionContext):
+        """Where the paged model's optimizer step runs (:mod:`~apt_model.memory.paging.step_placement`)."""
+        stack = self.session.stack
+        exact = bool(getattr(ctx.config, "paging_exact", True))
+        if stack.shared_host:
+            return StepPlacement("device", "a CPU-only run: the compute level is host memory, the step already runs "
+                                 "where the states are")
+        levels = stack.levels
+        host = levels[1] if len(levels) > 2 else None
+        return plan_optimizer_step(
+            getattr(ctx.config, "paging_step", "auto"), exact, ctx.device, plan.params_bytes, plan.grads_bytes,
+            plan.states_bytes, plan.page_params, plan.page_states, host.gbps if host else None, levels[0].gbps,
+            lambda: probe_host_step_rate(fused=not exact),
+            host.capacity - plan.grads_bytes if host else None)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         plan, stack = decision.plan, self.session.stack
@@ -61,6 +81,9 @@ class PagingStep(FeatureStep):
                 host_budget=host)
         session.optimizers.page_states |= plan.page_states
         session.page_model(model, plan.page_params, plan.page_grads)
+        step = decision.details.get("optimizer_step") or {}
+        if step.get("where") == "host":
+            session.step_on_host(model, exact=step.get("exact", True))
         self.plans.append(plan)
         return decision
 

@@ -1,0 +1,263 @@
+"""The optimizer step on the host, over host-resident states (placement ``host``; see
+:mod:`~apt_model.memory.paging.step_placement` for when it is chosen).
+
+For each user optimizer whose parameters are host-stepped, a *shadow* optimizer of the same class
+and hyperparameters steps host copies of those parameters:
+
+1. **Hyperparameters** are copied from the user's parameter groups before every step (a learning
+   rate scheduler changes the user's ``lr``; the shadow follows).
+2. **Gradients down.** Each gradient is paged down as it is produced (the gradient pages of
+   :mod:`~apt_model.memory.paging.model`, written behind into the host level during backward);
+   the step reads its host copy — with the scaling a streamed ``clip_grad_norm_`` deferred —
+   into a reused host buffer. A gradient the plan keeps on the device is copied down here.
+3. **The step** runs on the host copies: the states (Adam's m and v...) are created there and
+   never reach the device. With ``exact=False`` the shadow uses the CPU's fused kernel where the
+   class has one (probed), else the per-tensor loop.
+4. **Parameters up.** Each updated host copy is copied into the device parameter in place
+   (``copy_``; non-blocking from pinned memory on an accelerator, ordered on the compute stream
+   before the next forward). An event recorded after the copies is waited for (that event only,
+   never the whole device) before the next step writes the host copies again.
+
+The host copy of a parameter is refreshed from the device whenever the parameter changed since
+the last upload — ``p._version`` or its storage moved (``p.data.mul_()``, ``p.data = ...``,
+``load_state_dict`` on the model) — so code that edits weights between steps is followed.
+
+The user's optimizer holds no state for host-stepped parameters: ``optimizer.state_dict()``
+returns the shadow's states (host tensors, in the user's parameter order) and
+``load_state_dict()`` moves loaded states into the shadow; a state dict saved from plain
+training loads here and vice versa.
+
+A step is all or nothing up to the upload: gradients are read and copies refreshed before
+anything is modified, so a read error (a corrupt swap file) leaves parameters and states as
+they were; the shadow's own step raising leaves them as plain PyTorch would.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+
+from apt_model.base.log import get_logger
+
+log = get_logger(__name__)
+
+#: Group keys not copied from the user's groups to the shadow's: the kernel choice is the shadow's
+#: own (host tensors), and ``params`` are the host copies.
+_OWN_KEYS = ("params", "foreach", "fused", "capturable")
+
+
+class _Shadow:
+    """The host side of one user optimizer: host copies of its parameters, gradient buffers, and
+    the shadow optimizer stepping them."""
+
+    def __init__(self, opt: torch.optim.Optimizer, params: set[int], pin: bool, fused: bool):
+        self.opt_ref = weakref.ref(opt)
+        self.pin = pin
+        self.masters: dict[int, torch.Tensor] = {}
+        self.grads: dict[int, torch.Tensor] = {}
+        self.marks: dict[int, tuple[int, int]] = {}  # id(p) -> (p._version, p.data_ptr()) after the last upload
+        self.refreshes = 0
+        groups = []
+        for g in opt.param_groups:
+            hosted = [self._master(p) for p in g["params"] if id(p) in params]
+            opts = {k: v for k, v in g.items() if k not in _OWN_KEYS}
+            opts.update(self._kernel(g, fused))
+            groups.append({"params": hosted, **opts})
+        self.fused = fused
+        try:
+            self.host = type(opt)(groups)
+        except (RuntimeError, TypeError, ValueError) as err:  # fused not supported for this class on the CPU
+            if not fused:
+                raise
+            log.info("%s(fused=True) on the host failed (%s); the host step uses the per-tensor loop",
+                     type(opt).__name__, err)
+            for grp in groups:
+                grp.update(self._kernel({}, False))
+            self.fused = False
+            self.host = type(opt)(groups)
+        self.event = None
+
+    @staticmethod
+    def _kernel(group: dict, fused: bool) -> dict:
+        if fused:
+            return {"fused": True, "foreach": False}
+        return {k: group[k] for k in ("foreach", "fused") if k in group and group[k] is not None}
+
+    def _master(self, p: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            m = torch.empty(p.shape, dtype=p.dtype, pin_memory=self.pin)
+            m.copy_(p.detach())
+        self.masters[id(p)] = m
+        self.marks[id(p)] = (p._version, p.data_ptr())
+        return m
+
+    def refresh(self, p: torch.Tensor) -> None:
+        """Copy ``p`` into its host copy again if it changed since the last upload."""
+        if self.marks.get(id(p)) != (p._version, p.data_ptr()):
+            with torch.no_grad(), torch._C.DisableTorchFunction():
+                self.masters[id(p)].copy_(p.detach())
+            self.marks[id(p)] = (p._version, p.data_ptr())
+            self.refreshes += 1
+
+    def grad_buffer(self, p: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        buf = self.grads.get(id(p))
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = self.grads[id(p)] = torch.empty(like.shape, dtype=like.dtype, pin_memory=self.pin)
+        return buf
+
+
+class HostStep:
+    """Steps the optimizers of host-stepped parameters on the host (see the module docstring).
+
+    Args:
+        session: the :class:`~apt_model.memory.paging.session.PagingSession`.
+        fused: use the CPU's fused kernel where the optimizer class has one (only when the step
+            need not be exact).
+    """
+
+    def __init__(self, session, fused: bool = False):
+        self.session = session
+        self.fused = fused
+        self.params: set[int] = set()  # id(p) of the parameters stepped on the host
+        self.shadows: dict[int, _Shadow] = {}  # id(user optimizer) -> its host side
+        self.steps = 0
+        self.seconds = 0.0  # wall seconds in host steps (gradients down, step, parameters up)
+        self.step_seconds = 0.0  # of which the shadow optimizer's step
+        self.grad_bytes = 0  # gradients read into host buffers
+        self.param_bytes = 0  # parameters copied up
+
+    def add(self, params) -> None:
+        """Step these parameters (resident on the compute device) on the host from now on."""
+        self.params.update(id(p) for p in params)
+
+    def hosts(self, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """``opt``'s parameters that are stepped on the host."""
+        return [p for g in opt.param_groups for p in g["params"] if id(p) in self.params]
+
+    def _shadow(self, opt: torch.optim.Optimizer) -> _Shadow:
+        sh = self.shadows.get(id(opt))
+        if sh is None or sh.opt_ref() is not opt:
+            pin = self.session.pager.device.type != "cpu"
+            sh = self.shadows[id(opt)] = _Shadow(opt, self.params, pin, self.fused)
+            self.session.patches.add_handle(opt.register_state_dict_post_hook(self._state_dict_hook),
+                                            f"{type(opt).__name__} host-step state_dict hook")
+            self.session.patches.add_handle(opt.register_load_state_dict_post_hook(self._loaded_hook),
+                                            f"{type(opt).__name__} host-step load_state_dict hook")
+            self._take_states(opt, sh)  # states loaded (or made) before the first host step
+        return sh
+
+    def _grad_to_host(self, sh: _Shadow, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s current gradient in a host buffer (None when it has none)."""
+        session = self.session
+        page = session.grad_page(p)
+        if page is not None:
+            with torch._C.DisableTorchFunction():
+                g = page.bound()
+                if g is None:
+                    return None
+                buf = sh.grad_buffer(p, g)
+            session.pager.materialize(page, out=buf)
+            return buf
+        with torch._C.DisableTorchFunction():
+            g = p.grad
+            if g is None:
+                return None
+            buf = sh.grad_buffer(p, g)
+            buf.copy_(g.detach())
+        return buf
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        """Step ``opt``'s host-stepped parameters on the host.
+
+        Raises:
+            SwapError and its kinds: a gradient's host copy could not be read (nothing was modified).
+            whatever the shadow optimizer raises (as plain PyTorch would).
+        """
+        t0 = time.perf_counter()
+        sh = self._shadow(opt)
+        if sh.event is not None:  # the last upload must have left the host copies before they change
+            sh.event.synchronize()
+            sh.event = None
+        for ug, hg in zip(opt.param_groups, sh.host.param_groups):
+            for k, v in ug.items():
+                if k not in _OWN_KEYS:
+                    hg[k] = v
+        hosted = self.hosts(opt)
+        stepped = []
+        for p in hosted:
+            if id(p) not in sh.masters:  # added to the group after the shadow was built
+                raise RuntimeError(f"{self.session.param_label(p)} was added to {type(opt).__name__} after its "
+                                   "first host step; create the optimizer with all its parameters")
+            sh.refresh(p)
+            g = self._grad_to_host(sh, p)
+            m = sh.masters[id(p)]
+            m.grad = g
+            if g is not None:
+                stepped.append(p)
+                self.grad_bytes += g.numel() * g.element_size()
+        t1 = time.perf_counter()
+        try:
+            sh.host.step()
+        finally:
+            self.step_seconds += time.perf_counter() - t1
+            for p in hosted:
+                sh.masters[id(p)].grad = None
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for p in stepped:
+                m = sh.masters[id(p)]
+                p.copy_(m, non_blocking=sh.pin)
+                sh.marks[id(p)] = (p._version, p.data_ptr())
+                self.param_bytes += m.numel() * m.element_size()
+        if sh.pin and stepped:
+            sh.event = torch.Event(device=stepped[0].device)
+            sh.event.record()
+        self.steps += 1
+        self.seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ state_dict
+    def _state_dict_hook(self, opt, state_dict):
+        sh = self.shadows.get(id(opt))
+        if sh is None:
+            return state_dict
+        order = self.session.optimizers.param_order(opt)
+        for idx, p in enumerate(order):
+            m = sh.masters.get(id(p))
+            st = sh.host.state.get(m) if m is not None else None
+            if st:
+                state_dict["state"][idx] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+        return state_dict
+
+    def _loaded_hook(self, opt):
+        self._take_states(opt, self._shadow(opt))
+        return None
+
+    def _take_states(self, opt, sh: _Shadow) -> None:
+        """Move the states ``opt`` holds for host-stepped parameters into the shadow (host tensors)."""
+        for p in [p for g in opt.param_groups for p in g["params"] if id(p) in self.params]:
+            st = opt.state.pop(p, None)
+            m = sh.masters.get(id(p))
+            if st is None or m is None:
+                continue
+            sh.host.state[m] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) and v.dim() > 0
+                                    else (v.detach().cpu() if isinstance(v, torch.Tensor) else v))
+                                for k, v in st.items()}
+
+    # ------------------------------------------------------------------ report
+    def host_bytes(self) -> int:
+        """Host bytes the host step holds: parameter copies, gradient buffers and states."""
+        n = 0
+        for sh in self.shadows.values():
+            n += sum(t.numel() * t.element_size() for t in sh.masters.values())
+            n += sum(t.numel() * t.element_size() for t in sh.grads.values())
+            for st in sh.host.state.values():
+                n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
+        return n
+
+    def report(self) -> dict:
+        n = max(self.steps, 1)
+        return {"steps": self.steps, "parameters": len(self.params),
+                "seconds_per_step": round(self.seconds / n, 4), "step_seconds_per_step": round(self.step_seconds / n, 4),
+                "grad_bytes_down_per_step": self.grad_bytes // n, "param_bytes_up_per_step": self.param_bytes // n,
+                "host_bytes": self.host_bytes(), "fused": any(sh.fused for sh in self.shadows.values()),
+                "copies_refreshed": sum(sh.refreshes for sh in self.shadows.values())}

@@ -1,0 +1,272 @@
+"""The optimizer step on the host (paging/host_step.py) and the cost model that places it
+(paging/step_placement.py).
+
+The accelerator path is run with the CPU standing in for the device (``host_level=True``): the
+parameters stay on the "device", gradients go down to the host level as they are produced, the
+states live only on the host. With the same kernels the result must be bitwise the in-memory
+training's; the traffic must be what the scheme promises.
+"""
+import copy
+
+import pytest
+import torch
+
+import apt_model.optimization.vb_global as vb
+from apt_model.base.patches import PatchSet
+from apt_model.memory.pages import Category
+from apt_model.memory.paging.session import PagingSession
+from apt_model.memory.paging.step_placement import STEP_CHOICES, StepPlacement, plan_optimizer_step
+from apt_model.memory.swap import SwapSpace
+from test_paging import assert_same, make_opt, model, snapshot, train
+
+
+def _session(tmp_path, host_budget=64 * 2**20):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    patches = PatchSet()
+    session = PagingSession(2 * 2**20, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget,
+                            host_level=True)
+    return session, patches
+
+
+def _state_pages(session):
+    return [pg for pg in session.pager.pages.values() if pg.category is Category.STATE]
+
+
+@pytest.mark.parametrize("kind,accum,clip,zero_to_none,sched", [
+    ("adamw", 2, 0.5, True, False),
+    ("sgd", 1, None, False, False),
+    ("adam", 1, 1.0, True, True),
+])
+def test_the_host_step_is_bitwise_the_in_memory_step_on_the_same_kernels(tmp_path, kind, accum, clip, zero_to_none,
+                                                                         sched):
+    ref_m = model()
+    ref_opt = make_opt(ref_m, kind)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 2, 0.5) if sched else None
+    ref = train(ref_m, ref_opt, 6, accum=accum, clip=clip, zero_to_none=zero_to_none, sched=ref_sched)
+
+    m = model()
+    opt = make_opt(m, kind)
+    sch = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if sched else None
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = train(m, opt, 6, accum=accum, clip=clip, zero_to_none=zero_to_none, sched=sch)
+        state = snapshot(m, opt)
+        rep = session.report()["host_step"]
+        traffic = session.traffic()
+        states_paged = _state_pages(session)
+        grad_pages = [pg for pg in session.pager.pages.values() if pg.category is Category.GRAD]
+        assert not opt.state  # the user's optimizer holds nothing: the states live on the host
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert rep["steps"] == 6 and not rep["fused"]
+    assert rep["param_bytes_up_per_step"] == p_bytes  # each parameter goes up once per step
+    assert rep["grad_bytes_down_per_step"] == p_bytes  # each gradient is read into a host buffer once
+    assert not states_paged  # no optimizer state ever became a page of the device level
+    assert grad_pages  # the gradients did go down as they were produced
+    assert traffic["steps"] == 5 and traffic["write_bytes_per_step"] == accum * p_bytes  # each backward's gradients
+    if accum == 1:
+        assert traffic["read_bytes_per_step"] == 0  # nothing comes back up through the pager: no state, no gradient
+
+
+def test_the_host_steps_state_dict_round_trips_with_plain_training(tmp_path):
+    """Saved mid-run from the host step, loaded into plain training (and the other way round), the
+    run continues bitwise as if never interrupted."""
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = train(ref_m, ref_opt, 3, clip=0.5) + train(ref_m, ref_opt, 3, clip=0.5, seed=2)
+    ref_state = snapshot(ref_m, ref_opt)
+
+    m = model()
+    opt = make_opt(m, "adamw")
+    session, patches = _session(tmp_path / "a")
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        first = train(m, opt, 3, clip=0.5)
+        saved_model = {k: v.clone() for k, v in m.state_dict().items()}
+        saved_opt = opt.state_dict()
+    finally:
+        patches.restore_all()
+    assert saved_opt["state"] and all("exp_avg" in st for st in saved_opt["state"].values())
+    plain_m = model()
+    plain_m.load_state_dict(saved_model)
+    plain_opt = make_opt(plain_m, "adamw")
+    plain_opt.load_state_dict(copy.deepcopy(saved_opt))  # load_state_dict keeps the tensors it is given
+    second = train(plain_m, plain_opt, 3, clip=0.5, seed=2)
+    assert first + second == ref
+    assert_same(snapshot(plain_m, plain_opt), ref_state)
+
+    # plain -> host step: the states loaded before the first host step are taken over
+    m2 = model()
+    m2.load_state_dict(saved_model)
+    opt2 = make_opt(m2, "adamw")
+    opt2.load_state_dict(copy.deepcopy(saved_opt))
+    session, patches = _session(tmp_path / "b")
+    try:
+        session.page_model(m2, page_params=False, page_grads=True)
+        session.step_on_host(m2, exact=True)
+        again = train(m2, opt2, 3, clip=0.5, seed=2)
+        state2 = snapshot(m2, opt2)
+    finally:
+        patches.restore_all()
+    assert again == second
+    assert_same(state2, ref_state)
+
+
+def test_weights_edited_between_steps_are_followed(tmp_path):
+    """Code that changes a weight in place between steps (``p.mul_()``, ``p.data = ...``): the
+    host copy is refreshed from the device before the next step, exactly as plain training sees it."""
+    def run(m, opt, session=None):
+        losses = train(m, opt, 2)
+        with torch.no_grad():
+            m.lm_head.weight.mul_(0.5) if hasattr(m, "lm_head") else next(m.parameters()).mul_(0.5)
+            p = list(m.parameters())[-1]
+            p.data = p.data * 0.25
+        return losses + train(m, opt, 2, seed=3)
+
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = run(ref_m, ref_opt)
+    m = model()
+    opt = make_opt(m, "adamw")
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = run(m, opt)
+        state = snapshot(m, opt)
+        refreshed = session.report()["host_step"]["copies_refreshed"]
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    assert refreshed >= 1
+
+
+def test_the_fused_host_kernel_trains_the_same_model_within_rounding(tmp_path):
+    """``paging_exact=False`` on an accelerator: the host uses the CPU's fused AdamW. Not bitwise
+    (other kernels), but the same training: close after a few steps, and it says it is fused."""
+    ref_m = model(dropout=0.0)
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = train(ref_m, ref_opt, 4, clip=0.5)
+    m = model(dropout=0.0)
+    opt = make_opt(m, "adamw")
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=False)
+        got = train(m, opt, 4, clip=0.5)
+        rep = session.report()["host_step"]
+    finally:
+        patches.restore_all()
+    assert rep["fused"] is True
+    assert got == pytest.approx(ref, rel=1e-4)
+    for a, b in zip(m.parameters(), ref_m.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------- the cost model
+
+GB = 10**9
+_SIZES = dict(params_bytes=1 * GB, grads_bytes=1 * GB, states_bytes=2 * GB, page_params=False, page_states=True)
+
+
+def _plan(request="auto", exact=False, device="cuda", link=50.0, dev=3000.0, host_rate=5 * GB, room=None, **kw):
+    sizes = {**_SIZES, **kw}
+    return plan_optimizer_step(request, exact, device, link_gbps=link, device_gbps=dev, host_rate=host_rate,
+                               host_room=room, **sizes)
+
+
+def test_the_cost_model_moves_the_step_to_the_host_only_where_it_is_predicted_faster():
+    fast_host = _plan(host_rate=20 * GB)  # link: (1+1)/50 = 0.04 s + host 0.05 s vs (4+2)/50 + ~0 = 0.12 s
+    assert fast_host.where == "host" and fast_host.predicted_s["host"] < fast_host.predicted_s["device"]
+    assert not fast_host.exact
+    slow_host = _plan(host_rate=0.5 * GB)  # host step 2 s
+    assert slow_host.where == "device" and slow_host.predicted_s["device"] < slow_host.predicted_s["host"]
+    assert "predicted" in slow_host.reason
+
+
+def test_the_cost_model_keeps_the_step_on_the_device_for_the_documented_reasons():
+    called = []
+
+    def rate():
+        called.append(1)
+        return 100 * GB
+
+    assert "paging_exact=True" in _plan(exact=True, host_rate=rate).reason  # other rounding on cuda
+    assert not called  # the host was not probed for a decision that did not need it
+    assert _plan(page_params=True).where == "device"
+    assert _plan(page_states=False).where == "device"
+    small_host = _plan(room=2 * GB)
+    assert small_host.where == "device" and "host memory" in small_host.reason
+    assert _plan(link=None).where == "device"  # nothing measured: no basis
+    assert _plan(request="device", host_rate=100 * GB).where == "device"
+    forced = _plan(request="host", host_rate=0.1 * GB)
+    assert forced.where == "host" and forced.reason == "paging_step=host"
+    # on the CPU standing in for the device the host runs the same kernels: exact, allowed when exact
+    same = _plan(request="host", exact=True, device="cpu")
+    assert same.where == "host" and same.exact
+    with pytest.raises(ValueError, match="valid values: auto, device, host"):
+        _plan(request="gpu")
+    with pytest.raises(ValueError, match="where='disk'"):
+        StepPlacement("disk", "no")
+    assert STEP_CHOICES == ("auto", "device", "host")
+
+
+def test_the_switch_reports_where_the_step_runs_and_validates_the_settings(tmp_path, monkeypatch):
+    from apt_model.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="valid values: auto, device, host"):
+        vb.enable("balanced", paging_step="gpu", banner=False)
+    monkeypatch.setenv("VB_PAGING_EXACT", "maybe")
+    with pytest.raises(ConfigError, match="VB_PAGING_EXACT"):
+        vb.enable("balanced", banner=False)
+    monkeypatch.delenv("VB_PAGING_EXACT")
+    vb.enable("balanced", paging="always", device_budget="4KB", swap_dir=str(tmp_path), attention="off",
+              mixed_precision="off", compile="off", banner=False, paging_step="host", device="cpu")
+    try:
+        m = model().to("cpu")
+        opt = make_opt(m, "adamw")
+        train(m, opt, 2)
+        rep = vb.get_report()
+    finally:
+        vb.disable()
+    step = rep["models"][0]["features"]["paging"]["optimizer_step"]
+    assert step["where"] == "device" and "CPU-only run" in step["reason"]
+    assert rep["memory"]["paging"]["host_step"] is None
+
+
+@pytest.mark.gpu
+def test_the_host_step_on_an_accelerator_trains_within_rounding_and_keeps_states_off_the_device(tmp_path):
+    """On the accelerator itself: parameters resident on the device, gradients through pinned host
+    slabs, states only on the host (fused CPU kernel, ``paging_exact=False``): the same training as
+    in memory on the device within rounding, no state page on the device, pinned host copies."""
+    from conftest import require_accelerator
+
+    dev = require_accelerator()
+    ref_m = model(dropout=0.0).to(dev)
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = train(ref_m, ref_opt, 4, clip=0.5, device=dev)
+    m = model(dropout=0.0).to(dev)
+    opt = make_opt(m, "adamw")
+    patches = PatchSet()
+    session = PagingSession(2 * 2**20, SwapSpace(tmp_path), patches, device=dev, host_budget=64 * 2**20)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=False)
+        got = train(m, opt, 4, clip=0.5, device=dev)
+        rep = session.report()["host_step"]
+        states_paged = _state_pages(session)
+        pinned = all(t.is_pinned() for sh in session.host_step.shadows.values() for t in sh.masters.values())
+    finally:
+        patches.restore_all()
+    assert got == pytest.approx(ref, rel=1e-4)
+    for a, b in zip(m.parameters(), ref_m.parameters()):
+        assert a.device.type == dev.type
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert not states_paged and pinned and rep["steps"] == 4

@@ -925,6 +925,34 @@ def test_the_report_puts_the_plans_estimate_beside_what_was_measured(tmp_path):
     assert pvm["measured_over_planned"]["read_bytes_per_step"] == pytest.approx(1.0, abs=0.05)
     assert pvm["measured_over_planned"]["write_bytes_per_step"] == pytest.approx(1.0, abs=0.05)
     assert pvm["measured"]["stall_s_per_step"] >= 0 and pvm["measured_over_planned"]["stall_over_io_floor"] is not None
+    by_phase = pvm["measured"]["stall_s_per_step_by_phase"]
+    assert set(by_phase) == {"forward", "backward", "optimizer", "other"}
+    assert sum(by_phase.values()) == pytest.approx(pvm["measured"]["stall_s_per_step"], abs=5e-4)
+
+
+def test_the_stall_is_told_by_phase(tmp_path, monkeypatch):
+    """With reads slowed down (10 ms each), the training thread waits in each phase that loads
+    pages — the forward, the backward and the optimizer's chunks — and the report says where."""
+    import time as _time
+
+    from apt_model.memory.swap import SwapSpace
+
+    real = SwapSpace.read_into
+
+    def slow(self, key, out):
+        _time.sleep(0.01)
+        return real(self, key, out)
+
+    monkeypatch.setattr(SwapSpace, "read_into", slow)
+    m = model(dropout=0.0)
+    vb.enable("balanced", swap_dir=str(tmp_path), compile="off", **FORCE)
+    try:
+        m.to("cpu")
+        train(m, make_opt(m, "adamw"), 3)
+        by_phase = vb.get_stats()["levels"][0]["stall_s_by_phase"]
+    finally:
+        vb.disable()
+    assert by_phase["forward"] > 0 and by_phase["backward"] > 0 and by_phase["optimizer"] > 0, by_phase
 
 
 @pytest.mark.parametrize("host_level", [False, True], ids=["host-nvme", "device-host-nvme"])
@@ -996,3 +1024,27 @@ def test_an_optimizer_step_through_a_host_level_smaller_than_its_chunk_loses_not
         assert any(isinstance(e, HostLevelFullError) for e in chain), repr(raised)
         assert "VB_HOST_BUDGET" in str(raised)
     assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+def test_zero_grad_without_set_to_none_reads_nothing_and_pins_nothing(tmp_path):
+    """``zero_grad(set_to_none=False)`` zeroes each gradient in place (``grad.zero_()``, returning
+    the gradient itself). A paged-out gradient is marked to load as zeros — no read, no fault — and
+    the in-place op's result (the page's own tensor, not an alias) pins nothing: before, every
+    gradient was read back to be zeroed and stayed pinned for good, so level 0 could never evict it."""
+    ref_m = model()
+    ref = train(ref_m, make_opt(ref_m, "sgd"), 4, zero_to_none=False)
+    vb.enable("balanced", swap_dir=str(tmp_path), compile="off", **FORCE)
+    try:
+        m = model().to("cpu")
+        opt = make_opt(m, "sgd")
+        got = train(m, opt, 4, zero_to_none=False)
+        from apt_model.switch.controller import session as vb_session
+
+        pages = list(vb_session().paging.grad_pages.values())
+        pins = [pg.pins for pg in pages]
+        faults = vb.get_stats()["levels"][0]["faults"]
+    finally:
+        vb.disable()
+    assert got == ref
+    assert pages and pins == [0] * len(pages)
+    assert faults == 0

@@ -138,7 +138,9 @@ def test_freed_page_sized_blocks_leave_the_rss_once_paging_starts_on_the_cpu():
     got = json.loads([ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")][-1][len("RESULT "):])
     if got["before"] > 0.5:
         pytest.skip(f"this allocator returns freed blocks by itself ({got})")
-    assert got["after"] > 0.9, got
+    # without the setting none comes back (before: 0.0); with it nearly all (0.84-1.0 measured: the
+    # RSS also moves with other allocations in the window, e.g. the I/O threads' first touches)
+    assert got["after"] > 0.75, got
 
 
 def test_host_rss_report_entry_is_consistent(tmp_path):

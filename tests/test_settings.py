@@ -33,8 +33,8 @@ ENV_ALLOWLIST = {
                                 "that torchrun / SLURM set",
     "apt_model/base/user_cache.py": "XDG_CACHE_HOME (the XDG base-directory convention) after APT_MODEL_CACHE",
     "apt_model/switch/vbrc.py": "XDG_CONFIG_HOME: where the user's .vbrc lives",
-    "apt_model/memory/host.py": "glibc's MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES: a user's own malloc tuning is "
-                                "kept, not overridden",
+    "apt_model/memory/host.py": "glibc's MALLOC_MMAP_THRESHOLD_ / GLIBC_TUNABLES and torch's THP_MEM_ALLOC_ENABLE: "
+                                "allocator tuning, set for paging unless the user chose a value (kept)",
     "apt_model/devices/backend.py": "a backend's visible-devices variable (CUDA_VISIBLE_DEVICES, "
                                     "ASCEND_RT_VISIBLE_DEVICES...), reported and respected",
     "apt_model/devices/plugins.py": "TORCH_DEVICE_BACKEND_AUTOLOAD, off while torch is imported so a broken "

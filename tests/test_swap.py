@@ -202,3 +202,53 @@ def test_the_wait_limit_comes_from_vb_swap_timeout_and_bad_values_are_named(monk
         waits.set_wait_timeout(None)
     monkeypatch.setenv("VB_SWAP_TIMEOUT", "7")
     assert waits.wait_timeout() == 7.0
+
+
+def test_a_page_aligned_buffer_moves_in_place_and_only_its_tail_is_staged(tmp_path, monkeypatch):
+    """O_DIRECT needs 4 KiB-aligned buffers: an aligned page (torch's huge-page-aligned blocks)
+    is written and read straight from its own memory, only the last partial block going through
+    the staging buffer; an unaligned one is staged whole. The bytes round-trip either way."""
+    import mmap
+
+    space = SwapSpace(tmp_path)
+    if not space.direct:
+        pytest.skip("the swap folder's filesystem has no O_DIRECT (tmpfs?)")
+    staged = []
+    real = SwapSpace._staging
+
+    def counting(self, n):
+        staged.append(n)
+        return real(self, n)
+
+    monkeypatch.setattr(SwapSpace, "_staging", counting)
+    n = 3 * 4096 + 100
+    aligned = mmap.mmap(-1, 4 * 4096)  # mmap memory is page-aligned
+    data = memoryview(aligned)[:n]
+    data[:] = os.urandom(n)
+    space.write("a", data)
+    assert staged == [4096]  # the 100-byte tail, padded to one block
+    back = mmap.mmap(-1, 4 * 4096)
+    space.read_into("a", memoryview(back)[:n])
+    assert staged == [4096, 4096] and bytes(memoryview(back)[:n]) == bytes(data)
+    staged.clear()
+    unaligned = memoryview(back)[64:64 + n]
+    space.read_into("a", unaligned)
+    assert bytes(unaligned) == bytes(data) and sum(staged) >= n  # all of it through the staging buffer
+    space.close()
+
+
+@pytest.mark.parametrize("user", [None, "0"])
+def test_enable_on_the_cpu_asks_torch_for_aligned_big_blocks_unless_the_user_chose(tmp_path, user):
+    code = textwrap.dedent(f"""
+        import torch, apt_model.optimization.vb_global as vb
+        vb.enable("balanced", paging="over_budget", swap_dir={str(tmp_path)!r}, banner=False, device="cpu")
+        t = torch.empty(4 << 20, dtype=torch.uint8)
+        from apt_model.switch.controller import session
+        print(t.data_ptr() % 4096 == 0, session().stack.describe()["aligned_pages"])
+        vb.disable()
+    """)
+    env = clean_env(**({"THP_MEM_ALLOC_ENABLE": user} if user else {}))
+    env.pop("THP_MEM_ALLOC_ENABLE", None) if user is None else None
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == (["True", "True"] if user is None else ["False", "False"])

@@ -111,6 +111,41 @@ def return_big_blocks_to_os(threshold: int = MMAP_THRESHOLD) -> bool:
     return ok
 
 
+#: c10's switch for huge-page-aligned CPU allocations (read once, at the first block of 2 MiB or more).
+THP_VAR = "THP_MEM_ALLOC_ENABLE"
+_aligned: bool | None = None
+
+
+def align_big_allocations() -> bool:
+    """Ask torch's CPU allocator for huge-page-aligned blocks of 2 MiB and more (``THP_MEM_ALLOC_ENABLE=1``,
+    c10's switch, which also advises transparent huge pages for them), so that the swap files'
+    O_DIRECT reads and writes move such a page in place, without the staging copy (see
+    ``apt_model.memory.swap``), and a 4 MiB page costs 2 page faults instead of 1024.
+
+    torch reads the variable once, at its first allocation of 2 MiB or more: set at ``enable()``
+    before the model exists it takes effect; after that, nothing changes (and this says so). A
+    value the user set (``0`` included) is kept. Process-wide, and stays after ``disable()``.
+    Measured on the development CPU (docs/benchmarks.md): the out-of-core GPT's paged step 1.90 s
+    -> 1.63 s, the optimizer's I/O stall 449 -> 223 ms per step.
+
+    Returns:
+        Whether blocks of 2 MiB and more are 4 KiB-aligned now (probed with one allocation).
+    """
+    global _aligned
+    if _aligned is None:
+        import torch
+
+        if THP_VAR not in os.environ:
+            os.environ[THP_VAR] = "1"
+        probe = torch.empty(2 * 2**20 + 4096, dtype=torch.uint8)
+        _aligned = probe.data_ptr() % 4096 == 0
+        del probe
+        if not _aligned:
+            log.info("big CPU allocations are not page-aligned (%s=%s, or torch allocated a big block before "
+                     "enable()): swap I/O goes through a staging copy", THP_VAR, os.environ.get(THP_VAR))
+    return _aligned
+
+
 def process_rss() -> int:
     """Resident set size of this process, in bytes."""
     return int(psutil.Process().memory_info().rss)

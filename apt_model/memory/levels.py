@@ -15,6 +15,7 @@ import torch
 from apt_model.base.log import get_logger
 from apt_model.base.settings import Setting, read_env
 from apt_model.base.sizes import format_size, parse_size
+from apt_model.memory.host import align_big_allocations
 from apt_model.memory.settings import DEVICE_BUDGET, HOST_BUDGET, SWAP_BUDGET
 from apt_model.memory.swap import SwapSpace
 
@@ -171,6 +172,8 @@ class VGPUStack:
                                           self.swap.free_bytes())
         for w in self.warnings:
             log.warning("%s", w)
+        # on a CPU-only run the pages are host tensors: aligned ones skip O_DIRECT's staging copy
+        self.aligned_pages = align_big_allocations() if self.device.type == "cpu" else None
         self.bandwidths: dict | None = None
         self.levels: list[Level] = []
         self._build()
@@ -224,7 +227,7 @@ class VGPUStack:
         return "\n".join(str(level) for level in self.levels)
 
     def describe(self) -> dict:
-        return {"device": str(self.device), "shared_host": self.shared_host,
+        return {"device": str(self.device), "shared_host": self.shared_host, "aligned_pages": self.aligned_pages,
                 "levels": [asdict(level) for level in self.levels], "bandwidths": self.bandwidths,
                 "swap_folder": str(self.swap.folder),
                 "stale_folders_removed": [str(p) for p in self.swap.stale_removed], "warnings": list(self.warnings)}

@@ -34,6 +34,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import errno
 import fcntl
 import json
@@ -82,6 +83,17 @@ def checksum(data, value: int = 0) -> int:
 
 def _round_up(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def _aligned_prefix(buf: memoryview) -> int:
+    """How many leading bytes of ``buf`` O_DIRECT can move in place: all its whole 4 KiB blocks
+    when its address is 4 KiB-aligned (a page allocated with huge-page alignment, e.g. under
+    ``THP_MEM_ALLOC_ENABLE=1``), else 0 (everything goes through the staging buffer)."""
+    n = buf.nbytes
+    if n < _ALIGN or buf.readonly:
+        return 0
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    return 0 if addr % _ALIGN else n // _ALIGN * _ALIGN
 
 
 def supports_direct_io(folder: Path) -> bool:
@@ -484,7 +496,10 @@ class SwapSpace:
             if self.direct:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o600)
                 try:
-                    for off in range(0, n, _CHUNK):
+                    direct = _aligned_prefix(data)  # straight from the tensor's memory, no staging copy
+                    for off in range(0, direct, _CHUNK):
+                        os.pwrite(fd, data[off:min(off + _CHUNK, direct)], off)
+                    for off in range(direct, n, _CHUNK):
                         m = min(_CHUNK, n - off)
                         padded = _round_up(m)
                         st = self._staging(padded)
@@ -561,7 +576,13 @@ class SwapSpace:
             size = os.fstat(fd).st_size
             if size != rec.nbytes:
                 raise SwapCorruptionError(f"swap file {rec.path} is truncated or altered: {size} bytes, expected {rec.nbytes}")
-            for off in range(0, rec.nbytes, _CHUNK):
+            direct = _aligned_prefix(out) if self.direct else 0  # straight into the tensor's memory
+            for off in range(0, direct, _CHUNK):
+                m = min(_CHUNK, direct - off)
+                got = os.preadv(fd, [out[off:off + m]], off)
+                if got < m:
+                    raise SwapCorruptionError(f"swap file {rec.path} ended at byte {off + got}, expected {rec.nbytes}")
+            for off in range(direct, rec.nbytes, _CHUNK):
                 m = min(_CHUNK, rec.nbytes - off)
                 if self.direct:
                     padded = _round_up(m)

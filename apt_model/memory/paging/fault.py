@@ -12,7 +12,11 @@ storage of size 0 and crash the process. Rules that keep it safe:
 * an op whose result aliases a page (``p.data``, ``p.detach()``, a view) keeps that page pinned
   until the result is garbage-collected — freeing the storage under a live alias would crash;
 * a parameter faulted in during a forward with grad enabled stays resident until the end of the
-  backward, in case autograd saved it.
+  backward, in case autograd saved it;
+* an in-place op returns the paged tensor itself: that is the page's own tensor, not an alias, and
+  pins nothing (``zero_grad(set_to_none=False)`` used to pin every gradient for good);
+* zeroing a paged-out tensor (``t.zero_()``, ``torch._foreach_zero_``) reads nothing: the page is
+  marked to load as zeros.
 """
 from __future__ import annotations
 
@@ -39,6 +43,10 @@ METADATA_ONLY = frozenset(
 )
 
 
+#: In-place zeroing: a paged-out tensor is marked to load as zeros instead of being read first.
+ZEROING = frozenset([_TB.zero_, torch._foreach_zero_])
+
+
 class PageFaultMode(TorchFunctionMode):
     """Loads paged-out tensors on access. ``handler.enter(pages) -> held`` loads and pins them for
     the op; ``handler.exit(held, output)`` lets them go (keeping pages that ``output`` aliases)."""
@@ -51,6 +59,10 @@ class PageFaultMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.active and self.lookup and func in ZEROING and not kwargs:
+            handled, out = self._zero(func, args)
+            if handled:
+                return out
         if self.active and self.lookup and func not in METADATA_ONLY:
             hit = []
             for a in args:
@@ -66,6 +78,20 @@ class PageFaultMode(TorchFunctionMode):
                     self.handler.exit(held, out)
                 return out
         return func(*args, **kwargs)
+
+    def _zero(self, func, args) -> tuple[bool, object]:
+        """``t.zero_()`` / ``torch._foreach_zero_(ts)`` on paged-out tensors: marked to load as zeros,
+        no read (``handler.zero_lower(page) -> bool``). Returns (handled, the op's result)."""
+        if func is _TB.zero_:
+            page = self.lookup.get(id(args[0])) if args else None
+            return (True, args[0]) if page is not None and self.handler.zero_lower(page) else (False, None)
+        tensors = list(args[0]) if args else []
+        rest = [t for t in tensors if (page := self.lookup.get(id(t))) is None or not self.handler.zero_lower(page)]
+        if len(rest) == len(tensors):
+            return False, None
+        if rest:
+            self.__torch_function__(func, (), (rest,))
+        return True, None
 
     def _collect(self, a, hit: list) -> None:
         if isinstance(a, torch.Tensor):

@@ -17,6 +17,20 @@ Gradients ("moved down as they are produced"): a tensor hook that runs before
 happens in place, exactly as without paging; the post-accumulate-grad hook then (re)binds the
 page to ``param.grad`` and writes it behind. A gradient the user set to None is dropped.
 
+Op-level faults only where needed: the session's page-fault handler
+(:mod:`~apt_model.memory.paging.fault`) runs Python on every tensor op while it is on the stack.
+Inside a forward whose paged tensors are all reached through the modules that own them — an
+ordinary module tree, tied weights included, since a shared parameter's page belongs to every
+module that owns it — the hooks above already have every page resident and pinned, and the handler
+only costs time. So each model learns, per kind of forward (training or eval, grad on or off),
+whether its forward touches a paged tensor its hooks did not pin (a module using another module's
+weight, ``F.linear(x, other.weight)``): after :data:`LEARN_FORWARDS` forwards of that kind with no
+such access, its outermost forward runs with the handler taken off the stack (put back by the
+root forward hook, which runs even when the forward raises). One such access seen keeps the
+handler for that kind of forward; a forward that raises while the handler is off puts it back for
+good, with a warning. The handler stays on everywhere outside a forward: user code between steps,
+``state_dict``, ``copy.deepcopy``...
+
 Parameters may be frozen and unfrozen at any time (``requires_grad_``), tied ones included: a
 unit's parameters are brought back for its backward whenever its outputs need gradients — a
 frozen layer between trainable ones still takes part in backward (its weight computes the input's
@@ -25,13 +39,22 @@ registered at the next forward.
 """
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
+from apt_model.base.log import get_logger
 from apt_model.memory.pages import Category, Page, State
 from apt_model.base.patches import SessionHook
+
+log = get_logger(__name__)
+
+#: Forwards of one kind (training/eval, grad on/off) with every paged tensor reached through its
+#: own module's hooks before that kind of forward runs without the op-level fault handler.
+LEARN_FORWARDS = 2
 
 
 class Unit:
@@ -67,6 +90,10 @@ class PagedModel:
         self._seen_this_pass: set[int] = set()
         self.params: list[nn.Parameter] = []
         self.names: dict[int, str] = {}
+        self.clean_forwards: dict[tuple[bool, bool], int] = {}  # kind -> forwards without an uncovered access; -1: seen one
+        self._kind: tuple[bool, bool] | None = None  # the outermost forward's kind while it learns
+        self._uncovered_mark = 0
+        self._handler_off = False  # the outermost forward runs without the op-level handler
 
     # ------------------------------------------------------------------ setup
     def install(self, patches) -> None:
@@ -129,10 +156,34 @@ class PagedModel:
         self.session.resume_faults()  # in case a state_dict() call raised half-way
         if not self.session.forward_depth:
             self.session.forward_starts()  # pins of a backward that never ended are let go
+            if torch._C._current_graph_task_id() == -1:
+                self.session.pager.phase = "forward"
+            kind = (self.model.training, torch.is_grad_enabled())
+            if self.clean_forwards.get(kind, 0) >= LEARN_FORWARDS:
+                self._handler_off = self.session.suspend_fault_handler()
+            elif self.clean_forwards.get(kind, 0) >= 0:
+                self._kind, self._uncovered_mark = kind, self.session.uncovered_accesses
         self.session.forward_depth += 1
 
     def _root_post(self) -> None:
         self.session.forward_depth = max(0, self.session.forward_depth - 1)
+        if not self.session.forward_depth:
+            if self.session.pager.phase == "forward":
+                self.session.pager.phase = "other"
+            raised = sys.exc_info()[0] is not None  # the hook runs inside torch's except block
+            if self._handler_off:
+                self._handler_off = False
+                self.session.restore_fault_handler()
+                if raised:
+                    kind = (self.model.training, torch.is_grad_enabled())
+                    self.clean_forwards[kind] = -1
+                    log.warning("a forward of %s raised while it ran without the op-level page-fault handler; the "
+                                "handler is back on for its forwards of this kind", type(self.model).__name__)
+            elif self._kind is not None:
+                n = self.clean_forwards.get(self._kind, 0)
+                clean = not raised and self.session.uncovered_accesses == self._uncovered_mark
+                self.clean_forwards[self._kind] = n + 1 if clean and n >= 0 else (-1 if not clean else n)
+                self._kind = None
         if self._recording and self.order:
             self._recording = False
             for i, u in enumerate(self.order):
@@ -198,6 +249,9 @@ class PagedModel:
             "order_recorded": not self._recording,
             "paged_parameters": sum(1 for p in self.params if id(p) in self.session.param_pages),
             "paged_gradients": self.page_grads,
+            "op_level_faults": {f"{'train' if tr else 'eval'}{'' if g else ' no_grad'}":
+                                ("off" if n >= LEARN_FORWARDS else "on: a paged tensor was used outside its module"
+                                 if n < 0 else "learning") for (tr, g), n in sorted(self.clean_forwards.items())},
         }
 
     def resident_state(self) -> dict:

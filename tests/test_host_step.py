@@ -270,3 +270,29 @@ def test_the_host_step_on_an_accelerator_trains_within_rounding_and_keeps_states
         assert a.device.type == dev.type
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert not states_paged and pinned and rep["steps"] == 4
+
+
+def test_loading_a_state_dict_replaces_the_host_states_as_plain_pytorch_does(tmp_path):
+    """An optimizer reset mid-run (``load_state_dict`` of a fresh optimizer's empty state): plain
+    PyTorch starts every parameter's state afresh; so does the host step (found by review: the old
+    host states were kept)."""
+    def run(m, opt):
+        losses = train(m, opt, 2, clip=0.5)
+        opt.load_state_dict(copy.deepcopy(make_opt(model(), "adamw").state_dict()))
+        return losses + train(m, opt, 2, clip=0.5, seed=2)
+
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = run(ref_m, ref_opt)
+    m = model()
+    opt = make_opt(m, "adamw")
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = run(m, opt)
+        state = snapshot(m, opt)
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))

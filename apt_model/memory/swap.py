@@ -498,13 +498,16 @@ class SwapSpace:
                 try:
                     direct = _aligned_prefix(data)  # straight from the tensor's memory, no staging copy
                     for off in range(0, direct, _CHUNK):
-                        os.pwrite(fd, data[off:min(off + _CHUNK, direct)], off)
+                        part = data[off:min(off + _CHUNK, direct)]
+                        if os.pwrite(fd, part, off) != part.nbytes:  # a regular file's short write: no room
+                            raise OSError(errno.ENOSPC, f"short write of {part.nbytes} bytes at byte {off}")
                     for off in range(direct, n, _CHUNK):
                         m = min(_CHUNK, n - off)
                         padded = _round_up(m)
                         st = self._staging(padded)
                         st[:m] = data[off:off + m]
-                        os.pwrite(fd, memoryview(st)[:padded], off)
+                        if os.pwrite(fd, memoryview(st)[:padded], off) != padded:
+                            raise OSError(errno.ENOSPC, f"short write of {padded} bytes at byte {off}")
                     os.ftruncate(fd, n)
                 finally:
                     os.close(fd)

@@ -10,7 +10,7 @@ and hyperparameters steps host copies of those parameters:
    :mod:`~apt_model.memory.paging.model`, written behind into the host level during backward);
    the step reads its host copy — with the scaling a streamed ``clip_grad_norm_`` deferred —
    into a reused host buffer. A gradient the plan keeps on the device is copied down here.
-3. **The step** runs on the host copies: the states (Adam's m and v...) are created there and
+3. **The step** runs on the host copies (in the parameter's own dtype): the states (Adam's m and v...) are created there and
    never reach the device. With ``exact=False`` the shadow uses the CPU's fused kernel where the
    class has one (probed), else the per-tensor loop.
 4. **Parameters up.** Each updated host copy is copied into the device parameter in place
@@ -24,8 +24,10 @@ the last upload — ``p._version`` or its storage moved (``p.data.mul_()``, ``p.
 
 The user's optimizer holds no state for host-stepped parameters: ``optimizer.state_dict()``
 returns the shadow's states (host tensors, in the user's parameter order) and
-``load_state_dict()`` moves loaded states into the shadow; a state dict saved from plain
-training loads here and vice versa.
+``load_state_dict()`` replaces the shadow's states with the loaded ones (a parameter the loaded
+dict has no state for starts afresh, as in plain PyTorch); a state dict saved from plain training
+loads here and vice versa. Parameters added to the optimizer after its first host step
+(``add_param_group``) are refused with an error naming them.
 
 A step is all or nothing up to the upload: gradients are read and copies refreshed before
 anything is modified, so a read error (a corrupt swap file) leaves parameters and states as
@@ -229,15 +231,20 @@ class HostStep:
         return state_dict
 
     def _loaded_hook(self, opt):
-        self._take_states(opt, self._shadow(opt))
+        sh = self._shadow(opt)
+        for m in sh.masters.values():  # a load replaces the whole state, as in plain PyTorch
+            sh.host.state.pop(m, None)
+        self._take_states(opt, sh)
         return None
 
     def _take_states(self, opt, sh: _Shadow) -> None:
         """Move the states ``opt`` holds for host-stepped parameters into the shadow (host tensors)."""
         for p in [p for g in opt.param_groups for p in g["params"] if id(p) in self.params]:
-            st = opt.state.pop(p, None)
             m = sh.masters.get(id(p))
-            if st is None or m is None:
+            if m is None:
+                continue  # not hosted by this shadow: its state stays where torch put it
+            st = opt.state.pop(p, None)
+            if st is None:
                 continue
             sh.host.state[m] = {k: (v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) and v.dim() > 0
                                     else (v.detach().cpu() if isinstance(v, torch.Tensor) else v))

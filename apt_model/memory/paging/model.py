@@ -17,19 +17,19 @@ Gradients ("moved down as they are produced"): a tensor hook that runs before
 happens in place, exactly as without paging; the post-accumulate-grad hook then (re)binds the
 page to ``param.grad`` and writes it behind. A gradient the user set to None is dropped.
 
-Op-level faults only where needed: the session's page-fault handler
-(:mod:`~apt_model.memory.paging.fault`) runs Python on every tensor op while it is on the stack.
-Inside a forward whose paged tensors are all reached through the modules that own them — an
-ordinary module tree, tied weights included, since a shared parameter's page belongs to every
-module that owns it — the hooks above already have every page resident and pinned, and the handler
-only costs time. So each model learns, per kind of forward (training or eval, grad on or off),
-whether its forward touches a paged tensor its hooks did not pin (a module using another module's
-weight, ``F.linear(x, other.weight)``): after :data:`LEARN_FORWARDS` forwards of that kind with no
-such access, its outermost forward runs with the handler taken off the stack (put back by the
-root forward hook, which runs even when the forward raises). One such access seen keeps the
-handler for that kind of forward; a forward that raises while the handler is off puts it back for
-good, with a warning. The handler stays on everywhere outside a forward: user code between steps,
-``state_dict``, ``copy.deepcopy``...
+Op-level faults stay on in a forward. The session's page-fault handler
+(:mod:`~apt_model.memory.paging.fault`) runs Python on every tensor op while it is on the stack,
+and inside a forward whose paged tensors are all reached through the modules that own them the
+hooks above already hold every page it touches. Taking the handler off for such forwards, once
+learned, was built and reviewed and found unsafe: learning sees only the branches its forwards
+took (a later branch that reads another module's evicted weight reads freed storage: garbage or a
+crash), a ``KeyboardInterrupt`` skips the root hook that would put it back, and the mode stack is
+per thread while forwards may overlap on two threads. So the handler stays on in forwards; each
+model still records, per kind of forward (training or eval, grad on or off), whether its forwards
+have touched a paged tensor its module hooks had not pinned (``op_level_faults`` in its report:
+where the handler is needed). The streamed optimizer step runs without it (see
+:mod:`~apt_model.memory.paging.optimizer`): there every page is acquired by the step itself, on
+one thread, and a ``try``/``finally`` puts it back.
 
 Parameters may be frozen and unfrozen at any time (``requires_grad_``), tied ones included: a
 unit's parameters are brought back for its backward whenever its outputs need gradients — a
@@ -52,9 +52,6 @@ from apt_model.base.patches import SessionHook
 
 log = get_logger(__name__)
 
-#: Forwards of one kind (training/eval, grad on/off) with every paged tensor reached through its
-#: own module's hooks before that kind of forward runs without the op-level fault handler.
-LEARN_FORWARDS = 2
 
 
 class Unit:
@@ -91,9 +88,8 @@ class PagedModel:
         self.params: list[nn.Parameter] = []
         self.names: dict[int, str] = {}
         self.clean_forwards: dict[tuple[bool, bool], int] = {}  # kind -> forwards without an uncovered access; -1: seen one
-        self._kind: tuple[bool, bool] | None = None  # the outermost forward's kind while it learns
+        self._kind: tuple[bool, bool] | None = None  # the outermost forward's kind while it runs
         self._uncovered_mark = 0
-        self._handler_off = False  # the outermost forward runs without the op-level handler
 
     # ------------------------------------------------------------------ setup
     def install(self, patches) -> None:
@@ -159,9 +155,7 @@ class PagedModel:
             if torch._C._current_graph_task_id() == -1:
                 self.session.pager.phase = "forward"
             kind = (self.model.training, torch.is_grad_enabled())
-            if self.clean_forwards.get(kind, 0) >= LEARN_FORWARDS:
-                self._handler_off = self.session.suspend_fault_handler()
-            elif self.clean_forwards.get(kind, 0) >= 0:
+            if self.clean_forwards.get(kind, 0) >= 0:
                 self._kind, self._uncovered_mark = kind, self.session.uncovered_accesses
         self.session.forward_depth += 1
 
@@ -171,18 +165,12 @@ class PagedModel:
             if self.session.pager.phase == "forward":
                 self.session.pager.phase = "other"
             raised = sys.exc_info()[0] is not None  # the hook runs inside torch's except block
-            if self._handler_off:
-                self._handler_off = False
-                self.session.restore_fault_handler()
-                if raised:
-                    kind = (self.model.training, torch.is_grad_enabled())
-                    self.clean_forwards[kind] = -1
-                    log.warning("a forward of %s raised while it ran without the op-level page-fault handler; the "
-                                "handler is back on for its forwards of this kind", type(self.model).__name__)
-            elif self._kind is not None:
+            if self._kind is not None:
                 n = self.clean_forwards.get(self._kind, 0)
-                clean = not raised and self.session.uncovered_accesses == self._uncovered_mark
-                self.clean_forwards[self._kind] = n + 1 if clean and n >= 0 else (-1 if not clean else n)
+                if self.session.uncovered_accesses != self._uncovered_mark:
+                    self.clean_forwards[self._kind] = -1
+                elif not raised and n >= 0:
+                    self.clean_forwards[self._kind] = n + 1
                 self._kind = None
         if self._recording and self.order:
             self._recording = False
@@ -250,8 +238,9 @@ class PagedModel:
             "paged_parameters": sum(1 for p in self.params if id(p) in self.session.param_pages),
             "paged_gradients": self.page_grads,
             "op_level_faults": {f"{'train' if tr else 'eval'}{'' if g else ' no_grad'}":
-                                ("off" if n >= LEARN_FORWARDS else "on: a paged tensor was used outside its module"
-                                 if n < 0 else "learning") for (tr, g), n in sorted(self.clean_forwards.items())},
+                                ("needed: a paged tensor was used outside its module" if n < 0 else
+                                 f"not needed so far ({n} forwards; the handler stays on)")
+                                for (tr, g), n in sorted(self.clean_forwards.items())},
         }
 
     def resident_state(self) -> dict:

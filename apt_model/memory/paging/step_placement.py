@@ -10,9 +10,10 @@ optimizer states do not fit beside them:
     device's memory bandwidth.
 
 ``host`` (:mod:`~apt_model.memory.paging.host_step`; the scheme of torchao's ``CPUOffloadOptimizer``)
-    The states never leave host memory; the host keeps an fp32 copy of each parameter. Per step
+    The states never leave host memory; the host keeps a copy of each parameter. Per step
     the link carries the gradients down once (as they are produced) and the updated parameters up
-    once; the step runs on the host's cores at the rate probed for this optimizer.
+    once; the step runs on the host's cores (over host copies of the parameters, in their
+    own dtype) at the rate probed for this optimizer.
 
 The cost model (:func:`plan_optimizer_step`) predicts both per step, in seconds, from measured
 figures only — the link's GB/s (the stack's host level), the device memory's GB/s (level 0) and
@@ -120,7 +121,7 @@ def plan_optimizer_step(request: str, exact: bool, device: torch.device | str, p
         device_gbps: the device memory's GB/s (None when not measured).
         host_rate: bytes of parameters the host steps per second, or a callable returning it
             (called only when the prediction needs it: probing costs a few steps), or None.
-        host_room: bytes the host level can give the host step (its fp32 parameter copies, states
+        host_room: bytes the host level can give the host step (its parameter copies, states
             and gradient copies); None for no limit.
 
     Returns:
@@ -146,7 +147,7 @@ def plan_optimizer_step(request: str, exact: bool, device: torch.device | str, p
                              "stepping on the host", inputs=inputs)
     need = params_bytes + states_bytes + grads_bytes
     if host_room is not None and need > host_room:
-        return StepPlacement("device", f"the host step needs {need} bytes of host memory (fp32 parameter copies, "
+        return StepPlacement("device", f"the host step needs {need} bytes of host memory (parameter copies, "
                              f"states, gradient copies) and the host level has {host_room}", inputs=inputs)
     same_kernels = device.type == "cpu"
     if exact and not same_kernels:

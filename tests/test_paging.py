@@ -930,7 +930,7 @@ def test_the_report_puts_the_plans_estimate_beside_what_was_measured(tmp_path):
     assert sum(by_phase.values()) == pytest.approx(pvm["measured"]["stall_s_per_step"], abs=5e-4)
 
 
-def test_the_stall_is_told_by_phase(tmp_path, monkeypatch):
+def test_the_stall_is_told_by_phase(tmp_path, monkeypatch, capsys):
     """With reads slowed down (10 ms each), the training thread waits in each phase that loads
     pages — the forward, the backward and the optimizer's chunks — and the report says where."""
     import time as _time
@@ -950,9 +950,12 @@ def test_the_stall_is_told_by_phase(tmp_path, monkeypatch):
         m.to("cpu")
         train(m, make_opt(m, "adamw"), 3)
         by_phase = vb.get_stats()["levels"][0]["stall_s_by_phase"]
+        vb.print_stats()
+        text = capsys.readouterr().out
     finally:
         vb.disable()
     assert by_phase["forward"] > 0 and by_phase["backward"] > 0 and by_phase["optimizer"] > 0, by_phase
+    assert "level 0 stalled in: forward" in text
 
 
 @pytest.mark.parametrize("host_level", [False, True], ids=["host-nvme", "device-host-nvme"])

@@ -32,6 +32,27 @@ def _state_pages(session):
     return [pg for pg in session.pager.pages.values() if pg.category is Category.STATE]
 
 
+def _against_plain(tmp_path, run, kind="adamw"):
+    """``run(model, optimizer) -> losses`` in plain training and with the host step (the CPU
+    standing in for the device, exact kernels): (plain losses, plain state, host losses, host
+    state, the host step's report)."""
+    ref_m = model()
+    ref_opt = make_opt(ref_m, kind)
+    ref = run(ref_m, ref_opt)
+    m = model()
+    opt = make_opt(m, kind)
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = run(m, opt)
+        state = snapshot(m, opt)
+        rep = session.report()["host_step"]
+    finally:
+        patches.restore_all()
+    return ref, snapshot(ref_m, ref_opt), got, state, rep
+
+
 @pytest.mark.parametrize("kind,accum,clip,zero_to_none,sched", [
     ("adamw", 2, 0.5, True, False),
     ("sgd", 1, None, False, False),
@@ -129,23 +150,10 @@ def test_weights_edited_between_steps_are_followed(tmp_path):
             p.data = p.data * 0.25
         return losses + train(m, opt, 2, seed=3)
 
-    ref_m = model()
-    ref_opt = make_opt(ref_m, "adamw")
-    ref = run(ref_m, ref_opt)
-    m = model()
-    opt = make_opt(m, "adamw")
-    session, patches = _session(tmp_path)
-    try:
-        session.page_model(m, page_params=False, page_grads=True)
-        session.step_on_host(m, exact=True)
-        got = run(m, opt)
-        state = snapshot(m, opt)
-        refreshed = session.report()["host_step"]["copies_refreshed"]
-    finally:
-        patches.restore_all()
+    ref, ref_state, got, state, rep = _against_plain(tmp_path, run)
     assert got == ref
-    assert_same(state, snapshot(ref_m, ref_opt))
-    assert refreshed >= 1
+    assert_same(state, ref_state)
+    assert rep["copies_refreshed"] >= 1
 
 
 def test_the_fused_host_kernel_trains_the_same_model_within_rounding(tmp_path):
@@ -281,18 +289,6 @@ def test_loading_a_state_dict_replaces_the_host_states_as_plain_pytorch_does(tmp
         opt.load_state_dict(copy.deepcopy(make_opt(model(), "adamw").state_dict()))
         return losses + train(m, opt, 2, clip=0.5, seed=2)
 
-    ref_m = model()
-    ref_opt = make_opt(ref_m, "adamw")
-    ref = run(ref_m, ref_opt)
-    m = model()
-    opt = make_opt(m, "adamw")
-    session, patches = _session(tmp_path)
-    try:
-        session.page_model(m, page_params=False, page_grads=True)
-        session.step_on_host(m, exact=True)
-        got = run(m, opt)
-        state = snapshot(m, opt)
-    finally:
-        patches.restore_all()
+    ref, ref_state, got, state, _ = _against_plain(tmp_path, run)
     assert got == ref
-    assert_same(state, snapshot(ref_m, ref_opt))
+    assert_same(state, ref_state)

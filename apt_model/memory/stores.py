@@ -177,6 +177,12 @@ class PinnedPool:
             return None
         return self.alloc(nbytes)
 
+    def shrink(self, nbytes: int) -> None:
+        """Give ``nbytes`` of the budget to another user of host memory (never below one 4 KiB
+        unit); slabs allocated from now on fit the smaller budget."""
+        self.budget = max(self.budget - int(nbytes), _ALIGN)
+        self.slab_bytes = min(self.slab_bytes, self.budget)
+
     def release(self, seg: Segment) -> None:
         holes = self.free[seg.slab]
         holes.append((seg.offset, seg.nbytes))

@@ -74,8 +74,10 @@ class _Shadow:
                 raise
             log.info("%s(fused=True) on the host failed (%s); the host step uses the per-tensor loop",
                      type(opt).__name__, err)
-            for grp in groups:
-                grp.update(self._kernel({}, False))
+            for grp, g in zip(groups, opt.param_groups):  # the user's own kernel choice again
+                grp.pop("fused", None)
+                grp.pop("foreach", None)
+                grp.update(self._kernel(g, False))
             self.fused = False
             self.host = type(opt)(groups)
         self.event = None

@@ -46,12 +46,8 @@ import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from apt_model.base.log import get_logger
 from apt_model.memory.pages import Category, Page, State
 from apt_model.base.patches import SessionHook
-
-log = get_logger(__name__)
-
 
 
 class Unit:

@@ -157,8 +157,7 @@ class PagingSession:
 
             p_bytes, t_bytes = model_state_sizes(model)
             need = p_bytes + 3 * t_bytes  # host copies, gradient buffers, Adam's m and v
-            pool.budget = max(pool.budget - need, 4096)
-            pool.slab_bytes = min(pool.slab_bytes, pool.budget)
+            pool.shrink(need)
 
     def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> None:
         from apt_model.memory.placement import model_state_sizes

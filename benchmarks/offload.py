@@ -14,6 +14,12 @@ no bound when the compute takes longer than the disk.
 
     python benchmarks/offload.py --threads 2 --json bench-results/offload.json
 
+The loop clips gradients (``--clip 1.0``), so the optimizer step cannot run inside backward. With
+``--clip 0`` it can, and a third worker runs the paged side with ``paging_step_in_backward=off``:
+the step inside backward against the step after it, side by side in the same run.
+
+    python benchmarks/offload.py --threads 2 --clip 0 --json bench-results/offload-noclip.json
+
 GPU mode (``--device cuda``, code in ``offload_gpu.py``): one run compares in-memory training with
 torchao's ``CPUOffloadOptimizer`` (with and without ``offload_gradients``), FSDP2's
 ``CPUOffloadPolicy`` on one rank, and this project's paging with the parameters kept on the device
@@ -42,7 +48,7 @@ from offload_gpu import VARIANTS, cuda_missing, run_gpu  # noqa: E402
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
-def worker(conn, paged: bool, args) -> None:
+def worker(conn, paged: bool, args, step_in_backward: str = "auto") -> None:
     import torch
 
     torch.set_num_threads(args.threads)
@@ -55,7 +61,7 @@ def worker(conn, paged: bool, args) -> None:
     set_seed(0)
     if paged:
         vb.enable("balanced", paging=args.paging, device_budget=args.budget, swap_dir=args.swap_dir,
-                  mixed_precision="off", banner=False)
+                  mixed_precision="off", banner=False, paging_step_in_backward=step_in_backward)
     corpus = ByteCorpus(load_text_bytes(None, 2_000_000))
     model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                           attn_implementation="sdpa")).to("cpu")
@@ -72,7 +78,7 @@ def worker(conn, paged: bool, args) -> None:
                 *(phases.get(k, 0.0) for k in PHASES))
 
     def step() -> float:
-        return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len)
+        return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len, clip=args.clip or None)
 
     for _ in range(args.warmup):
         step()
@@ -80,6 +86,7 @@ def worker(conn, paged: bool, args) -> None:
     if paged:
         rep = vb.get_report()
         info["plan"] = rep["models"][0]["features"]["paging"]
+        info["step_in_backward"] = rep["memory"]["paging"]["step_in_backward"]
         info["bandwidths"] = rep["memory"]["stack"]["bandwidths"]
         info["levels"] = [f"Level {lv['index']}: {lv['device']} - {lv['capacity'] / 1e6:.0f}MB @ {lv['gbps']}GB/s"
                           for lv in rep["memory"]["stack"]["levels"]]
@@ -127,6 +134,9 @@ def main(argv=None) -> dict:
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="cpu: clip_grad_norm_ max norm in the loop (0: no clipping; then a third worker runs the "
+                        "paged side with the optimizer step kept after backward, paging_step_in_backward=off)")
     g = p.add_argument_group("GPU mode (--device cuda)")
     g.add_argument("--variants", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS))
     g.add_argument("--budget-kept", default=None,
@@ -154,15 +164,18 @@ def main(argv=None) -> dict:
 
     ctx = mp.get_context("spawn")
     sides, infos = {}, {}
-    for name, paged in (("in_memory", False), ("paged", True)):
+    workers = [("in_memory", False, "auto"), ("paged", True, "auto")]
+    if not args.clip:  # the step in backward applies: measure it against the step after backward
+        workers.append(("paged_after_backward", True, "off"))
+    for name, paged, in_backward in workers:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, paged, args), daemon=True)
+        proc = ctx.Process(target=worker, args=(child, paged, args, in_backward), daemon=True)
         proc.start()
         tag, info = parent.recv()
         assert tag == "ready"
         sides[name], infos[name] = (parent, proc), info
     times = {n: [] for n in sides}
-    io = []
+    io, io_after = [], []
     order = list(sides)
     for r in range(args.rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
@@ -172,6 +185,8 @@ def main(argv=None) -> dict:
             times[name].extend(t)
             if name == "paged":
                 io.append(delta)
+            elif name == "paged_after_backward":
+                io_after.append(delta)
     finals = {}
     for name, (parent, proc) in sides.items():
         parent.send("stop")
@@ -207,7 +222,16 @@ def main(argv=None) -> dict:
         "ratio_to_io_floor": pag["median"] / floor if floor else None,
         "ratio_to_bound": pag["median"] / max(mem["median"], floor),  # the floor is no bound when compute is longer
         "slowdown_vs_in_memory": pag["median"] / mem["median"],
+        "step_in_backward": infos["paged"]["step_in_backward"],
     }
+    if "paged_after_backward" in times:
+        aft = summarize(times["paged_after_backward"])
+        result["paged_after_backward"] = aft
+        result["paged_after_backward_stall_s_per_step_by_phase"] = {
+            k: sum(d[3 + i] for d in io_after) / steps for i, k in enumerate(PHASES)} if io_after else {}
+        result["paged_after_backward_read_bytes_per_step"] = sum(d[0] for d in io_after) / steps
+        result["paged_after_backward_write_bytes_per_step"] = sum(d[1] for d in io_after) / steps
+        result["in_backward_over_after_backward"] = pag["median"] / aft["median"]
     from apt_model.base.sizes import parse_size
 
     result["state_over_budget"] = result["state_bytes"] / parse_size(args.budget)
@@ -225,6 +249,15 @@ def main(argv=None) -> dict:
     print(f"  I/O floor {1e3 * floor:.1f} ms; paged / floor = {result['ratio_to_io_floor']:.2f} (target <= 1.5); "
           f"paged / in-memory = {result['slowdown_vs_in_memory']:.2f}")
     print(f"  paged / max(in-memory, I/O floor) = {result['ratio_to_bound']:.2f} (ratio_to_bound)")
+    sib = result["step_in_backward"]
+    print(f"  optimizer step inside backward: {sib['state']} ({sib['reason']})")
+    if "paged_after_backward" in result:
+        aft = result["paged_after_backward"]
+        print(f"  paged, step after backward {1e3 * aft['median']:8.1f} ms (p25 {1e3 * aft['p25']:.1f}, "
+              f"p75 {1e3 * aft['p75']:.1f}); read {result['paged_after_backward_read_bytes_per_step'] / 1e6:.1f}MB, "
+              f"wrote {result['paged_after_backward_write_bytes_per_step'] / 1e6:.1f}MB per step; stalled ("
+              + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in result["paged_after_backward_stall_s_per_step_by_phase"].items())
+              + f"); in backward / after = {result['in_backward_over_after_backward']:.2f}")
     write_json(result, args.json)
     return result
 

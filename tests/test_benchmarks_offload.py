@@ -172,3 +172,18 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     assert v["vb_all_paged"]["info"]["plan"]["plan"]["page_params"] is True
     assert len(r["comparison"]) == 5
     assert "SKIPPED: torchao" in res.stdout and "FAILED" in res.stdout and "against the issue's targets" in res.stdout
+
+
+def test_cpu_mode_without_clipping_measures_the_step_inside_backward_against_after(tmp_path):
+    """--clip 0: a third worker keeps the step after backward; the paged worker steps inside
+    backward (armed), reads fewer bytes (no gradient comes back) and says so in the JSON."""
+    out = tmp_path / "offload.json"
+    res = _run("--d-model", "64", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch-size", "2",
+               "--budget", "600KB", "--rounds", "2", "--steps-per-round", "1", "--warmup", "2", "--clip", "0",
+               "--swap-dir", str(tmp_path), "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    got = json.loads(out.read_text())
+    assert got["step_in_backward"]["state"] == "armed"
+    assert got["paged_after_backward"]["n"] == 2 and got["in_backward_over_after_backward"] > 0
+    assert got["read_bytes_per_step"] < got["paged_after_backward_read_bytes_per_step"]
+    assert "step after backward" in res.stdout

@@ -36,6 +36,9 @@ FORCE = dict(paging="always", device_budget="16KB", attention="off", mixed_preci
 #: over_budget with room for the parameters only: they stay resident, gradients and states are paged
 KEPT = dict(paging="over_budget", device_budget="120KB", attention="off", mixed_precision="off", banner=False)
 PLANS = {"all-paged": FORCE, "parameters-kept": KEPT}
+#: the tests of a failure inside ``optimizer.step()`` need the step to run there, after backward
+#: (a failure of the step taken inside backward: tests/test_backward_step.py)
+AFTER = dict(paging_step_in_backward="off")
 
 
 def mlp(seed=0, tied=False):
@@ -375,7 +378,7 @@ def test_a_failure_inside_optimizer_step_applies_nothing_and_a_retry_steps_once(
     data = batches(5)
     m = mlp()
     opt = adamw(m, FailingAdamW)
-    vb.enable("balanced", swap_dir=str(tmp_path), **PLANS[plan])
+    vb.enable("balanced", swap_dir=str(tmp_path), **PLANS[plan], **AFTER)
     m.to("cpu")
     paging = vb.get_report()["models"][0]["features"]["paging"]
     assert paging["chosen"] == "paged"
@@ -413,7 +416,8 @@ def test_the_three_level_path_rolls_a_failed_step_back(host_budget, tmp_path):
     m = mlp()
     opt = adamw(m, FailingAdamW)
     patches = PatchSet()
-    s = PagingSession(16_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget, host_level=True)
+    s = PagingSession(16_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget, host_level=True,
+                      step_in_backward="off")
     try:
         s.page_model(m, page_params=True, page_grads=True)
         for i in range(2):
@@ -444,7 +448,7 @@ def test_a_read_error_inside_the_step_rolls_it_back(plan, tmp_path, monkeypatch)
     files = Injected(monkeypatch, tmp_path)
     m = mlp()
     opt = adamw(m)
-    vb.enable("balanced", swap_dir=str(tmp_path), **PLANS[plan])
+    vb.enable("balanced", swap_dir=str(tmp_path), **PLANS[plan], **AFTER)
     m.to("cpu")
     for i in range(2):
         one_step(m, opt, data[i])
@@ -473,7 +477,7 @@ def test_a_full_disk_inside_the_step_rolls_it_back(tmp_path, monkeypatch):
     files = Injected(monkeypatch, tmp_path)
     m = mlp()
     opt = adamw(m)
-    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
     m.to("cpu")
     for i in range(2):
         one_step(m, opt, data[i])

@@ -73,7 +73,10 @@ def test_long_banner_with_vb_log_level_info():
     assert "(from environment:VB_MODE)" not in long.stdout and "mode from: environment:VB_MODE" in long.stdout
 
 
-def test_banner_once_per_process_and_reconfiguration_shows_what_changed(capsys, cpu_device):
+def test_banner_once_per_process_and_reconfiguration_shows_what_changed(capsys, cpu_device, monkeypatch):
+    # the paging line shows the level-0 budget, by default a share of the memory available at that
+    # moment: a fixed one keeps the host's other activity out of what "changed" means here
+    monkeypatch.setenv("VB_DEVICE_BUDGET", "8GB")
     vb.enable("balanced")
     assert len(banner_of(capsys)) == 1 + len(FEATURE_NAMES)
     vb.enable("balanced")  # the same again (as the main job after ENABLE_VIRTUAL_BLACKWELL=1): silent

@@ -172,7 +172,8 @@ def test_the_table_holds_every_packages_entries_once():
                            "swap_dir": "VB_SWAP_DIR", "swap_budget": "VB_SWAP_BUDGET",
                            "activation_budget": "VB_ACTIVATION_BUDGET", "checkpoint_policy": "VB_CHECKPOINT_POLICY",
                            "distributed": "VB_DISTRIBUTED", "compile_warmup_budget": "VB_COMPILE_WARMUP_BUDGET",
-                           "paging_step": "VB_PAGING_STEP", "paging_exact": "VB_PAGING_EXACT"}
+                           "paging_step": "VB_PAGING_STEP", "paging_exact": "VB_PAGING_EXACT",
+                           "paging_step_in_backward": "VB_PAGING_STEP_IN_BACKWARD"}
     from apt_model.switch import vbrc
     from apt_model.switch.modes import FEATURES
 
@@ -299,6 +300,7 @@ SETTING_CASES = {
     "compile_recompile_limit": (4, 4, 0, "must be a whole number >= 1"),
     "paging_step": ("Host", "host", "gpu", "valid values: auto, device, host"),
     "paging_exact": ("off", False, "maybe", "is not valid; use one of"),
+    "paging_step_in_backward": ("OFF", "off", "always", "valid values: auto, off"),
     "device_budget": ("4GiB", "4GiB", "lots", "is not a size"),
     "host_budget": (1 << 30, 1 << 30, 0, "must be a positive size"),
     "swap_dir": ("/tmp", "/tmp", 3, "must be a folder path"),
@@ -348,6 +350,7 @@ ENV_CASES = {
     "VB_COMPILE_WARMUP_BUDGET": ("30", 30.0, "-1"),
     "VB_PAGING_STEP": ("device", "device", "cpu"),
     "VB_PAGING_EXACT": ("0", False, "maybe"),
+    "VB_PAGING_STEP_IN_BACKWARD": ("off", "off", "later"),
     "VB_CHECKPOINTING": ("on", True, "maybe"),
     "VB_ACTIVATION_OFFLOAD": ("0", False, "sometimes"),
     "VB_PAGING": ("tight", "tight", "never"),

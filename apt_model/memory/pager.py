@@ -833,6 +833,11 @@ class Pager:
                 page.cached_norm = None
                 page.scales = []  # the bytes in memory have every scaling applied already
 
+    def in_transaction(self, page: Page) -> bool:
+        """Whether ``page`` was protected by the open step transaction (the step modified it)."""
+        txn = self._txn
+        return bool(txn) and page.key in txn
+
     def commit(self) -> None:
         """The step completed: forget the pre-step copies of the protected pages."""
         with self._lock:

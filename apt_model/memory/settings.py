@@ -40,5 +40,12 @@ PAGING_EXACT = Setting(
     "paged training stays bitwise the in-memory training; off allows the optimizer step on the host "
     "for a model on an accelerator (the host's rounding)", env_flag, values="1/0, true/false, on/off")
 
+PAGING_STEP_IN_BACKWARD = Setting(
+    "paging_step_in_backward", "auto", "VB_PAGING_STEP_IN_BACKWARD",
+    "auto: where the first step shows one backward per optimizer.step() with untouched gradients, each "
+    "paged parameter is stepped as its gradient lands (exact: undone when the loop changes); off: the "
+    "step always runs after backward", choice(("auto", "off")), values="auto, off")
+
 #: The entries :mod:`apt_model.memory` owns.
-SETTINGS = (DEVICE_BUDGET, HOST_BUDGET, SWAP_DIR, SWAP_BUDGET, SWAP_TIMEOUT, PAGING_STEP, PAGING_EXACT)
+SETTINGS = (DEVICE_BUDGET, HOST_BUDGET, SWAP_DIR, SWAP_BUDGET, SWAP_TIMEOUT, PAGING_STEP, PAGING_EXACT,
+            PAGING_STEP_IN_BACKWARD)

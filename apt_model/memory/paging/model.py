@@ -211,19 +211,21 @@ class PagedModel:
 
     # ------------------------------------------------------------------ backward
     def _backward_start(self, unit: Unit) -> None:
+        self.session.in_backward(self._pin_for_backward, unit)
+
+    def _pin_for_backward(self, unit: Unit) -> None:
         self.session.pin_for_backward(unit.pages)
         self._prefetch(unit, -1)
 
     def _before_accumulate(self, p: nn.Parameter) -> None:
-        self.session.before_grad_accumulate(p, self.names[id(p)])
+        self.session.in_backward(self.session.before_grad_accumulate, p, self.names[id(p)])
         return None
 
     def _after_accumulate(self, p: nn.Parameter) -> None:
         page = self.session.param_pages.get(id(p))
         if page is not None:
             self.session.unpin_for_backward(page)
-        if self.page_grads:
-            self.session.after_grad_accumulate(p, self.names[id(p)])
+        self.session.in_backward(self.session.after_grad_accumulate, p, self.names[id(p)], self.page_grads)
 
     # ------------------------------------------------------------------ report
     def describe(self) -> dict:

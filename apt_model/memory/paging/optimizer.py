@@ -117,6 +117,8 @@ class OptimizerPaging:
                 "(enable(paging='off'))"
             )
         self.known.add(opt)
+        patches.add_handle(opt.register_state_dict_pre_hook(self._before_state_dict),
+                           f"{type(opt).__name__} state_dict pre-hook")
         patches.add_handle(opt.register_state_dict_post_hook(self._state_dict_hook), f"{type(opt).__name__} state_dict hook")
         patches.add_handle(opt.register_load_state_dict_post_hook(self._loaded_hook),
                            f"{type(opt).__name__} load_state_dict hook")
@@ -160,17 +162,18 @@ class OptimizerPaging:
                 f"{type(opt).__name__}.step(closure) re-evaluates the model inside the step, which cannot be "
                 "streamed in chunks; call loss.backward() yourself and then optimizer.step() without a closure"
             )
-        # every page the step touches is acquired by the step itself: its ops (the optimizer's
-        # arithmetic, this bookkeeping) need no op-level fault handler
-        handler_off = self.session.suspend_fault_handler()
-        pager = self.session.pager
-        phase, pager.phase = pager.phase, "optimizer"
-        try:
-            self._run(opt)
-        finally:
-            pager.phase = phase
-            if handler_off:
-                self.session.restore_fault_handler()
+        if not self.session.backward_step.claim(opt):  # else: it ran inside backward, committed now
+            # every page the step touches is acquired by the step itself: its ops (the optimizer's
+            # arithmetic, this bookkeeping) need no op-level fault handler
+            handler_off = self.session.suspend_fault_handler()
+            pager = self.session.pager
+            phase, pager.phase = pager.phase, "optimizer"
+            try:
+                self._run(opt)
+            finally:
+                pager.phase = phase
+                if handler_off:
+                    self.session.restore_fault_handler()
         self.steps += 1
         for fn in self.after_step:
             fn(self.steps)
@@ -238,6 +241,85 @@ class OptimizerPaging:
             chunks.append(cur)
         return chunks
 
+    def run_chunk(self, opt, gi: int, chunk: list[torch.Tensor], undo: "_StepUndo", originals: list,
+                  raw=None, next_chunk: list[torch.Tensor] | None = None, first: bool = False) -> None:
+        """Step ``chunk`` (parameters of ``opt.param_groups[gi]``) alone, inside the open step
+        transaction: acquire its pages, keep their pre-step versions (``undo``), prefetch
+        ``next_chunk``'s pages, run the optimizer's own step with the groups narrowed to the chunk,
+        then release (write behind) what it touched and page the states it created.
+
+        Args:
+            originals: every group's full ``params`` list, put back after the call.
+            raw: the optimizer class's unwrapped ``step`` (None: a re-entrant ``opt.step()``).
+            first: the step's first chunk (prefetched after the next backward).
+
+        Raises:
+            whatever acquiring, keeping or the optimizer raised; the chunk's pins are dropped and
+                the caller rolls the transaction back.
+        """
+        pager = self.session.pager
+        group = opt.param_groups[gi]
+        write, read = [], []
+        for p in chunk:
+            w, r = self._pages_of(p)
+            write += w
+            read += r
+        if first:
+            self.first_chunk = write + read
+        pager.acquire(write + read)  # in one call: making room for some never evicts the others
+        done = False
+        try:
+            undo.keep(chunk, write)  # the pre-step versions of what this chunk modifies
+            creates = self._new_state_bytes(opt, group, chunk)
+            if creates:  # the step allocates these on the device: make their room first
+                pager.make_room(creates, protect=write + read)
+            if next_chunk:
+                nxt = []
+                for p in next_chunk:
+                    w, r = self._pages_of(p)
+                    nxt += w + r
+                pager.prefetch(nxt, reserve=creates)
+            try:
+                for gj, g in enumerate(opt.param_groups):
+                    g["params"] = chunk if gj == gi else []
+                if raw is not None:
+                    raw(opt)
+                else:
+                    opt.step()  # re-entrant call; our pre-hook sees _in_step and lets it run
+            finally:
+                for g, params in zip(opt.param_groups, originals):
+                    g["params"] = params
+            done = True
+        finally:
+            if not done:
+                pager.unpin(read)
+                pager.unpin(write)
+        new = []
+        for p in chunk:
+            pages = self._page_new_states(opt, p)
+            undo.created += [(p, pg) for pg in pages]
+            new += pages
+        pager.release(read, evict=True)
+        pager.release(write, evict=bool(self.page_states))
+        pager.evict_now(new)
+
+    def begin_transaction(self, opt) -> "_StepUndo":
+        """Open a step transaction for ``opt`` outside ``optimizer.step()`` (the step inside backward,
+        :mod:`~apt_model.memory.paging.backward_step`): returns its undo record, for
+        :meth:`step_alone` and then ``undo.commit()`` (with ``pager.commit()``) or ``undo.rollback()``."""
+        self.session.pager.begin_step()
+        return _StepUndo(self, opt)
+
+    def step_alone(self, opt, gi: int, p: torch.Tensor, undo: "_StepUndo") -> None:
+        """Step parameter ``p`` of ``opt.param_groups[gi]`` alone, in the transaction of ``undo``
+        (see :meth:`run_chunk`, whose errors it raises)."""
+        originals = [g["params"] for g in opt.param_groups]
+        self._in_step = True
+        try:
+            self.run_chunk(opt, gi, [p], undo, originals, getattr(type(opt).step, "__wrapped__", None))
+        finally:
+            self._in_step = False
+
     def _stream(self, opt: torch.optim.Optimizer) -> None:
         """Run ``opt``'s step chunk by chunk, as one transaction (see the module docstring).
 
@@ -263,54 +345,8 @@ class OptimizerPaging:
                     undo.start(chunk)
             for gi, group, chunks in plan:
                 for ci, chunk in enumerate(chunks):
-                    write, read = [], []
-                    for p in chunk:
-                        w, r = self._pages_of(p)
-                        write += w
-                        read += r
-                    if gi == 0 and ci == 0:
-                        self.first_chunk = write + read
-                    pager.acquire(write)
-                    try:
-                        pager.acquire(read)
-                    except BaseException:
-                        pager.unpin(write)
-                        raise
-                    done = False
-                    try:
-                        undo.keep(chunk, write)  # the pre-step versions of what this chunk modifies
-                        creates = self._new_state_bytes(opt, group, chunk)
-                        if creates:  # the step allocates these on the device: make their room first
-                            pager.make_room(creates, protect=write + read)
-                        if ci + 1 < len(chunks):
-                            nxt = []
-                            for p in chunks[ci + 1]:
-                                w, r = self._pages_of(p)
-                                nxt += w + r
-                            pager.prefetch(nxt, reserve=creates)
-                        try:
-                            for gj, g in enumerate(opt.param_groups):
-                                g["params"] = chunk if gj == gi else []
-                            if raw is not None:
-                                raw(opt)
-                            else:
-                                opt.step()  # re-entrant call; our pre-hook sees _in_step and lets it run
-                        finally:
-                            for g, params in zip(opt.param_groups, originals):
-                                g["params"] = params
-                        done = True
-                    finally:
-                        if not done:
-                            pager.unpin(read)
-                            pager.unpin(write)
-                    new = []
-                    for p in chunk:
-                        pages = self._page_new_states(opt, p)
-                        undo.created += [(p, pg) for pg in pages]
-                        new += pages
-                    pager.release(read, evict=True)
-                    pager.release(write, evict=bool(self.page_states))
-                    pager.evict_now(new)
+                    nxt = chunks[ci + 1] if ci + 1 < len(chunks) else None
+                    self.run_chunk(opt, gi, chunk, undo, originals, raw, nxt, first=gi == 0 and ci == 0)
             pager.commit()
             undo.commit()
             pager.trim()  # the step's temporaries and freed chunks go back to the OS
@@ -333,6 +369,10 @@ class OptimizerPaging:
         saved = self._stash.get(id(opt))
         groups = saved if saved is not None else [g["params"] for g in opt.param_groups]
         return [p for params in groups for p in params]
+
+    def _before_state_dict(self, opt):
+        self.session.backward_step.settle("the optimizer's state_dict() was taken between backward and "
+                                          "optimizer.step()")
 
     def _state_dict_hook(self, opt, state_dict):
         for idx, p in enumerate(self.param_order(opt)):

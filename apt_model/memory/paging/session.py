@@ -10,6 +10,7 @@ still restored and ``disable()`` raises the
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -19,6 +20,7 @@ from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
+from apt_model.memory.paging.backward_step import BackwardStep
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
 from apt_model.memory.paging.model import PagedModel
@@ -45,10 +47,13 @@ class PagingSession:
         host_level: put the host level between the device and the swap files (default: on any
             device but the CPU; the tests set it to run the accelerator path with the CPU
             standing in for the device).
+        step_in_backward: ``"auto"`` (step each parameter as its gradient lands where the loop
+            allows it, see :mod:`~apt_model.memory.paging.backward_step`) or ``"off"``.
     """
 
     def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True,
-                 device: torch.device | str = "cpu", host_budget: int | None = None, host_level: bool | None = None):
+                 device: torch.device | str = "cpu", host_budget: int | None = None, host_level: bool | None = None,
+                 step_in_backward: str = "auto"):
         device = torch.device(device)
         self.level_budget = int(budget)
         store = None
@@ -74,6 +79,7 @@ class PagingSession:
         self.labels: dict[int, str] = {}
         self.optimizers = OptimizerPaging(self, page_states)
         self.host_step = None  # a HostStep once a model's plan steps its optimizer on the host
+        self.backward_step = BackwardStep(self, step_in_backward)
         self._traffic_marks: dict[int, tuple] = {}  # step -> counters after it (the first and the last)
         self.optimizers.after_step.append(self._mark_traffic)
         self.optimizers.after_step.append(lambda step: self.host_rss.sample())
@@ -98,9 +104,18 @@ class PagingSession:
         norm = make_clip_grad_norm(clip_mod.clip_grad_norm_, self.grad_page, self._acquire_one, self._release_one,
                                    self.pager.defer_scale)
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
+        norm, value = self._noting_clip(norm), self._noting_clip(value)
         for mod in (nn_utils, clip_mod):
             self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
             self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
+
+    def _noting_clip(self, fn):
+        """``fn`` (a clip function) telling the step in backward that the loop clips."""
+        @functools.wraps(fn)
+        def clip(*args, **kwargs):
+            self.backward_step.clip_called()
+            return fn(*args, **kwargs)
+        return clip
 
     def page_model(self, model: nn.Module, page_params: bool, page_grads: bool,
                    state_factor: float = 2.0) -> PagedModel:
@@ -122,7 +137,7 @@ class PagingSession:
         # state_dict() detaches every parameter; for paged ones the post-hook swaps in materialized
         # copies, so the fault handler stays out of the way meanwhile (no load, no dirty mark).
         # torch tags the hook object itself, which a bound method does not allow: wrap it
-        self.patches.add_handle(model.register_state_dict_pre_hook(SessionHook(lambda *a: self._pause_faults())),
+        self.patches.add_handle(model.register_state_dict_pre_hook(SessionHook(lambda *a: self._before_state_dict())),
                                 "paging state_dict pre-hook")
         self.patches.add_handle(model.register_state_dict_post_hook(SessionHook(lambda *a: self._state_dict_hook(*a))),
                                 "paging state_dict hook")
@@ -219,6 +234,7 @@ class PagingSession:
         with self._lock:
             self._callback_queued = False
         self.release_backward_pins()
+        self.backward_step.forward_starts()  # a step taken in the last backward and never claimed: undone
 
     def unpin_for_backward(self, page: Page) -> None:
         with self._lock:
@@ -236,7 +252,7 @@ class PagingSession:
         self._callback_queued = False
         self.pager.phase = "other"
         self.release_backward_pins()
-        if self.optimizers.first_chunk:  # the optimizer step usually comes next: start its reads
+        if self.optimizers.first_chunk and self.backward_step.pending is None:  # the step usually comes next
             self.pager.prefetch(self.optimizers.first_chunk)
 
     # ------------------------------------------------------------------ gradients
@@ -252,9 +268,10 @@ class PagingSession:
         self.pager.acquire([page], for_write=True)  # accumulate in place into the restored bytes
         self._accumulating.add(id(p))
 
-    def after_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
+    def after_grad_accumulate(self, p: nn.Parameter, label: str, page_grad: bool = True) -> None:
         """``p.grad`` is complete for this backward: bind the page to it (autograd may have made a
-        new tensor) and write it behind."""
+        new tensor), step ``p`` now where the step runs inside backward, and write the gradient
+        behind (``page_grad=False``: the plan keeps gradients resident, only the step runs)."""
         g = p.grad
         pinned = id(p) in self._accumulating
         self._accumulating.discard(id(p))
@@ -263,11 +280,15 @@ class PagingSession:
             if pinned and page is not None:
                 self.pager.release([page])
             return
+        if page is None and not page_grad:
+            self.backward_step.grad_landed(p)  # a gradient the plan keeps resident
+            return
         norm = self._norm(g)
         if page is None:
             page = self.pager.register(Category.GRAD, (lambda p=p: p.grad), f"{label}:grad")
             self.grad_pages[id(p)] = page
             page.cached_norm = norm
+            self.backward_step.grad_landed(p)  # stepped now where the step runs inside backward
             self.pager.evict_now([page])  # moved down as it is produced
             return
         self.pager.sync(page)  # a new tensor (autograd's, or the first after a None) is bound now
@@ -275,6 +296,7 @@ class PagingSession:
         if pinned:
             self.pager.release([page], evict=False)
         page.cached_norm = norm  # set after release: the page is unpinned, its data final for now
+        self.backward_step.grad_landed(p)
         self.pager.evict_now([page])
 
     @staticmethod
@@ -287,6 +309,7 @@ class PagingSession:
     def enter(self, pages: list[Page]) -> list[tuple[Page, bool]]:
         """Fault handler, before an op: load and pin the pages nobody pinned; returns them."""
         held = []
+        self.backward_step.touched(pages)  # a value stepped inside backward, used before step(): undone
         with torch._C.DisableTorchFunction():
             for page in dict.fromkeys(pages):
                 if self.pager.sync(page) is None:
@@ -357,6 +380,19 @@ class PagingSession:
     def _pause_faults(self) -> None:
         self.mode.active = False
 
+    def _before_state_dict(self) -> None:
+        self.backward_step.settle("the model's state_dict() was taken between backward and optimizer.step()")
+        self._pause_faults()
+
+    def in_backward(self, fn, *args) -> None:
+        """Run the paging hook ``fn(*args)`` from autograd; if it raises, a step taken inside this
+        backward is rolled back before the error propagates (autograd abandons the backward)."""
+        try:
+            fn(*args)
+        except BaseException as err:
+            self.backward_step.backward_failed(err)
+            raise
+
     def resume_faults(self) -> None:
         self.mode.active = True
 
@@ -396,7 +432,10 @@ class PagingSession:
         except Exception:  # noqa: BLE001 - pins only matter to a pager that is closing anyway
             log.debug("could not release the backward pins", exc_info=True)
         self._bw_pinned.clear()
-        self.pager.close()
+        try:
+            self.backward_step.close()
+        finally:
+            self.pager.close()
 
     def report(self) -> dict:
         store = self.pager.store
@@ -411,6 +450,7 @@ class PagingSession:
             "optimizer_steps": self.optimizers.steps,
             "host_rss": self.host_rss_report(),
             "host_step": self.host_step.report() if self.host_step is not None else None,
+            "step_in_backward": self.backward_step.report(),
         }
 
     def host_rss_report(self) -> dict:

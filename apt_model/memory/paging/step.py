@@ -78,7 +78,7 @@ class PagingStep(FeatureStep):
             host = None if stack.shared_host else stack.levels[1].capacity
             session = self.session.services["paging"] = PagingSession(
                 stack.compute_budget, stack.swap, patches, page_states=plan.page_states, device=ctx.device,
-                host_budget=host)
+                host_budget=host, step_in_backward=getattr(ctx.config, "paging_step_in_backward", "auto"))
         session.optimizers.page_states |= plan.page_states
         session.page_model(model, plan.page_params, plan.page_grads)
         step = decision.details.get("optimizer_step") or {}
@@ -93,7 +93,12 @@ class PagingStep(FeatureStep):
         if self.paging is None:
             return None
         out = self.paging.report()
-        planned = {"read_bytes_per_step": sum(p.read_bytes_per_step for p in self.plans),
+        # a step taken inside backward finds each gradient still in memory: the plan's read of it
+        # in the step does not happen
+        in_backward = self.paging.backward_step.steps_in_backward > 0
+        planned = {"read_bytes_per_step": sum(p.read_bytes_per_step - (p.grads_bytes if in_backward and p.page_grads
+                                                                       else 0) for p in self.plans),
+                   "optimizer_step_in_backward": in_backward,
                    "write_bytes_per_step": sum(p.write_bytes_per_step for p in self.plans),
                    "io_seconds_per_step": (None if any(p.io_seconds_per_step is None for p in self.plans)
                                            else round(sum(p.io_seconds_per_step for p in self.plans), 3))}

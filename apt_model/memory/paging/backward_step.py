@@ -1,0 +1,341 @@
+"""The optimizer step inside backward: each paged parameter is stepped as its gradient lands.
+
+Without it, a paged optimizer step starts after backward: it reads every parameter, gradient and
+optimizer state back from the level below while the compute sits idle (the "optimizer" part of
+level 0's stall). Stepped inside backward, each parameter's update runs from its post-accumulate
+gradient hook, while autograd computes the earlier layers' gradients: the step's reads and writes
+overlap backward compute, its parameter and gradient are still resident (no read), and the
+next parameters' states are prefetched in the order their gradients arrived on the first step.
+PyTorch documents the same pattern for plain training ("optimizer step in backward" with
+``Tensor.register_post_accumulate_grad_hook``); here it is chosen from the user's own loop, and
+kept exact.
+
+It is valid only for a loop that steps once per backward with the gradients as backward left
+them. That is learned from the first ``optimizer.step()``, which runs as usual: one backward
+since the start (no gradient accumulation), no ``clip_grad_norm_``/``clip_grad_value_`` call, no
+gradient modified or replaced between backward and step, no parameter stepped on the host.
+
+**Exact by construction: a speculative step with a commit.** The steps run in backward form one
+step transaction (the pager keeps every touched page's pre-step copy, :class:`_StepUndo` the
+rest, exactly as for a failed streamed step). The user's ``optimizer.step()`` *commits* it — and
+does nothing more — only when nothing the step depended on changed since: the same gradients
+(tensor, version counter, deferred scales), the same hyperparameters (a learning rate changed
+between backward and step), every parameter that has a gradient stepped. Otherwise, and when
+anything else comes between backward and step — a forward of a paged model (accumulation, an
+evaluation), a second backward, a clip call — the transaction is rolled back (parameters and
+states are their pre-step selves again, the gradients were never touched) and the ordinary
+streamed step runs from the same state; the step in backward is turned off for good, with the
+reason in the report. A loop that changes after the first step is therefore still trained
+bitwise as in memory; it only loses the overlap.
+
+State machine (one per paging session; ``vb.get_report()["memory"]["paging"]["step_in_backward"]``)::
+
+    learning --first step: the loop allows it--> armed      --else--> off (reason)
+    armed    --a gradient lands in backward-->   pending    (that parameter stepped now)
+    pending  --optimizer.step(), nothing changed--> armed   (committed)
+    pending  --anything else-->                  off        (rolled back: the usual step runs)
+
+What it cannot catch: a forward that reads a parameter through ``.data`` or ``.detach()`` and
+whose backward needs that value *after* the parameter's own gradient was accumulated. Autograd
+raises for ``.detach()`` (the version counter is shared); ``.data`` is not tracked by autograd at
+all. ``paging_step_in_backward="off"`` (``VB_PAGING_STEP_IN_BACKWARD=off``) keeps the step after
+backward.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from apt_model.base.log import get_logger
+
+log = get_logger(__name__)
+
+#: Values of the ``paging_step_in_backward`` setting.
+MODES = ("auto", "off")
+
+
+def _same(a, b) -> bool:
+    """Whether two hyperparameter values are the same (tensors by value, on their device)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        with torch._C.DisableTorchFunction():
+            return a is b or (a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b)))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _hyper(opt) -> list[dict]:
+    """Every group's hyperparameters (all but ``params``), copied."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+class BackwardStep:
+    """Runs a paged optimizer's step inside backward where the user's loop allows it (see the
+    module docstring for the policy and the state machine).
+
+    Args:
+        session: the :class:`~apt_model.memory.paging.session.PagingSession`.
+        mode: ``"auto"`` (learn from the first step) or ``"off"``.
+
+    Raises:
+        ValueError: ``mode`` is not one of :data:`MODES`.
+    """
+
+    def __init__(self, session, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"paging_step_in_backward={mode!r} is not valid; use one of {', '.join(MODES)}")
+        self.session = session
+        self.mode = mode
+        self.state = "off" if mode == "off" else "learning"
+        self.reason = "paging_step_in_backward=off" if mode == "off" else "learning from the first optimizer step"
+        self._opt = None  # weakref to the armed optimizer
+        self._group_of: dict[int, int] = {}  # id(param) -> its group index in the armed optimizer
+        self.order: list[int] = []  # id(param) in the order their gradients landed on the first step
+        self._rank: dict[int, int] = {}
+        self._tasks: set[int] = set()  # graph tasks that produced gradients since the last step
+        self._grads: dict[int, tuple] = {}  # id(param) -> gradient fingerprint when it landed
+        self._clipped = False
+        self.pending: _Pending | None = None
+        self._stepping = False  # inside our own step of a parameter
+        self.steps_in_backward = 0
+        self.rolled_back = 0
+
+    # ------------------------------------------------------------------ observations
+    def _fingerprint(self, p: torch.Tensor) -> tuple:
+        g = p.grad
+        page = self.session.grad_pages.get(id(p))
+        scales = len(page.scales) if page is not None else 0
+        zero = bool(page.zero_on_load) if page is not None else False
+        return (None, 0, 0, False) if g is None else (id(g), g._version, scales, zero)
+
+    def grad_landed(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is complete for this backward (post-accumulate hook, before the
+        gradient is written behind): learn, or step ``p`` now when armed."""
+        if self.state == "off":
+            return
+        task = torch._C._current_graph_task_id()
+        if self.state == "learning":
+            self._tasks.add(task)
+            if id(p) not in self._rank:
+                self._rank[id(p)] = len(self.order)
+                self.order.append(id(p))
+            self._grads[id(p)] = self._fingerprint(p)
+            return
+        opt = self._opt() if self._opt is not None else None
+        if opt is None:
+            self._turn_off("the optimizer it was armed for is gone")
+            return
+        if id(p) not in self._group_of:
+            return  # not a parameter of that optimizer
+        pending = self.pending
+        if pending is not None and pending.task != task:
+            self.abandon("a second backward ran before optimizer.step() (gradient accumulation)")
+            return
+        if pending is None:
+            pending = self._open(opt, task)
+        if id(p) in pending.stepped:
+            self.abandon(f"{self.session.param_label(p)}'s gradient landed twice in one backward")
+            return
+        self._step_one(opt, p, pending)
+
+    def clip_called(self) -> None:
+        """``clip_grad_norm_`` or ``clip_grad_value_`` was called."""
+        if self.state == "learning":
+            self._clipped = True
+        elif self.pending is not None:
+            self.pending.invalid = "the loop clips gradients now (clip_grad_norm_/clip_grad_value_)"
+
+    def forward_starts(self) -> None:
+        """A paged model's forward begins (outside backward): a pending step is rolled back first."""
+        if self.pending is not None:
+            self.abandon("a forward ran between backward and optimizer.step() (gradient accumulation or an "
+                         "evaluation)")
+
+    def touched(self, pages) -> None:
+        """An op outside the step reads or writes ``pages`` (the fault handler): if one of them was
+        stepped by the pending step (a parameter or state logged, edited or saved between backward
+        and ``optimizer.step()``), the step is rolled back first, so the op sees the pre-step value."""
+        if self.pending is not None and not self._stepping and any(self.session.pager.in_transaction(pg)
+                                                                    for pg in pages):
+            self.abandon("a parameter or optimizer state was used between backward and optimizer.step()")
+
+    def settle(self, why: str) -> None:
+        """Something is about to read the whole training state (``state_dict()``): a pending step
+        is rolled back first (``why`` goes in the report)."""
+        if self.pending is not None:
+            self.abandon(why)
+
+    def backward_failed(self, err: BaseException) -> None:
+        """A paging hook raised inside backward (the backward is abandoned by autograd): a pending
+        step is rolled back."""
+        if self.pending is not None:
+            self.abandon(f"backward failed ({type(err).__name__}: {err})")
+
+    # ------------------------------------------------------------------ the step in backward
+    def _open(self, opt, task: int) -> "_Pending":
+        undo = self.session.optimizers.begin_transaction(opt)
+        self.pending = _Pending(opt, task, undo, _hyper(opt))
+        return self.pending
+
+    def _step_one(self, opt, p: torch.Tensor, pending: "_Pending") -> None:
+        # the step acquires its own pages: its ops need no fault handler (which would take them
+        # for uses of stepped values and roll the step back)
+        handler_off = self.session.suspend_fault_handler()
+        self._stepping = True  # defensive: our own ops are no uses of stepped values, whatever sees them
+        try:
+            self.session.optimizers.step_alone(opt, self._group_of[id(p)], p, pending.undo)
+            pending.stepped[id(p)] = self._fingerprint(p)
+            self.session.pager.prefetch(self._ahead(p))
+        except BaseException as err:
+            self.abandon(f"stepping {self.session.param_label(p)} in backward failed ({type(err).__name__}: {err})")
+            raise
+        finally:
+            self._stepping = False
+            if handler_off:
+                self.session.restore_fault_handler()
+
+    def _ahead(self, p: torch.Tensor) -> list:
+        """The state pages of the parameters whose gradients came after ``p``'s on the first step
+        (up to four parameters, and a sixth of the page budget)."""
+        paging = self.session.optimizers
+        ahead, room = [], self.session.pager.budget // 6
+        i = self._rank.get(id(p))
+        if i is None:
+            return ahead
+        for pid in self.order[i + 1:i + 5]:
+            pages = list(paging.state_pages.get(pid, {}).values())
+            if sum(pg.nbytes for pg in pages) > room:
+                break
+            room -= sum(pg.nbytes for pg in pages)
+            ahead += pages
+        return ahead
+
+    # ------------------------------------------------------------------ the user's step
+    def claim(self, opt) -> bool:
+        """The user calls ``opt.step()``. Returns True when the step already ran inside backward
+        and is committed now (the call has nothing left to do); False when the ordinary step must
+        run (after a roll-back, while learning, or for another optimizer).
+
+        Raises:
+            PagingRecoveryError: a roll-back could not restore some tensors (named).
+        """
+        if self.state == "learning":
+            self._learn(opt)
+            return False
+        pending = self.pending
+        if pending is None or pending.opt is not opt:
+            return False
+        why = pending.invalid or self._changed(opt, pending)
+        if why:
+            self.abandon(why)
+            return False
+        self.session.pager.commit()
+        pending.undo.commit()
+        self.pending = None
+        self.steps_in_backward += 1
+        return True
+
+    def _changed(self, opt, pending: "_Pending") -> str | None:
+        """Why the step in backward is not the step the user asks for now (None: it is)."""
+        now = _hyper(opt)
+        if len(now) != len(pending.hyper) or any(
+                a.keys() != b.keys() or not all(_same(a[k], b[k]) for k in a) for a, b in zip(now, pending.hyper)):
+            return "hyperparameters changed between backward and optimizer.step()"
+        for g in opt.param_groups:
+            for p in g["params"]:
+                seen = pending.stepped.get(id(p))
+                if seen is None:
+                    if p.grad is not None:
+                        return f"{self.session.param_label(p)} has a gradient that did not come from the last backward"
+                elif seen != self._fingerprint(p):
+                    return f"{self.session.param_label(p)}'s gradient was modified or replaced before optimizer.step()"
+        return None
+
+    def _learn(self, opt) -> None:
+        """The first step: arm for ``opt`` if the loop allows it, else turn off with the reason."""
+        host = self.session.host_step
+        why = None
+        if host is not None and host.hosts(opt):
+            why = "the optimizer steps on the host (paging_step=host)"
+        elif len(self._tasks) > 1:
+            why = f"gradient accumulation: {len(self._tasks)} backward passes before the first optimizer.step()"
+        elif not self._tasks:
+            why = "no paged gradient came from a backward before the first optimizer.step()"
+        elif self._clipped:
+            why = "the loop clips gradients between backward and optimizer.step()"
+        else:
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p.grad is None:
+                        continue
+                    if id(p) not in self._grads:
+                        why = f"{self.session.param_label(p)}'s gradient did not come from backward"
+                    elif self._grads[id(p)] != self._fingerprint(p):
+                        why = "the loop modifies gradients between backward and optimizer.step()"
+                    if why:
+                        break
+                if why:
+                    break
+        self._tasks.clear()
+        self._grads.clear()
+        if why:
+            self._turn_off(why)
+            return
+        self._opt = weakref.ref(opt)
+        self._group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
+        self.state = "armed"
+        self.reason = ("one backward per optimizer.step() and the gradients untouched in between: each parameter "
+                       "is stepped as its gradient lands")
+        log.info("paging: the optimizer step runs inside backward from now on (%s)", self.reason)
+
+    # ------------------------------------------------------------------ leaving
+    def abandon(self, why: str) -> None:
+        """Roll back a pending step in backward and turn the feature off, saying why.
+
+        Raises:
+            PagingRecoveryError: some tensors could not be restored (named).
+        """
+        pending, self.pending = self.pending, None
+        self._turn_off(why)
+        if pending is None:
+            return
+        self.rolled_back += 1
+        lost = pending.undo.rollback()
+        log.info("paging: the optimizer step taken inside backward was rolled back (%s); the usual step runs", why)
+        if lost:
+            from apt_model.memory.swap import PagingRecoveryError
+
+            raise PagingRecoveryError(
+                f"rolling back the optimizer step taken inside backward ({why}) could not restore "
+                + "; ".join(f"{k}: {v}" for k, v in lost.items()), lost=lost)
+
+    def _turn_off(self, why: str) -> None:
+        if self.state != "off":
+            log.info("paging: the optimizer step stays after backward: %s", why)
+        self.state, self.reason = "off", why
+        self._opt = None
+
+    def close(self) -> None:
+        """The session closes: a step never claimed by ``optimizer.step()`` is rolled back."""
+        if self.pending is not None:
+            self.abandon("the paging session closed before optimizer.step()")
+
+    def report(self) -> dict:
+        """``{"state", "reason", "steps_in_backward", "rolled_back"}`` (see the module docstring)."""
+        return {"state": "pending" if self.pending is not None else self.state, "reason": self.reason,
+                "steps_in_backward": self.steps_in_backward, "rolled_back": self.rolled_back}
+
+
+class _Pending:
+    """A step taken inside backward, not yet claimed by ``optimizer.step()``."""
+
+    def __init__(self, opt, task: int, undo, hyper: list[dict]):
+        self.opt = opt
+        self.task = task
+        self.undo = undo
+        self.hyper = hyper
+        self.stepped: dict[int, tuple] = {}  # id(param) -> gradient fingerprint after its step
+        self.invalid: str | None = None

@@ -1,0 +1,286 @@
+"""The optimizer step inside backward (memory/paging/backward_step.py).
+
+Every test compares with plain PyTorch running the same loop: the step taken inside backward
+must give bitwise the same parameters and optimizer states, and so must a loop that changes after
+the first step (the speculative step is rolled back and the usual step runs).
+"""
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.errors import ConfigError
+from apt_model.memory.pages import Category
+from apt_model.memory.paging.backward_step import BackwardStep
+from apt_model.switch.controller import session as vb_session
+from test_paging import FORCE, assert_same, make_opt, model, snapshot, train
+
+
+def _enable(tmp_path, **kw):
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, **kw})
+
+
+def _report():
+    return vb.get_report()["memory"]["paging"]["step_in_backward"]
+
+
+def _loop(m, opt, steps, change_at=None, change=None, seed=1, threaded=False):
+    """One backward per step, no clipping; at step ``change_at`` (and after) ``change`` runs
+    between backward and step (``change(m, opt, x)``; it may run its own forward/backward)."""
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)  # dropout
+    losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        if threaded:  # autograd on its own thread, as on an accelerator
+            err = []
+            t = threading.Thread(target=lambda: _run(loss.backward, err))
+            t.start()
+            t.join()
+            if err:
+                raise err[0]
+        else:
+            loss.backward()
+        if change_at is not None and s >= change_at:
+            change(m, opt, x)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _run(fn, err):
+    try:
+        fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread
+        err.append(e)
+
+
+def _both(tmp_path, loop, kind="adamw", **enable):
+    """``loop(m, opt)`` in plain training and paged; returns (plain, paged) (losses, state) and
+    the step-in-backward report."""
+    ref_m = model()
+    ref_opt = make_opt(ref_m, kind)
+    ref = loop(ref_m, ref_opt)
+    ref_state = snapshot(ref_m, ref_opt)
+    m = model()
+    opt = make_opt(m, kind)
+    _enable(tmp_path, **enable)
+    m.to("cpu")
+    got = loop(m, opt)
+    got_state = snapshot(m, opt)
+    rep = _report()
+    vb.disable()
+    return (ref, ref_state), (got, got_state), rep
+
+
+@pytest.mark.parametrize("kind,sched,threaded", [("adamw", False, False), ("sgd", False, True), ("adam", True, False)],
+                         ids=["adamw", "sgd-backward-on-another-thread", "adam-amsgrad-scheduler"])
+def test_the_step_inside_backward_is_bitwise_the_in_memory_step(tmp_path, kind, sched, threaded):
+    def loop(m, opt):
+        sch = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5) if sched else None
+        if sch is None:
+            return _loop(m, opt, 7, threaded=threaded)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(7):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            sch.step()  # the next step's learning rate is set before its backward
+            losses.append(loss.item())
+        return losses
+
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop, kind)
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert rep["state"] == "armed" and rep["steps_in_backward"] == 6 and rep["rolled_back"] == 0, rep
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_armed_no_gradient_is_read_back_for_the_step(tmp_path, mode):
+    """In backward, each parameter is stepped while its gradient is still in memory; after
+    backward the step reads every gradient back from the swap files."""
+    m = model(dropout=0.0)
+    opt = make_opt(m, "adamw")
+    _enable(tmp_path, paging_step_in_backward=mode)
+    m.to("cpu")
+    pager = vb_session().paging.pager
+    loads = []
+    start = pager._start_load
+
+    def spy(page, *a, **k):
+        loads.append((page.category, pager.phase))
+        return start(page, *a, **k)
+
+    pager._start_load = spy
+    _loop(m, opt, 1)  # the first step runs after backward (it learns the loop)
+    loads.clear()
+    _loop(m, opt, 3, seed=2)
+    grad_loads = [ph for cat, ph in loads if cat is Category.GRAD]
+    stall = vb.get_stats()["levels"][0]["stall_s_by_phase"]
+    rep = _report()
+    vb.disable()
+    if mode == "auto":
+        assert rep["state"] == "armed" and rep["steps_in_backward"] == 3
+        assert grad_loads == []
+        assert any(cat is Category.STATE and ph == "backward" for cat, ph in loads)  # states come up in backward
+    else:
+        assert rep == {"state": "off", "reason": "paging_step_in_backward=off", "steps_in_backward": 0,
+                       "rolled_back": 0}
+        assert grad_loads and set(grad_loads) == {"optimizer"}
+        assert "optimizer" in stall
+
+
+def _clip(m, opt, x):
+    torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+
+
+def _accumulate(m, opt, x):
+    F.cross_entropy(m(x).reshape(-1, 256), x.reshape(-1)).backward()
+
+
+def _lr(m, opt, x):
+    for g in opt.param_groups:
+        g["lr"] = g["lr"] * 0.5
+
+
+def _scale_one_grad(m, opt, x):
+    next(m.parameters()).grad.mul_(0.5)
+
+
+def _replace_one_grad(m, opt, x):
+    p = next(m.parameters())
+    p.grad = p.grad * 2
+
+
+def _zero_grad(m, opt, x):
+    opt.zero_grad()
+
+
+def _evaluate(m, opt, x):
+    m.eval()
+    with torch.no_grad():
+        m(x)
+    m.train()
+
+
+def _read_grads(m, opt, x):
+    _read_grads.norms = [float(p.grad.norm()) for p in m.parameters()]  # logging only: stays armed
+
+
+def _read_params(m, opt, x):
+    _read_params.norms = [float(p.detach().norm()) for p in m.parameters()]  # must see the pre-step values
+
+
+def _state_dicts(m, opt, x):
+    _state_dicts.saved = copy.deepcopy((m.state_dict(), opt.state_dict()))  # the values now (plain ones alias)
+
+
+CHANGES = {  # what comes between backward and step from step 3 on -> words of the reason
+    "clip": (_clip, "clips"),
+    "accumulation": (_accumulate, "forward ran"),
+    "lr-changed": (_lr, "hyperparameters"),
+    "grad-scaled": (_scale_one_grad, "modified or replaced"),
+    "grad-replaced": (_replace_one_grad, "modified or replaced"),
+    "zero-grad": (_zero_grad, "modified or replaced"),
+    "evaluation": (_evaluate, "forward ran"),
+    "parameters-read": (_read_params, "was used between backward"),
+    "state-dict": (_state_dicts, "state_dict() was taken"),
+}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_loop_that_changes_later_is_rolled_back_and_stays_bitwise(tmp_path, change):
+    """From step 3 on, something comes between backward and step: whatever it reads is what plain
+    PyTorch shows there (the values before the step), and the training stays bitwise."""
+    fn, words = CHANGES[change]
+    seen = []
+
+    def loop(m, opt):
+        fn.norms = fn.saved = None
+        losses = _loop(m, opt, 6, 3, fn)
+        seen.append((getattr(fn, "norms", None), getattr(fn, "saved", None)))
+        return losses
+
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop)
+    assert got == ref
+    assert_same(got_state, ref_state)
+    if change == "parameters-read":
+        assert seen[0][0] == seen[1][0]
+    if change == "state-dict":  # the last one saved (step 5's, before its step): plain's
+        (m_ref, o_ref), (m_got, o_got) = seen[0][1], seen[1][1]
+        assert_same((m_got, {i: st for i, st in o_got["state"].items()}),
+                    (m_ref, {i: st for i, st in o_ref["state"].items()}))
+    # steps 1 and 2 ran inside backward; step 3's was rolled back, and the rest ran after backward
+    assert rep["state"] == "off" and rep["steps_in_backward"] == 2 and rep["rolled_back"] == 1, rep
+    assert words in rep["reason"], rep
+
+
+def test_reading_gradients_between_backward_and_step_keeps_the_step_inside_backward(tmp_path):
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, lambda m, opt: _loop(m, opt, 5, 1, _read_grads))
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert rep["state"] == "armed" and rep["steps_in_backward"] == 4, rep
+
+
+@pytest.mark.parametrize("loop,words", [
+    (lambda m, opt: train(m, opt, 4, clip=0.5), "clips gradients"),
+    (lambda m, opt: train(m, opt, 4, accum=2), "gradient accumulation: 2 backward passes"),
+    (lambda m, opt: _loop(m, opt, 4, 0, _scale_one_grad), "modifies gradients"),
+], ids=["clip", "accumulation", "grad-modified"])
+def test_the_first_step_recognises_loops_that_need_every_gradient_first(tmp_path, loop, words):
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop)
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert rep["state"] == "off" and rep["steps_in_backward"] == 0 and rep["rolled_back"] == 0
+    assert words in rep["reason"], rep
+
+
+def test_a_failure_inside_backward_rolls_the_step_back(tmp_path, monkeypatch):
+    m = model(dropout=0.0)
+    opt = make_opt(m, "adamw")
+    _enable(tmp_path)
+    m.to("cpu")
+    _loop(m, opt, 2)
+    assert _report()["state"] == "armed"
+    before = snapshot(m, opt)
+    paging = vb_session().paging.optimizers
+    real, calls = paging.run_chunk, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise OSError("disk gone")
+        return real(*a, **k)
+
+    monkeypatch.setattr(paging, "run_chunk", failing)
+    with pytest.raises(OSError, match="disk gone"):
+        _loop(m, opt, 1, seed=3)
+    monkeypatch.undo()
+    rep = _report()
+    assert rep["state"] == "off" and rep["rolled_back"] == 1 and "failed" in rep["reason"]
+    opt.zero_grad()
+    assert_same(snapshot(m, opt), before)  # the two parameters stepped before the failure are undone
+    vb.disable()
+
+
+def test_the_setting_and_its_errors(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match="paging_step_in_backward='sometimes'.*auto, off"):
+        BackwardStep(None, "sometimes")
+    monkeypatch.setenv("VB_PAGING_STEP_IN_BACKWARD", "always")
+    with pytest.raises(ConfigError, match="VB_PAGING_STEP_IN_BACKWARD"):
+        _enable(tmp_path)
+    monkeypatch.setenv("VB_PAGING_STEP_IN_BACKWARD", "off")
+    _enable(tmp_path)
+    m = model()
+    m.to("cpu")
+    assert _report()["state"] == "off"
+    vb.disable()
+

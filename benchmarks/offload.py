@@ -15,8 +15,9 @@ no bound when the compute takes longer than the disk.
     python benchmarks/offload.py --threads 2 --json bench-results/offload.json
 
 The loop clips gradients (``--clip 1.0``), so the optimizer step cannot run inside backward. With
-``--clip 0`` it can, and a third worker runs the paged side with ``paging_step_in_backward=off``:
-the step inside backward against the step after it, side by side in the same run.
+``--clip 0`` it can: the paged worker then runs with ``paging_step_in_backward=on`` (no timed trial)
+and a third worker with ``off``: the step inside backward against the step after it, side by side
+in the same run (what ``auto``'s own trial compares, over more iterations).
 
     python benchmarks/offload.py --threads 2 --clip 0 --json bench-results/offload-noclip.json
 
@@ -135,8 +136,8 @@ def main(argv=None) -> dict:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
     p.add_argument("--clip", type=float, default=1.0,
-                   help="cpu: clip_grad_norm_ max norm in the loop (0: no clipping; then a third worker runs the "
-                        "paged side with the optimizer step kept after backward, paging_step_in_backward=off)")
+                   help="cpu: clip_grad_norm_ max norm in the loop (0: no clipping; then the paged worker steps "
+                        "inside backward, paging_step_in_backward=on, and a third worker after it, =off)")
     g = p.add_argument_group("GPU mode (--device cuda)")
     g.add_argument("--variants", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS))
     g.add_argument("--budget-kept", default=None,
@@ -165,8 +166,8 @@ def main(argv=None) -> dict:
     ctx = mp.get_context("spawn")
     sides, infos = {}, {}
     workers = [("in_memory", False, "auto"), ("paged", True, "auto")]
-    if not args.clip:  # the step in backward applies: measure it against the step after backward
-        workers.append(("paged_after_backward", True, "off"))
+    if not args.clip:  # the step inside backward applies: measured against the step after backward
+        workers = [("in_memory", False, "auto"), ("paged", True, "on"), ("paged_after_backward", True, "off")]
     for name, paged, in_backward in workers:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(child, paged, args, in_backward), daemon=True)

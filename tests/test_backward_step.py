@@ -14,13 +14,15 @@ import torch.nn.functional as F
 import apt_model.optimization.vb_global as vb
 from apt_model.errors import ConfigError
 from apt_model.memory.pages import Category
-from apt_model.memory.paging.backward_step import BackwardStep
+from apt_model.memory.paging.backward_step import TRIAL, BackwardStep, trial_verdict
 from apt_model.switch.controller import session as vb_session
 from test_paging import FORCE, assert_same, make_opt, model, snapshot, train
 
 
 def _enable(tmp_path, **kw):
-    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, **kw})
+    """Paging everything; the step inside backward armed after the first step (``on``: no timed
+    trial, whose verdict depends on the machine; the trial has its own tests)."""
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "on", **kw})
 
 
 def _report():
@@ -103,8 +105,8 @@ def test_the_step_inside_backward_is_bitwise_the_in_memory_step(tmp_path, kind, 
     assert rep["state"] == "armed" and rep["steps_in_backward"] == 6 and rep["rolled_back"] == 0, rep
 
 
-@pytest.mark.parametrize("mode", ["auto", "off"])
-def test_armed_no_gradient_is_read_back_for_the_step(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_armed_no_gradient_is_read_back_for_the_step(tmp_path, mode, capsys):
     """In backward, each parameter is stepped while its gradient is still in memory; after
     backward the step reads every gradient back from the swap files."""
     m = model(dropout=0.0)
@@ -126,14 +128,20 @@ def test_armed_no_gradient_is_read_back_for_the_step(tmp_path, mode):
     grad_loads = [ph for cat, ph in loads if cat is Category.GRAD]
     stall = vb.get_stats()["levels"][0]["stall_s_by_phase"]
     rep = _report()
+    capsys.readouterr()
+    vb.print_stats()
+    printed = capsys.readouterr().out
     vb.disable()
-    if mode == "auto":
+    if mode == "on":
         assert rep["state"] == "armed" and rep["steps_in_backward"] == 3
+        assert "paged optimizer step: inside backward (3 in backward, 0 rolled back)" in printed
         assert grad_loads == []
         assert any(cat is Category.STATE and ph == "backward" for cat, ph in loads)  # states come up in backward
     else:
         assert rep == {"state": "off", "reason": "paging_step_in_backward=off", "steps_in_backward": 0,
-                       "rolled_back": 0}
+                       "rolled_back": 0, "trial": {"in": [], "after": []}}
+        assert "paged optimizer step: after backward (0 in backward, 0 rolled back): paging_step_in_backward=off" \
+            in printed
         assert grad_loads and set(grad_loads) == {"optimizer"}
         assert "optimizer" in stall
 
@@ -272,15 +280,48 @@ def test_a_failure_inside_backward_rolls_the_step_back(tmp_path, monkeypatch):
 
 
 def test_the_setting_and_its_errors(tmp_path, monkeypatch):
-    with pytest.raises(ValueError, match="paging_step_in_backward='sometimes'.*auto, off"):
+    with pytest.raises(ValueError, match="paging_step_in_backward='sometimes'.*auto, on, off"):
         BackwardStep(None, "sometimes")
     monkeypatch.setenv("VB_PAGING_STEP_IN_BACKWARD", "always")
     with pytest.raises(ConfigError, match="VB_PAGING_STEP_IN_BACKWARD"):
-        _enable(tmp_path)
+        vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     monkeypatch.setenv("VB_PAGING_STEP_IN_BACKWARD", "off")
-    _enable(tmp_path)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     m = model()
     m.to("cpu")
     assert _report()["state"] == "off"
     vb.disable()
 
+
+
+def test_the_trial_verdict_keeps_only_a_faster_step():
+    keep, why = trial_verdict([1.0, 0.9, 1.1], [1.2, 1.3, 1.25])
+    assert keep and "1.000 s per iteration with the step inside backward against 1.250 s" in why and "kept" in why
+    keep, why = trial_verdict([1.0, 1.0, 1.0], [1.01, 1.0, 1.02])  # 1% faster: within the noise
+    assert not keep and "not 2% faster, the step stays after backward" in why
+
+
+@pytest.mark.parametrize("inside,after,kept", [(1.0, 2.0, True), (2.0, 1.0, False)], ids=["faster", "slower"])
+def test_auto_keeps_the_step_inside_backward_only_where_the_trial_measured_it_faster(tmp_path, inside, after, kept):
+    """``auto``: after the first step, six iterations take turns (in, after, after, in, in, after),
+    timed between the ends of two steps; the verdict follows the medians. The clock is made to
+    charge each iteration by its mode; the training is bitwise plain's either way."""
+    def loop(m, opt):
+        if vb.is_enabled():
+            bs = vb_session().paging.backward_step
+            now = [0.0]
+
+            def clock():  # called when a step ends; bs._current is the mode of the iteration that ended
+                now[0] += inside if bs._current == "in" else after
+                return now[0]
+
+            bs.clock = clock
+        return _loop(m, opt, 1 + len(TRIAL) + 2)
+
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop, paging_step_in_backward="auto")
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert rep["trial"] == {"in": [inside] * 3, "after": [after] * 3}
+    assert rep["state"] == ("armed" if kept else "off") and rep["rolled_back"] == 0
+    assert ("kept" in rep["reason"]) == kept and "measured" in rep["reason"]
+    assert rep["steps_in_backward"] == 3 + (2 if kept else 0)  # the trial's three, then every step if kept

@@ -300,7 +300,7 @@ SETTING_CASES = {
     "compile_recompile_limit": (4, 4, 0, "must be a whole number >= 1"),
     "paging_step": ("Host", "host", "gpu", "valid values: auto, device, host"),
     "paging_exact": ("off", False, "maybe", "is not valid; use one of"),
-    "paging_step_in_backward": ("OFF", "off", "always", "valid values: auto, off"),
+    "paging_step_in_backward": ("OFF", "off", "always", "valid values: auto, on, off"),
     "device_budget": ("4GiB", "4GiB", "lots", "is not a size"),
     "host_budget": (1 << 30, 1 << 30, 0, "must be a positive size"),
     "swap_dir": ("/tmp", "/tmp", 3, "must be a folder path"),

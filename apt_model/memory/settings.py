@@ -43,8 +43,9 @@ PAGING_EXACT = Setting(
 PAGING_STEP_IN_BACKWARD = Setting(
     "paging_step_in_backward", "auto", "VB_PAGING_STEP_IN_BACKWARD",
     "auto: where the first step shows one backward per optimizer.step() with untouched gradients, each "
-    "paged parameter is stepped as its gradient lands (exact: undone when the loop changes); off: the "
-    "step always runs after backward", choice(("auto", "off")), values="auto, off")
+    "paged parameter is stepped as its gradient lands (exact: undone when the loop changes), kept if a "
+    "timed trial finds it faster; on: the same without the trial; off: the step always runs after backward",
+    choice(("auto", "on", "off")), values="auto, on, off")
 
 #: The entries :mod:`apt_model.memory` owns.
 SETTINGS = (DEVICE_BUDGET, HOST_BUDGET, SWAP_DIR, SWAP_BUDGET, SWAP_TIMEOUT, PAGING_STEP, PAGING_EXACT,

@@ -196,6 +196,12 @@ def format_stats(report: dict) -> str:
         phases = (levels[0].get("stall_s_by_phase") or {}) if levels else {}
         if any(phases.values()):
             lines.append("  level 0 stalled in: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    sib = ((report.get("memory") or {}).get("paging") or {}).get("step_in_backward")
+    if sib:
+        where = {"armed": "inside backward", "pending": "inside backward",
+                 "learning": "after backward (learning the loop)"}.get(sib["state"], "after backward")
+        lines.append(f"  paged optimizer step: {where} ({sib['steps_in_backward']} in backward, "
+                     f"{sib['rolled_back']} rolled back): {sib['reason']}")
     for m in report["models"]:
         lines.append(f"  model {m['name']}#{m['id']} ({m['parameters']:,} params on {m['device']}, via {m['trigger']}):")
         feats = m["features"]

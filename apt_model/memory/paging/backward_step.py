@@ -28,12 +28,22 @@ streamed step runs from the same state; the step in backward is turned off for g
 reason in the report. A loop that changes after the first step is therefore still trained
 bitwise as in memory; it only loses the overlap.
 
+**Kept only where it is faster** (``"auto"``, the default). Stepping inside backward moves the
+step's work into backward; where the compute cores are the bottleneck (a CPU-only run on few
+cores, whose paging I/O threads compete with the compute threads) that buys nothing and can cost.
+So after learning, six training iterations are a trial — the step inside backward and after it,
+taking turns (in, after, after, in, in, after), timed from the end of one ``optimizer.step()`` to
+the end of the next (no device synchronization: the iteration's own waits pace it) — and the step
+inside backward is kept only if its median iteration is at least :data:`TRIAL_MARGIN` shorter.
+Both ways are exact, so the trial changes no result. ``"on"`` arms it without a trial.
+
 State machine (one per paging session; ``vb.get_report()["memory"]["paging"]["step_in_backward"]``)::
 
-    learning --first step: the loop allows it--> armed      --else--> off (reason)
-    armed    --a gradient lands in backward-->   pending    (that parameter stepped now)
-    pending  --optimizer.step(), nothing changed--> armed   (committed)
-    pending  --anything else-->                  off        (rolled back: the usual step runs)
+    learning --first step: the loop allows it--> trial (auto) | armed (on)   --else--> off (reason)
+    trial    --six iterations, timed-->           armed (faster)  | off (not faster)
+    armed    --a gradient lands in backward-->    pending    (that parameter stepped now)
+    pending  --optimizer.step(), nothing changed--> armed    (committed)
+    pending  --anything else-->                   off        (rolled back: the usual step runs)
 
 What it cannot catch: a forward that reads a parameter through ``.data`` or ``.detach()`` and
 whose backward needs that value *after* the parameter's own gradient was accumulated. Autograd
@@ -43,6 +53,8 @@ backward.
 """
 from __future__ import annotations
 
+import statistics
+import time
 import weakref
 
 import torch
@@ -52,7 +64,27 @@ from apt_model.base.log import get_logger
 log = get_logger(__name__)
 
 #: Values of the ``paging_step_in_backward`` setting.
-MODES = ("auto", "off")
+MODES = ("auto", "on", "off")
+#: The trial after learning: the step inside backward (``in``) and after it (``after``), taking
+#: turns, one training iteration each (ABBAAB: a drift of the machine's speed cancels out).
+TRIAL = ("in", "after", "after", "in", "in", "after")
+#: The step inside backward is kept when its median iteration is at least this much shorter.
+TRIAL_MARGIN = 0.02
+
+
+def trial_verdict(inside: list[float], after: list[float], margin: float = TRIAL_MARGIN) -> tuple[bool, str]:
+    """Whether the trial's iterations with the step inside backward were faster than those with the
+    step after it (seconds per training iteration, end of one ``optimizer.step()`` to the next).
+
+    Returns:
+        (keep it, the reason with both medians).
+    """
+    a, b = statistics.median(inside), statistics.median(after)
+    told = (f"measured {a:.3f} s per iteration with the step inside backward against {b:.3f} s after it "
+            f"(medians of {len(inside)} and {len(after)})")
+    if a <= b * (1 - margin):
+        return True, told + ": kept"
+    return False, told + f": not {margin:.0%} faster, the step stays after backward"
 
 
 def _same(a, b) -> bool:
@@ -78,7 +110,8 @@ class BackwardStep:
 
     Args:
         session: the :class:`~apt_model.memory.paging.session.PagingSession`.
-        mode: ``"auto"`` (learn from the first step) or ``"off"``.
+        mode: ``"auto"`` (learn from the first step, then keep it only if a trial measures it
+            faster), ``"on"`` (learn, no trial) or ``"off"``.
 
     Raises:
         ValueError: ``mode`` is not one of :data:`MODES`.
@@ -102,6 +135,12 @@ class BackwardStep:
         self._stepping = False  # inside our own step of a parameter
         self.steps_in_backward = 0
         self.rolled_back = 0
+        self.clock = time.perf_counter
+        self._plan: list[str] = []  # the trial's modes for the coming iterations
+        self._current = "in"  # the mode of the iteration under way (trial)
+        self._last_end: float | None = None  # when the last optimizer.step() ended
+        self.trial: dict[str, list[float]] = {"in": [], "after": []}
+        session.optimizers.after_step.append(self._step_ended)
 
     # ------------------------------------------------------------------ observations
     def _fingerprint(self, p: torch.Tensor) -> tuple:
@@ -124,6 +163,8 @@ class BackwardStep:
                 self.order.append(id(p))
             self._grads[id(p)] = self._fingerprint(p)
             return
+        if self.state == "trial" and self._current == "after":
+            return  # this iteration of the trial measures the step after backward
         opt = self._opt() if self._opt is not None else None
         if opt is None:
             self._turn_off("the optimizer it was armed for is gone")
@@ -286,10 +327,33 @@ class BackwardStep:
             return
         self._opt = weakref.ref(opt)
         self._group_of = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
-        self.state = "armed"
-        self.reason = ("one backward per optimizer.step() and the gradients untouched in between: each parameter "
-                       "is stepped as its gradient lands")
-        log.info("paging: the optimizer step runs inside backward from now on (%s)", self.reason)
+        allowed = ("one backward per optimizer.step() and the gradients untouched in between: each parameter "
+                   "is stepped as its gradient lands")
+        if self.mode == "on":
+            self.state, self.reason = "armed", allowed + " (paging_step_in_backward=on: no trial)"
+            log.info("paging: the optimizer step runs inside backward from now on (%s)", self.reason)
+        else:
+            self.state, self.reason = "trial", allowed + "; on trial against the step after backward"
+            self._plan = list(TRIAL)
+            self._current = self._plan.pop(0)
+
+    def _step_ended(self, step: int) -> None:
+        """After every paged ``optimizer.step()``: time the iteration that ended, and during the
+        trial choose the next one's mode, or decide."""
+        now = self.clock()
+        last, self._last_end = self._last_end, now
+        if self.state != "trial" or last is None:
+            return
+        self.trial[self._current].append(now - last)
+        if self._plan:
+            self._current = self._plan.pop(0)
+            return
+        keep, why = trial_verdict(self.trial["in"], self.trial["after"])
+        if keep:
+            self.state, self.reason = "armed", why
+            log.info("paging: the optimizer step runs inside backward from now on (%s)", why)
+        else:
+            self._turn_off(why)
 
     # ------------------------------------------------------------------ leaving
     def abandon(self, why: str) -> None:
@@ -324,9 +388,11 @@ class BackwardStep:
             self.abandon("the paging session closed before optimizer.step()")
 
     def report(self) -> dict:
-        """``{"state", "reason", "steps_in_backward", "rolled_back"}`` (see the module docstring)."""
+        """``{"state", "reason", "steps_in_backward", "rolled_back", "trial"}`` (see the module
+        docstring); ``trial``: the trial's seconds per iteration, ``{"in": [...], "after": [...]}``."""
         return {"state": "pending" if self.pending is not None else self.state, "reason": self.reason,
-                "steps_in_backward": self.steps_in_backward, "rolled_back": self.rolled_back}
+                "steps_in_backward": self.steps_in_backward, "rolled_back": self.rolled_back,
+                "trial": {k: [round(t, 4) for t in v] for k, v in self.trial.items()}}
 
 
 class _Pending:

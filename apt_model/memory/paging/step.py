@@ -93,16 +93,18 @@ class PagingStep(FeatureStep):
         if self.paging is None:
             return None
         out = self.paging.report()
-        # a step taken inside backward finds each gradient still in memory: the plan's read of it
-        # in the step does not happen
-        in_backward = self.paging.backward_step.steps_in_backward > 0
-        planned = {"read_bytes_per_step": sum(p.read_bytes_per_step - (p.grads_bytes if in_backward and p.page_grads
-                                                                       else 0) for p in self.plans),
-                   "optimizer_step_in_backward": in_backward,
+        measured = self.paging.traffic()
+        # a step taken inside backward finds each gradient still in memory: the plan's read of it in
+        # the step does not happen. The measured steps are those after the first (which learns the
+        # loop and never runs inside backward): the share of them that did
+        n_in = self.paging.backward_step.steps_in_backward
+        share = min(1.0, n_in / measured["steps"]) if measured and measured.get("steps") else float(n_in > 0)
+        planned = {"read_bytes_per_step": int(sum(p.read_bytes_per_step - share * (p.grads_bytes if p.page_grads else 0)
+                                                  for p in self.plans)),
+                   "steps_inside_backward_share": round(share, 3),
                    "write_bytes_per_step": sum(p.write_bytes_per_step for p in self.plans),
                    "io_seconds_per_step": (None if any(p.io_seconds_per_step is None for p in self.plans)
                                            else round(sum(p.io_seconds_per_step for p in self.plans), 3))}
-        measured = self.paging.traffic()
         ratios = None
         if measured is not None:
             ratios = {k: round(measured[k] / planned[k], 3) if planned[k] else None

@@ -163,6 +163,11 @@ def _scale_one_grad(m, opt, x):
     next(m.parameters()).grad.mul_(0.5)
 
 
+def _divide_grads_through_data(m, opt, x):
+    for p in m.parameters():
+        p.grad.data.div_(4)  # .data: an alias with its own version counter (an old all-reduce idiom)
+
+
 def _replace_one_grad(m, opt, x):
     p = next(m.parameters())
     p.grad = p.grad * 2
@@ -195,7 +200,8 @@ CHANGES = {  # what comes between backward and step from step 3 on -> words of t
     "clip": (_clip, "clips"),
     "accumulation": (_accumulate, "forward ran"),
     "lr-changed": (_lr, "hyperparameters"),
-    "grad-scaled": (_scale_one_grad, "modified or replaced"),
+    "grad-scaled": (_scale_one_grad, "wrote a gradient"),
+    "grad-data-edited": (_divide_grads_through_data, "wrote a gradient"),
     "grad-replaced": (_replace_one_grad, "modified or replaced"),
     "zero-grad": (_zero_grad, "modified or replaced"),
     "evaluation": (_evaluate, "forward ran"),
@@ -241,7 +247,7 @@ def test_reading_gradients_between_backward_and_step_keeps_the_step_inside_backw
 @pytest.mark.parametrize("loop,words", [
     (lambda m, opt: train(m, opt, 4, clip=0.5), "clips gradients"),
     (lambda m, opt: train(m, opt, 4, accum=2), "gradient accumulation: 2 backward passes"),
-    (lambda m, opt: _loop(m, opt, 4, 0, _scale_one_grad), "modifies gradients"),
+    (lambda m, opt: _loop(m, opt, 4, 0, _scale_one_grad), "wrote a gradient"),
 ], ids=["clip", "accumulation", "grad-modified"])
 def test_the_first_step_recognises_loops_that_need_every_gradient_first(tmp_path, loop, words):
     (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop)
@@ -325,3 +331,174 @@ def test_auto_keeps_the_step_inside_backward_only_where_the_trial_measured_it_fa
     assert rep["state"] == ("armed" if kept else "off") and rep["rolled_back"] == 0
     assert ("kept" in rep["reason"]) == kept and "measured" in rep["reason"]
     assert rep["steps_in_backward"] == 3 + (2 if kept else 0)  # the trial's three, then every step if kept
+
+
+# ------------------------------------------------------------------ loops found by the second review
+class _Tied(torch.nn.Module):
+    """``a.weight`` used by ``a`` and again outside it (``F.linear`` in the parent's forward)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.c = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.b(torch.tanh(self.a(x))))
+        return self.c(F.linear(h, self.a.weight))
+
+
+def _review_case(name):
+    """(build() -> (model, optimizers), loop(model, optimizers) -> losses) of a loop the second
+    review broke the first version with."""
+    def mlp():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+
+    def batches(n):
+        g = torch.Generator().manual_seed(1)
+        return [torch.randn(8, 16, generator=g) for _ in range(n)]
+
+    if name == "two-optimizers":  # each half stepped after a backward through the whole model
+        def build():
+            m = mlp()
+            return m, [torch.optim.Adam(m[0].parameters(), lr=1e-2), torch.optim.Adam(m[2].parameters(), lr=1e-2)]
+
+        def loop(m, opts):
+            out = []
+            for x in batches(6):
+                for i, opt in enumerate(opts):
+                    opt.zero_grad()
+                    loss = (m(x) ** 2).mean() * (i + 1)
+                    loss.backward()
+                    opt.step()
+                    out.append(loss.item())
+            return out
+        return build, loop
+    if name == "tied":
+        return (lambda: (lambda m: (m, [torch.optim.Adam(m.parameters(), lr=1e-2)]))(_Tied()),
+                lambda m, opts: _plain_loop(m, opts[0], batches(6)))
+    if name == "tensor-lr-scheduler-before-step":  # LRScheduler.step() fill_s a tensor lr in place
+        def build():
+            m = mlp()
+            opt = torch.optim.Adam(m.parameters(), lr=torch.tensor(1e-2))
+            return m, [opt, torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)]
+
+        def loop(m, opts):
+            opt, sched = opts
+            return _plain_loop(m, opt, batches(6), between=lambda s: s >= 3 and sched.step())
+        return build, loop
+    if name in ("retain-graph", "two-forwards-two-backwards"):
+        def build():
+            m = mlp()
+            return m, [torch.optim.Adam(m.parameters(), lr=1e-2)]
+
+        def loop(m, opts):
+            opt, out = opts[0], []
+            for s, x in enumerate(batches(6)):
+                opt.zero_grad()
+                if s < 3:
+                    loss = (m(x) ** 2).mean()
+                    loss.backward()
+                elif name == "retain-graph":
+                    loss = (m(x) ** 2).mean()
+                    loss.backward(retain_graph=True)
+                    (loss * 0.5).backward()
+                else:
+                    l1, l2 = (m(x) ** 2).mean(), (m(x + 1) ** 2).mean()
+                    l1.backward()
+                    l2.backward()
+                    loss = l1 + l2
+                opt.step()
+                out.append(loss.item())
+            return out
+        return build, loop
+    if name == "grad-scaler":
+        def build():
+            m = mlp()
+            return m, [torch.optim.Adam(m.parameters(), lr=1e-2), torch.amp.GradScaler("cpu", init_scale=1024.0)]
+
+        def loop(m, opts):
+            opt, scaler = opts
+            out = []
+            for x in batches(5):
+                opt.zero_grad()
+                loss = (m(x) ** 2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                out.append(loss.item())
+            return out
+        return build, loop
+    raise KeyError(name)
+
+
+def _plain_loop(m, opt, xs, between=None):
+    out = []
+    for s, x in enumerate(xs):
+        opt.zero_grad()
+        loss = (m(x) ** 2).mean()
+        loss.backward()
+        if between is not None:
+            between(s)
+        opt.step()
+        out.append(loss.item())
+    return out
+
+
+@pytest.mark.parametrize("name,words", [
+    ("two-optimizers", "another optimizer"),
+    ("tied", None),
+    ("tensor-lr-scheduler-before-step", "hyperparameters changed"),
+    ("retain-graph", "keeps its graph"),
+    ("two-forwards-two-backwards", "2 forwards with gradients"),
+    ("grad-scaler", "GradScaler.unscale_"),
+])
+def test_loops_the_review_found_stay_bitwise(tmp_path, name, words):
+    """Each broke the first version: a second optimizer's step committed the pending transaction;
+    a tied weight was evicted under autograd; a tensor learning rate edited in place looked the
+    same; a second backward over a graph saved before the step failed autograd's version check;
+    GradScaler.unscale_ rescales gradients without bumping their version."""
+    build, loop = _review_case(name)
+
+    def state(m, opts):
+        return snapshot(m, next(o for o in opts if isinstance(o, torch.optim.Optimizer)))
+
+    ref_m, ref_opts = build()
+    ref = loop(ref_m, ref_opts)
+    m, opts = build()
+    _enable(tmp_path)
+    m.to("cpu")
+    got = loop(m, opts)
+    rep = _report()
+    assert got == ref
+    assert_same(state(m, opts), state(ref_m, ref_opts))
+    if len(opts) > 1 and all(isinstance(o, torch.optim.Optimizer) for o in opts):
+        assert_same(snapshot(m, opts[1]), snapshot(ref_m, ref_opts[1]))
+    vb.disable()
+    if words is None:
+        assert rep["state"] == "armed" and rep["steps_in_backward"] == 5, rep
+    else:
+        assert rep["state"] == "off" and words in rep["reason"], rep
+
+
+def test_parameters_kept_resident_are_watched_between_backward_and_step(tmp_path):
+    """A plan that keeps the parameters resident (gradients and states paged): the step changes
+    them in place inside backward, no page protects them, so the fault handler watches them — a
+    weight norm logged between backward and step reads plain's value and rolls the step back."""
+    from apt_model.memory.placement import model_state_sizes
+
+    norms = {}
+
+    def loop(m, opt):
+        key = "paged" if vb.is_enabled() else "plain"
+        norms[key] = []
+        return _loop(m, opt, 5, 3, lambda m, opt, x: norms[key].append([float(p.detach().norm())
+                                                                            for p in m.parameters()]))
+
+    p_bytes, t_bytes = model_state_sizes(model())
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop, paging="over_budget",
+                                                    device_budget=str(int(p_bytes + t_bytes)))
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert norms["paged"] == norms["plain"]
+    assert rep["state"] == "off" and rep["rolled_back"] == 1 and "was used between backward" in rep["reason"], rep

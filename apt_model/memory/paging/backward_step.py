@@ -11,22 +11,26 @@ PyTorch documents the same pattern for plain training ("optimizer step in backwa
 kept exact.
 
 It is valid only for a loop that steps once per backward with the gradients as backward left
-them. That is learned from the first ``optimizer.step()``, which runs as usual: one backward
-since the start (no gradient accumulation), no ``clip_grad_norm_``/``clip_grad_value_`` call, no
-gradient modified or replaced between backward and step, no parameter stepped on the host.
+them. That is learned from the first ``optimizer.step()``, which runs as usual: one backward and
+one forward with gradients since the start, no backward keeping its graph, no
+``clip_grad_norm_``/``clip_grad_value_`` or ``GradScaler.unscale_`` call, no op that may write a
+gradient (in place by name, ``out=``, ``.data``: :func:`~apt_model.memory.paging.fault.may_write`),
+no gradient replaced, no parameter stepped on the host.
 
 **Exact by construction: a speculative step with a commit.** The steps run in backward form one
-step transaction (the pager keeps every touched page's pre-step copy, :class:`_StepUndo` the
-rest, exactly as for a failed streamed step). The user's ``optimizer.step()`` *commits* it — and
-does nothing more — only when nothing the step depended on changed since: the same gradients
-(tensor, version counter, deferred scales), the same hyperparameters (a learning rate changed
-between backward and step), every parameter that has a gradient stepped. Otherwise, and when
-anything else comes between backward and step — a forward of a paged model (accumulation, an
-evaluation), a second backward, a clip call — the transaction is rolled back (parameters and
-states are their pre-step selves again, the gradients were never touched) and the ordinary
-streamed step runs from the same state; the step in backward is turned off for good, with the
-reason in the report. A loop that changes after the first step is therefore still trained
-bitwise as in memory; it only loses the overlap.
+step transaction (the pager keeps every touched page's pre-step copy, ``_StepUndo`` the rest,
+exactly as for a failed streamed step). The user's ``optimizer.step()`` *commits* it — and does
+nothing more — only when nothing the step depended on changed since: the same gradients (tensor,
+version counter, deferred scales, no in-place op seen), the same hyperparameters (tensors by
+value), every parameter that has a gradient stepped. Otherwise, and when anything else comes
+between backward and step — another optimizer's step, a forward of a paged model (accumulation, an
+evaluation), another backward, a clip call, an op on a stepped parameter or state (a page in the
+transaction, or a resident tensor the fault handler watches while the step is pending), a
+``state_dict()`` or ``load_state_dict()``, a failure anywhere in backward — the transaction is
+rolled back (parameters and states are their pre-step selves again, the gradients were never
+touched) and the ordinary streamed step runs from the same state; the step in backward is turned
+off for good, with the reason in the report. A loop that changes after the first step is
+therefore still trained bitwise as in memory; it only loses the overlap.
 
 **Kept only where it is faster** (``"auto"``, the default). Stepping inside backward moves the
 step's work into backward; where the compute cores are the bottleneck (a CPU-only run on few
@@ -99,9 +103,20 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _frozen(v):
+    """A copy of a hyperparameter value that later in-place edits cannot reach (tensors cloned)."""
+    if isinstance(v, torch.Tensor):
+        with torch._C.DisableTorchFunction():
+            return v.detach().clone()
+    if isinstance(v, (tuple, list)):
+        return type(v)(_frozen(x) for x in v)
+    return v
+
+
 def _hyper(opt) -> list[dict]:
-    """Every group's hyperparameters (all but ``params``), copied."""
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    """Every group's hyperparameters (all but ``params``), copied (a tensor learning rate edited in
+    place, as ``LRScheduler`` does with ``fill_``, must not change the copy)."""
+    return [{k: _frozen(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
 
 
 class BackwardStep:
@@ -131,6 +146,10 @@ class BackwardStep:
         self._tasks: set[int] = set()  # graph tasks that produced gradients since the last step
         self._grads: dict[int, tuple] = {}  # id(param) -> gradient fingerprint when it landed
         self._clipped = False
+        self._modified: str | None = None  # why the learning step's gradients were modified
+        self._keeps_graph = False  # a backward with retain_graph/create_graph was seen while learning
+        self._landed_pages: set[int] = set()  # id() of the gradient pages that landed since the last step
+        self._grad_forwards = 0  # forwards with grad enabled since the last step
         self.pending: _Pending | None = None
         self._stepping = False  # inside our own step of a parameter
         self.steps_in_backward = 0
@@ -144,11 +163,14 @@ class BackwardStep:
 
     # ------------------------------------------------------------------ observations
     def _fingerprint(self, p: torch.Tensor) -> tuple:
+        """What must not change between a gradient's landing and the step: the tensor (by weak
+        reference: an ``id`` could be reused by a replacement), its version counter, the scales and
+        zeroing deferred on its page."""
         g = p.grad
         page = self.session.grad_pages.get(id(p))
         scales = len(page.scales) if page is not None else 0
         zero = bool(page.zero_on_load) if page is not None else False
-        return (None, 0, 0, False) if g is None else (id(g), g._version, scales, zero)
+        return (None, 0, 0, False) if g is None else (_Ref(g), g._version, scales, zero)
 
     def grad_landed(self, p: torch.Tensor) -> None:
         """``p``'s gradient is complete for this backward (post-accumulate hook, before the
@@ -162,6 +184,9 @@ class BackwardStep:
                 self._rank[id(p)] = len(self.order)
                 self.order.append(id(p))
             self._grads[id(p)] = self._fingerprint(p)
+            page = self.session.grad_pages.get(id(p))
+            if page is not None:
+                self._landed_pages.add(id(page))
             return
         if self.state == "trial" and self._current == "after":
             return  # this iteration of the trial measures the step after backward
@@ -189,19 +214,60 @@ class BackwardStep:
         elif self.pending is not None:
             self.pending.invalid = "the loop clips gradients now (clip_grad_norm_/clip_grad_value_)"
 
-    def forward_starts(self) -> None:
+    def grads_modified(self, why: str) -> None:
+        """Something rescales or edits the gradients before the step (``GradScaler.unscale_``, an
+        in-place op on a gradient)."""
+        if self.state == "learning":
+            self._modified = self._modified or why  # the first one seen names the cause
+        elif self.pending is not None and not self._stepping:
+            self.pending.invalid = self.pending.invalid or why
+
+    def forward_starts(self, grad_enabled: bool = True) -> None:
         """A paged model's forward begins (outside backward): a pending step is rolled back first."""
         if self.pending is not None:
             self.abandon("a forward ran between backward and optimizer.step() (gradient accumulation or an "
                          "evaluation)")
+        if grad_enabled:
+            self._grad_forwards += 1
 
-    def touched(self, pages) -> None:
-        """An op outside the step reads or writes ``pages`` (the fault handler): if one of them was
+    def backward_call(self, keeps_graph: bool) -> None:
+        """``Tensor.backward`` is called. A step still pending from an earlier backward is rolled
+        back first (this backward may need the values it changed); a graph kept for another
+        backward, or a second forward since the last step (another graph may have saved the
+        parameters), rules the step inside backward out."""
+        if self.pending is not None:
+            self.abandon("a second backward ran before optimizer.step() (gradient accumulation)")
+        if self.state == "learning":
+            self._keeps_graph |= keeps_graph
+        elif self.state in ("armed", "trial"):
+            if keeps_graph:
+                self._turn_off("a backward keeps its graph (retain_graph/create_graph): a later backward would "
+                               "need the parameters this step changes")
+            elif self._grad_forwards > 1:
+                self._turn_off(f"{self._grad_forwards} forwards with gradients before a backward: another graph "
+                               "may have saved the parameters this step changes")
+
+    def touched(self, pages, writes: bool = False) -> None:
+        """An op outside the step reads or writes ``pages`` (the fault handler). If one of them was
         stepped by the pending step (a parameter or state logged, edited or saved between backward
-        and ``optimizer.step()``), the step is rolled back first, so the op sees the pre-step value."""
-        if self.pending is not None and not self._stepping and any(self.session.pager.in_transaction(pg)
-                                                                    for pg in pages):
+        and ``optimizer.step()``), the step is rolled back first, so the op sees the pre-step value;
+        an op that may write a gradient that landed is a modification of it."""
+        if self._stepping:
+            return
+        if self.pending is not None and any(self.session.pager.in_transaction(pg) for pg in pages):
             self.abandon("a parameter or optimizer state was used between backward and optimizer.step()")
+        if writes and any(id(pg) in self._landed_pages for pg in pages):
+            self.grads_modified("an in-place op wrote a gradient between backward and optimizer.step()")
+
+    def watched_access(self, kinds: set, writes: bool) -> None:
+        """An op on a tensor the pending step changed that is no page (a resident parameter or
+        state: rolled back first), or that may write a resident gradient it used (a modification)."""
+        if self.pending is None or self._stepping:
+            return
+        if "value" in kinds:
+            self.abandon("a parameter or optimizer state was used between backward and optimizer.step()")
+        elif writes:
+            self.grads_modified("an in-place op wrote a gradient between backward and optimizer.step()")
 
     def settle(self, why: str) -> None:
         """Something is about to read the whole training state (``state_dict()``): a pending step
@@ -229,6 +295,7 @@ class BackwardStep:
         try:
             self.session.optimizers.step_alone(opt, self._group_of[id(p)], p, pending.undo)
             pending.stepped[id(p)] = self._fingerprint(p)
+            self._watch(p, pending)
             self.session.pager.prefetch(self._ahead(p))
         except BaseException as err:
             self.abandon(f"stepping {self.session.param_label(p)} in backward failed ({type(err).__name__}: {err})")
@@ -237,6 +304,25 @@ class BackwardStep:
             self._stepping = False
             if handler_off:
                 self.session.restore_fault_handler()
+
+    def _watch(self, p: torch.Tensor, pending: "_Pending") -> None:
+        """Have the fault handler report uses of what the step of ``p`` changed or used that is no
+        page: resident parameters and states (Adam's ``step`` too), a resident gradient."""
+        watched = self.session.mode.watched
+        for t, _ in pending.undo.resident_tensors(p):
+            watched[id(t)] = "value"
+            pending.watched.append(id(t))
+        page = self.session.grad_pages.get(id(p))
+        if page is not None:
+            self._landed_pages.add(id(page))
+        elif p.grad is not None:
+            watched[id(p.grad)] = "grad"
+            pending.watched.append(id(p.grad))
+
+    def _unwatch(self, pending: "_Pending") -> None:
+        watched = self.session.mode.watched
+        for i in pending.watched:
+            watched.pop(i, None)
 
     def _ahead(self, p: torch.Tensor) -> list:
         """The state pages of the parameters whose gradients came after ``p``'s on the first step
@@ -267,12 +353,17 @@ class BackwardStep:
             self._learn(opt)
             return False
         pending = self.pending
-        if pending is None or pending.opt is not opt:
+        if pending is None:
+            return False
+        if pending.opt is not opt:  # its step would also open (and so commit) a transaction
+            self.abandon(f"another optimizer ({type(opt).__name__}) stepped between backward and the step of "
+                         f"the one stepped inside backward")
             return False
         why = pending.invalid or self._changed(opt, pending)
         if why:
             self.abandon(why)
             return False
+        self._unwatch(pending)
         self.session.pager.commit()
         pending.undo.commit()
         self.pending = None
@@ -307,6 +398,12 @@ class BackwardStep:
             why = "no paged gradient came from a backward before the first optimizer.step()"
         elif self._clipped:
             why = "the loop clips gradients between backward and optimizer.step()"
+        elif self._modified:
+            why = self._modified
+        elif self._keeps_graph:
+            why = "a backward keeps its graph (retain_graph/create_graph)"
+        elif self._grad_forwards > 1:
+            why = f"{self._grad_forwards} forwards with gradients before the first optimizer.step()"
         else:
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -339,7 +436,12 @@ class BackwardStep:
 
     def _step_ended(self, step: int) -> None:
         """After every paged ``optimizer.step()``: time the iteration that ended, and during the
-        trial choose the next one's mode, or decide."""
+        trial choose the next one's mode, or decide (the armed optimizer's steps only)."""
+        self._grad_forwards = 0
+        self._landed_pages.clear()
+        armed = self._opt() if self._opt is not None else None
+        if armed is not None and self.session.optimizers.last_stepped is not armed:
+            return
         now = self.clock()
         last, self._last_end = self._last_end, now
         if self.state != "trial" or last is None:
@@ -366,6 +468,7 @@ class BackwardStep:
         self._turn_off(why)
         if pending is None:
             return
+        self._unwatch(pending)
         self.rolled_back += 1
         lost = pending.undo.rollback()
         log.info("paging: the optimizer step taken inside backward was rolled back (%s); the usual step runs", why)
@@ -395,6 +498,23 @@ class BackwardStep:
                 "trial": {k: [round(t, 4) for t in v] for k, v in self.trial.items()}}
 
 
+class _Ref:
+    """A weak reference to a tensor that compares by the identity of what it refers to."""
+
+    __slots__ = ("ref",)
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, _Ref):
+            return NotImplemented
+        a = self.ref()
+        return a is not None and a is other.ref()
+
+    __hash__ = None
+
+
 class _Pending:
     """A step taken inside backward, not yet claimed by ``optimizer.step()``."""
 
@@ -404,4 +524,5 @@ class _Pending:
         self.undo = undo
         self.hyper = hyper
         self.stepped: dict[int, tuple] = {}  # id(param) -> gradient fingerprint after its step
+        self.watched: list[int] = []  # id() of the tensors it has the fault handler watch
         self.invalid: str | None = None

@@ -11,12 +11,19 @@ storage of size 0 and crash the process. Rules that keep it safe:
   so such a page is marked dirty and the change is written before the page is freed again;
 * an op whose result aliases a page (``p.data``, ``p.detach()``, a view) keeps that page pinned
   until the result is garbage-collected — freeing the storage under a live alias would crash;
-* a parameter faulted in during a forward with grad enabled stays resident until the end of the
-  backward, in case autograd saved it;
+* a parameter used during a forward with grad enabled (faulted in, or found resident and unpinned)
+  stays resident until the end of the backward, in case autograd saved it;
 * an in-place op returns the paged tensor itself: that is the page's own tensor, not an alias, and
   pins nothing (``zero_grad(set_to_none=False)`` used to pin every gradient for good);
 * zeroing a paged-out tensor (``t.zero_()``, ``torch._foreach_zero_``) reads nothing: the page is
   marked to load as zeros.
+
+It also serves the optimizer step taken inside backward (``paging/backward_step.py``): each call
+of ``Tensor.backward`` is announced (``handler.backward_call``) and its failure reported
+(``handler.backward_raised``), each op tells the handler whether it may write its arguments
+(:func:`may_write`), and tensors that are no pages but must not be used before the pending step
+is committed (resident parameters and states the step changed, resident gradients) are
+``watched``: an op on one is reported (``handler.watched_access``).
 """
 from __future__ import annotations
 
@@ -46,6 +53,29 @@ METADATA_ONLY = frozenset(
 #: In-place zeroing: a paged-out tensor is marked to load as zeros instead of being read first.
 ZEROING = frozenset([_TB.zero_, torch._foreach_zero_])
 
+_DATA_GET = _TB.data.__get__
+_BACKWARD = torch.Tensor.backward
+_IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"])
+
+
+def may_write(func, kwargs) -> bool:
+    """Whether ``func`` may write its tensor arguments: in place by name (``mul_``, ``_foreach_div_``,
+    ``torch._amp_foreach_non_finite_check_and_unscale_``, ``__setitem__``, ``__iadd__``...), into an
+    ``out=`` argument, or through ``.data`` (an alias whose writes no version counter follows)."""
+    if func == _DATA_GET or (kwargs and "out" in kwargs):  # a new method-wrapper each access: ==, not is
+        return True
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
+
+
+def _backward_flags(args, kwargs) -> bool:
+    """Whether a ``Tensor.backward(gradient, retain_graph, create_graph, inputs)`` call keeps its graph."""
+    retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
+    create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
+    return bool(create if retain is None else retain)
+
 
 class PageFaultMode(TorchFunctionMode):
     """Loads paged-out tensors on access. ``handler.enter(pages) -> held`` loads and pins them for
@@ -56,9 +86,25 @@ class PageFaultMode(TorchFunctionMode):
         self.lookup = lookup  # id(tensor) -> page (the pager's live map)
         self.handler = handler
         self.active = True
+        self.watched: dict[int, str] = {}  # id(tensor) -> "grad" | "value" (see the module docstring)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.active and func is _BACKWARD:
+            self.handler.backward_call(_backward_flags(args, kwargs))
+            try:
+                return func(*args, **kwargs)
+            except BaseException as err:
+                self.handler.backward_raised(err)
+                raise
+        if self.active and self.watched and func not in METADATA_ONLY:
+            kinds = set()
+            for a in (*args, *kwargs.values()):
+                for t in (a if isinstance(a, (list, tuple)) else (a,)):
+                    if isinstance(t, torch.Tensor) and id(t) in self.watched:
+                        kinds.add(self.watched[id(t)])
+            if kinds:
+                self.handler.watched_access(kinds, may_write(func, kwargs))
         if self.active and self.lookup and func in ZEROING and not kwargs:
             handled, out = self._zero(func, args)
             if handled:
@@ -70,7 +116,7 @@ class PageFaultMode(TorchFunctionMode):
             for a in kwargs.values():
                 self._collect(a, hit)
             if hit:
-                held = self.handler.enter(hit)
+                held = self.handler.enter(hit, may_write(func, kwargs))
                 out = None
                 try:
                     out = func(*args, **kwargs)

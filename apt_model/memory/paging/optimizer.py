@@ -96,6 +96,7 @@ class OptimizerPaging:
         self.steps = 0
         self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
+        self.last_stepped = None  # the optimizer whose step ran last (for the after_step callbacks)
 
     def install(self, patches) -> None:
         patches.add_handle(register_optimizer_step_pre_hook(self._pre), "optimizer step pre-hook")
@@ -120,6 +121,8 @@ class OptimizerPaging:
         patches.add_handle(opt.register_state_dict_pre_hook(self._before_state_dict),
                            f"{type(opt).__name__} state_dict pre-hook")
         patches.add_handle(opt.register_state_dict_post_hook(self._state_dict_hook), f"{type(opt).__name__} state_dict hook")
+        patches.add_handle(opt.register_load_state_dict_pre_hook(self._before_load),
+                           f"{type(opt).__name__} load_state_dict pre-hook")
         patches.add_handle(opt.register_load_state_dict_post_hook(self._loaded_hook),
                            f"{type(opt).__name__} load_state_dict hook")
         self._page_existing_states(opt)
@@ -175,6 +178,7 @@ class OptimizerPaging:
                 if handler_off:
                     self.session.restore_fault_handler()
         self.steps += 1
+        self.last_stepped = opt
         for fn in self.after_step:
             fn(self.steps)
         self._stash[id(opt)] = [g["params"] for g in opt.param_groups]
@@ -374,6 +378,11 @@ class OptimizerPaging:
         self.session.backward_step.settle("the optimizer's state_dict() was taken between backward and "
                                           "optimizer.step()")
 
+    def _before_load(self, opt, state_dict):
+        self.session.backward_step.settle("the optimizer's load_state_dict() was called between backward and "
+                                          "optimizer.step()")
+        return None
+
     def _state_dict_hook(self, opt, state_dict):
         for idx, p in enumerate(self.param_order(opt)):
             pages = self.state_pages.get(id(p))
@@ -418,7 +427,7 @@ class _StepUndo:
         self.confirmed: set[int] = set()  # id() of copied tensors whose chunk was about to run
         self.cloned: set[int] = set()  # id() of the tensors in ``clones``
 
-    def _resident_tensors(self, p: torch.Tensor):
+    def resident_tensors(self, p: torch.Tensor):
         """(tensor, label) of what the step modifies for ``p`` that is not paged."""
         session = self.paging.session
         label = session.param_label(p)
@@ -437,7 +446,7 @@ class _StepUndo:
         step modifies them only when ``chunk`` runs; :meth:`keep` waits for them then, and copies
         again a tensor whose ``_version`` says it was modified meanwhile)."""
         for p in chunk:
-            for t, label in self._resident_tensors(p):
+            for t, label in self.resident_tensors(p):
                 if self._copied_below(t) and id(t) not in self.copies:
                     copy = self.pager.copy_out(t, label)
                     copy.version = t._version
@@ -457,7 +466,7 @@ class _StepUndo:
                 continue
             st = self.opt.state.get(p)
             self.entries[id(p)] = (p, None if st is None else dict(st))
-            for t, label in self._resident_tensors(p):
+            for t, label in self.resident_tensors(p):
                 if id(t) in self.copies:
                     copy = self.copies[id(t)][2]
                     self.pager.copy_wait(copy)

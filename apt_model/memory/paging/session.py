@@ -105,6 +105,16 @@ class PagingSession:
                                    self.pager.defer_scale)
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
         norm, value = self._noting_clip(norm), self._noting_clip(value)
+        from torch.amp import GradScaler
+
+        unscale = GradScaler.unscale_
+
+        @functools.wraps(unscale)
+        def unscale_(scaler, optimizer):
+            self.backward_step.grads_modified("GradScaler.unscale_ rescales the gradients between backward and "
+                                              "optimizer.step()")
+            return unscale(scaler, optimizer)
+        self.patches.set_attr(GradScaler, "unscale_", unscale_, label="torch.amp.GradScaler.unscale_")
         for mod in (nn_utils, clip_mod):
             self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
             self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
@@ -234,7 +244,7 @@ class PagingSession:
         with self._lock:
             self._callback_queued = False
         self.release_backward_pins()
-        self.backward_step.forward_starts()  # a step taken in the last backward and never claimed: undone
+        self.backward_step.forward_starts(torch.is_grad_enabled())  # a step never claimed: undone
 
     def unpin_for_backward(self, page: Page) -> None:
         with self._lock:
@@ -306,10 +316,11 @@ class PagingSession:
             return torch._foreach_norm([g], 2.0)[0]
 
     # ------------------------------------------------------------------ faults
-    def enter(self, pages: list[Page]) -> list[tuple[Page, bool]]:
-        """Fault handler, before an op: load and pin the pages nobody pinned; returns them."""
+    def enter(self, pages: list[Page], writes: bool = False) -> list[tuple[Page, bool]]:
+        """Fault handler, before an op (``writes``: it may write its arguments): load and pin the
+        pages nobody pinned; returns them."""
         held = []
-        self.backward_step.touched(pages)  # a value stepped inside backward, used before step(): undone
+        self.backward_step.touched(pages, writes)  # a value stepped inside backward, used before step(): undone
         with torch._C.DisableTorchFunction():
             for page in dict.fromkeys(pages):
                 if self.pager.sync(page) is None:
@@ -324,6 +335,18 @@ class PagingSession:
                 self.pager.acquire([page], for_write=True)  # unknown access: it may write through an alias
                 held.append((page, loaded))
         return held
+
+    def backward_call(self, keeps_graph: bool) -> None:
+        """Fault handler: ``Tensor.backward`` is called (``keeps_graph``: retain_graph/create_graph)."""
+        self.backward_step.backward_call(keeps_graph)
+
+    def backward_raised(self, err: BaseException) -> None:
+        """Fault handler: a ``Tensor.backward`` call raised (anywhere: autograd, a hook)."""
+        self.backward_step.backward_failed(err)
+
+    def watched_access(self, kinds: set, writes: bool) -> None:
+        """Fault handler: an op on a watched tensor (see ``paging/fault.py``)."""
+        self.backward_step.watched_access(kinds, writes)
 
     def zero_lower(self, page: Page) -> bool:
         """Fault handler: zero a paged-out tensor without reading it (see ``Pager.zero_lower``)."""
@@ -350,7 +373,7 @@ class PagingSession:
                         self.pager.acquire([page])
                         weakref.finalize(t, self._release_alias, page)
             for page, loaded in held:
-                if loaded and self.forward_depth and torch.is_grad_enabled() and page.category is Category.PARAM:
+                if self.forward_depth and torch.is_grad_enabled() and page.category is Category.PARAM:
                     self._bw_pinned.setdefault(id(page), page)  # autograd may have saved it: keep it to the end of backward
                 else:
                     self.pager.release([page])

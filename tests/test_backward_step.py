@@ -168,6 +168,16 @@ def _divide_grads_through_data(m, opt, x):
         p.grad.data.div_(4)  # .data: an alias with its own version counter (an old all-reduce idiom)
 
 
+def _edit_grads_through_an_alias(m, opt, x):
+    for p in m.parameters():
+        p.grad.detach().data.mul_(0.5)  # an alias of an alias: no page, no shared version counter
+
+
+def _set_grad_data(m, opt, x):
+    p = next(m.parameters())
+    p.grad.data = p.grad.mul(0.5)  # new bytes under the same tensor, version unchanged
+
+
 def _replace_one_grad(m, opt, x):
     p = next(m.parameters())
     p.grad = p.grad * 2
@@ -202,6 +212,8 @@ CHANGES = {  # what comes between backward and step from step 3 on -> words of t
     "lr-changed": (_lr, "hyperparameters"),
     "grad-scaled": (_scale_one_grad, "wrote a gradient"),
     "grad-data-edited": (_divide_grads_through_data, "wrote a gradient"),
+    "grad-alias-edited": (_edit_grads_through_an_alias, "wrote a gradient"),
+    "grad-data-set": (_set_grad_data, "wrote a gradient"),
     "grad-replaced": (_replace_one_grad, "modified or replaced"),
     "zero-grad": (_zero_grad, "modified or replaced"),
     "evaluation": (_evaluate, "forward ran"),
@@ -387,7 +399,7 @@ def _review_case(name):
             opt, sched = opts
             return _plain_loop(m, opt, batches(6), between=lambda s: s >= 3 and sched.step())
         return build, loop
-    if name in ("retain-graph", "two-forwards-two-backwards"):
+    if name in ("retain-graph", "two-forwards-two-backwards", "autograd-backward-retain", "submodules-twice"):
         def build():
             m = mlp()
             return m, [torch.optim.Adam(m.parameters(), lr=1e-2)]
@@ -403,6 +415,16 @@ def _review_case(name):
                     loss = (m(x) ** 2).mean()
                     loss.backward(retain_graph=True)
                     (loss * 0.5).backward()
+                elif name == "autograd-backward-retain":  # not through Tensor.backward
+                    loss = (m(x) ** 2).mean()
+                    torch.autograd.backward(loss, retain_graph=True)
+                    torch.autograd.backward(loss * 0.5)
+                elif name == "submodules-twice":  # the adopted model's children called, not the model
+                    l1 = (m[2](torch.relu(m[0](x))) ** 2).mean()
+                    l2 = (m[2](torch.relu(m[0](x + 1))) ** 2).mean()
+                    l1.backward()
+                    l2.backward()
+                    loss = l1 + l2
                 else:
                     l1, l2 = (m(x) ** 2).mean(), (m(x + 1) ** 2).mean()
                     l1.backward()
@@ -450,7 +472,9 @@ def _plain_loop(m, opt, xs, between=None):
     ("tied", None),
     ("tensor-lr-scheduler-before-step", "hyperparameters changed"),
     ("retain-graph", "keeps its graph"),
-    ("two-forwards-two-backwards", "2 forwards with gradients"),
+    ("autograd-backward-retain", "keeps its graph"),
+    ("submodules-twice", "built a graph twice"),
+    ("two-forwards-two-backwards", "built a graph twice"),
     ("grad-scaler", "GradScaler.unscale_"),
 ])
 def test_loops_the_review_found_stay_bitwise(tmp_path, name, words):
@@ -502,3 +526,37 @@ def test_parameters_kept_resident_are_watched_between_backward_and_step(tmp_path
     assert_same(got_state, ref_state)
     assert norms["paged"] == norms["plain"]
     assert rep["state"] == "off" and rep["rolled_back"] == 1 and "was used between backward" in rep["reason"], rep
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_a_no_grad_forward_before_backward_keeps_a_tied_weight_autograd_saved(tmp_path, mode):
+    """An evaluation (or teacher) forward under no_grad between the training forward and its
+    backward: the tied weight the training forward used outside its module stays resident for
+    that backward (its pin used to be dropped by the next forward, which crashed the backward)."""
+    def loop(m, opts):
+        opt, out = opts[0], []
+        g = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            x, xv = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)
+            opt.zero_grad()
+            loss = (m(x) ** 2).mean()
+            with torch.no_grad():
+                m(xv)
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    build = lambda: (lambda m: (m, [torch.optim.Adam(m.parameters(), lr=1e-2)]))(_Tied())  # noqa: E731
+    ref_m, ref_opts = build()
+    ref = loop(ref_m, ref_opts)
+    m, opts = build()
+    _enable(tmp_path, paging_step_in_backward=mode, device_budget="2KB")  # a.weight alone is 1 KiB
+    m.to("cpu")
+    got = loop(m, opts)
+    rep = _report()
+    state = snapshot(m, opts[0])
+    vb.disable()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opts[0]))
+    assert rep["state"] == ("armed" if mode == "on" else "off"), rep

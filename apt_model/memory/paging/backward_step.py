@@ -11,11 +11,12 @@ PyTorch documents the same pattern for plain training ("optimizer step in backwa
 kept exact.
 
 It is valid only for a loop that steps once per backward with the gradients as backward left
-them. That is learned from the first ``optimizer.step()``, which runs as usual: one backward and
-one forward with gradients since the start, no backward keeping its graph, no
-``clip_grad_norm_``/``clip_grad_value_`` or ``GradScaler.unscale_`` call, no op that may write a
-gradient (in place by name, ``out=``, ``.data``: :func:`~apt_model.memory.paging.fault.may_write`),
-no gradient replaced, no parameter stepped on the host.
+them. That is learned from the first ``optimizer.step()``, which runs as usual: one backward
+since the start, no paged module building a graph twice before a backward, no backward keeping its
+graph (``torch.autograd.backward`` is wrapped), no ``clip_grad_norm_``/``clip_grad_value_`` or
+``GradScaler.unscale_`` call, no op that may write a gradient or an alias of one (in place by
+name, ``out=``, ``.data``: :func:`~apt_model.memory.paging.fault.may_write`), no gradient
+replaced, no parameter stepped on the host. The same conditions, met later, turn it off.
 
 **Exact by construction: a speculative step with a commit.** The steps run in backward form one
 step transaction (the pager keeps every touched page's pre-step copy, ``_StepUndo`` the rest,
@@ -149,7 +150,10 @@ class BackwardStep:
         self._modified: str | None = None  # why the learning step's gradients were modified
         self._keeps_graph = False  # a backward with retain_graph/create_graph was seen while learning
         self._landed_pages: set[int] = set()  # id() of the gradient pages that landed since the last step
-        self._grad_forwards = 0  # forwards with grad enabled since the last step
+        self._units: set[int] = set()  # id() of the paged units that built a graph since the last backward
+        self._unit_reused = False  # one of them twice: two graphs (or one) may hold its parameters
+        self._learn_reused = False
+        self._aliases: list[int] = []  # id() of gradient aliases the fault handler watches
         self.pending: _Pending | None = None
         self._stepping = False  # inside our own step of a parameter
         self.steps_in_backward = 0
@@ -227,8 +231,22 @@ class BackwardStep:
         if self.pending is not None:
             self.abandon("a forward ran between backward and optimizer.step() (gradient accumulation or an "
                          "evaluation)")
-        if grad_enabled:
-            self._grad_forwards += 1
+
+    def unit_forward(self, unit_id: int) -> None:
+        """A paged unit (module) built a graph in a forward (root or submodule call). Twice since the
+        last backward: the parameters may be saved by a graph that another backward, after the
+        step, still needs (two forwards then two backwards), so the step inside backward is ruled
+        out at the next backward (also for one graph using a unit twice: conservative)."""
+        if unit_id in self._units:
+            self._unit_reused = True
+        self._units.add(unit_id)
+
+    def grad_alias(self, page, alias: torch.Tensor) -> None:
+        """An op returned an alias of a gradient page (``p.grad.detach()``, a view): if that
+        gradient landed in this iteration, writes through the alias are modifications of it."""
+        if self.state != "off" and id(page) in self._landed_pages:
+            self.session.mode.watched[id(alias)] = "grad"
+            self._aliases.append(id(alias))
 
     def backward_call(self, keeps_graph: bool) -> None:
         """``Tensor.backward`` is called. A step still pending from an earlier backward is rolled
@@ -237,15 +255,18 @@ class BackwardStep:
         parameters), rules the step inside backward out."""
         if self.pending is not None:
             self.abandon("a second backward ran before optimizer.step() (gradient accumulation)")
+        reused, self._unit_reused = self._unit_reused, False
+        self._units.clear()
         if self.state == "learning":
             self._keeps_graph |= keeps_graph
+            self._learn_reused |= reused
         elif self.state in ("armed", "trial"):
             if keeps_graph:
                 self._turn_off("a backward keeps its graph (retain_graph/create_graph): a later backward would "
                                "need the parameters this step changes")
-            elif self._grad_forwards > 1:
-                self._turn_off(f"{self._grad_forwards} forwards with gradients before a backward: another graph "
-                               "may have saved the parameters this step changes")
+            elif reused:
+                self._turn_off("a module built a graph twice before a backward (two forwards, or one module "
+                               "used twice): another graph may have saved the parameters this step changes")
 
     def touched(self, pages, writes: bool = False) -> None:
         """An op outside the step reads or writes ``pages`` (the fault handler). If one of them was
@@ -262,11 +283,11 @@ class BackwardStep:
     def watched_access(self, kinds: set, writes: bool) -> None:
         """An op on a tensor the pending step changed that is no page (a resident parameter or
         state: rolled back first), or that may write a resident gradient it used (a modification)."""
-        if self.pending is None or self._stepping:
+        if self._stepping:
             return
-        if "value" in kinds:
+        if "value" in kinds and self.pending is not None:
             self.abandon("a parameter or optimizer state was used between backward and optimizer.step()")
-        elif writes:
+        elif "grad" in kinds and writes:
             self.grads_modified("an in-place op wrote a gradient between backward and optimizer.step()")
 
     def settle(self, why: str) -> None:
@@ -402,8 +423,9 @@ class BackwardStep:
             why = self._modified
         elif self._keeps_graph:
             why = "a backward keeps its graph (retain_graph/create_graph)"
-        elif self._grad_forwards > 1:
-            why = f"{self._grad_forwards} forwards with gradients before the first optimizer.step()"
+        elif self._learn_reused:
+            why = ("a module built a graph twice before a backward (two forwards, or one module used twice) in "
+                   "the first iteration")
         else:
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -437,8 +459,10 @@ class BackwardStep:
     def _step_ended(self, step: int) -> None:
         """After every paged ``optimizer.step()``: time the iteration that ended, and during the
         trial choose the next one's mode, or decide (the armed optimizer's steps only)."""
-        self._grad_forwards = 0
         self._landed_pages.clear()
+        for i in self._aliases:
+            self.session.mode.watched.pop(i, None)
+        self._aliases.clear()
         armed = self._opt() if self._opt is not None else None
         if armed is not None and self.session.optimizers.last_stepped is not armed:
             return

@@ -18,12 +18,11 @@ storage of size 0 and crash the process. Rules that keep it safe:
 * zeroing a paged-out tensor (``t.zero_()``, ``torch._foreach_zero_``) reads nothing: the page is
   marked to load as zeros.
 
-It also serves the optimizer step taken inside backward (``paging/backward_step.py``): each call
-of ``Tensor.backward`` is announced (``handler.backward_call``) and its failure reported
-(``handler.backward_raised``), each op tells the handler whether it may write its arguments
-(:func:`may_write`), and tensors that are no pages but must not be used before the pending step
-is committed (resident parameters and states the step changed, resident gradients) are
-``watched``: an op on one is reported (``handler.watched_access``).
+It also serves the optimizer step taken inside backward (``paging/backward_step.py``): each op
+tells the handler whether it may write its arguments (:func:`may_write`), and tensors that are no
+pages but must not be used or written before the pending step is committed (resident parameters
+and states the step changed, resident gradients, aliases of gradients) are ``watched``: an op on
+one is reported (``handler.watched_access``).
 """
 from __future__ import annotations
 
@@ -54,7 +53,7 @@ METADATA_ONLY = frozenset(
 ZEROING = frozenset([_TB.zero_, torch._foreach_zero_])
 
 _DATA_GET = _TB.data.__get__
-_BACKWARD = torch.Tensor.backward
+_DATA_SET = _TB.data.__set__
 _IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
                               "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
                               "__irshift__", "__imatmul__"])
@@ -63,18 +62,14 @@ _IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__",
 def may_write(func, kwargs) -> bool:
     """Whether ``func`` may write its tensor arguments: in place by name (``mul_``, ``_foreach_div_``,
     ``torch._amp_foreach_non_finite_check_and_unscale_``, ``__setitem__``, ``__iadd__``...), into an
-    ``out=`` argument, or through ``.data`` (an alias whose writes no version counter follows)."""
-    if func == _DATA_GET or (kwargs and "out" in kwargs):  # a new method-wrapper each access: ==, not is
+    ``out=`` argument, or through ``.data`` (read: an alias whose writes no version counter follows;
+    set: new bytes under the same tensor)."""
+    if func == _DATA_GET or func == _DATA_SET or (kwargs and "out" in kwargs):  # new method-wrappers: ==
         return True
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
 
 
-def _backward_flags(args, kwargs) -> bool:
-    """Whether a ``Tensor.backward(gradient, retain_graph, create_graph, inputs)`` call keeps its graph."""
-    retain = kwargs.get("retain_graph", args[2] if len(args) > 2 else None)
-    create = kwargs.get("create_graph", args[3] if len(args) > 3 else False)
-    return bool(create if retain is None else retain)
 
 
 class PageFaultMode(TorchFunctionMode):
@@ -90,13 +85,6 @@ class PageFaultMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.active and func is _BACKWARD:
-            self.handler.backward_call(_backward_flags(args, kwargs))
-            try:
-                return func(*args, **kwargs)
-            except BaseException as err:
-                self.handler.backward_raised(err)
-                raise
         if self.active and self.watched and func not in METADATA_ONLY:
             kinds = set()
             for a in (*args, *kwargs.values()):

@@ -188,6 +188,8 @@ class PagedModel:
             outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda grads, u=unit: self._backward_start(u), mode="any")
+                if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+                    self.session.backward_step.unit_forward(id(unit))
 
     def _prefetch(self, unit: Unit, direction: int) -> None:
         """Start loading the units that run next (forward: later ones; backward: earlier ones), up

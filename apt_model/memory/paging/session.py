@@ -83,7 +83,8 @@ class PagingSession:
         self._traffic_marks: dict[int, tuple] = {}  # step -> counters after it (the first and the last)
         self.optimizers.after_step.append(self._mark_traffic)
         self.optimizers.after_step.append(lambda step: self.host_rss.sample())
-        self._bw_pinned: dict[int, Page] = {}
+        self._bw_pinned: dict[int, Page] = {}  # pinned by units' backward hooks (let go by the next forward)
+        self._saved_pinned: dict[int, Page] = {}  # used by ops in a forward with grad: kept to the end of a backward
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
@@ -105,6 +106,7 @@ class PagingSession:
                                    self.pager.defer_scale)
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
         norm, value = self._noting_clip(norm), self._noting_clip(value)
+        self._patch_backward()
         from torch.amp import GradScaler
 
         unscale = GradScaler.unscale_
@@ -118,6 +120,21 @@ class PagingSession:
         for mod in (nn_utils, clip_mod):
             self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
             self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
+
+    def _patch_backward(self) -> None:
+        """``torch.autograd.backward`` (which ``Tensor.backward`` calls) tells the step inside
+        backward that a backward starts — whether it keeps its graph — and that it failed."""
+        real = torch.autograd.backward
+
+        @functools.wraps(real)
+        def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
+            self.backward_step.backward_call(bool(retain_graph) or bool(create_graph))
+            try:
+                return real(tensors, grad_tensors, retain_graph, create_graph, *args, **kwargs)
+            except BaseException as err:
+                self.backward_step.backward_failed(err)
+                raise
+        self.patches.set_attr(torch.autograd, "backward", backward, label="torch.autograd.backward")
 
     def _noting_clip(self, fn):
         """``fn`` (a clip function) telling the step in backward that the loop clips."""
@@ -258,10 +275,20 @@ class PagingSession:
             if pages:
                 self.pager.release(pages)
 
+    def release_saved_pins(self) -> None:
+        """Let go of the parameters ops in forwards used (kept for autograd): a backward ended. Not
+        at the next forward, which may be a no-grad one before this graph's backward."""
+        with self._lock:
+            pages = list(self._saved_pinned.values())
+            self._saved_pinned.clear()
+            if pages:
+                self.pager.release(pages)
+
     def _end_of_backward(self) -> None:
         self._callback_queued = False
         self.pager.phase = "other"
         self.release_backward_pins()
+        self.release_saved_pins()
         if self.optimizers.first_chunk and self.backward_step.pending is None:  # the step usually comes next
             self.pager.prefetch(self.optimizers.first_chunk)
 
@@ -336,14 +363,6 @@ class PagingSession:
                 held.append((page, loaded))
         return held
 
-    def backward_call(self, keeps_graph: bool) -> None:
-        """Fault handler: ``Tensor.backward`` is called (``keeps_graph``: retain_graph/create_graph)."""
-        self.backward_step.backward_call(keeps_graph)
-
-    def backward_raised(self, err: BaseException) -> None:
-        """Fault handler: a ``Tensor.backward`` call raised (anywhere: autograd, a hook)."""
-        self.backward_step.backward_failed(err)
-
     def watched_access(self, kinds: set, writes: bool) -> None:
         """Fault handler: an op on a watched tensor (see ``paging/fault.py``)."""
         self.backward_step.watched_access(kinds, writes)
@@ -372,9 +391,11 @@ class PagingSession:
                     if page is not None and t is not page.bound():
                         self.pager.acquire([page])
                         weakref.finalize(t, self._release_alias, page)
+                        if page.category is Category.GRAD:
+                            self.backward_step.grad_alias(page, t)  # writes through it are seen
             for page, loaded in held:
                 if self.forward_depth and torch.is_grad_enabled() and page.category is Category.PARAM:
-                    self._bw_pinned.setdefault(id(page), page)  # autograd may have saved it: keep it to the end of backward
+                    self._saved_pinned.setdefault(id(page), page)  # autograd may have saved it: to the end of backward
                 else:
                     self.pager.release([page])
 
@@ -452,9 +473,11 @@ class PagingSession:
             log.debug("could not pop the page-fault mode", exc_info=True)
         try:
             self.release_backward_pins()
+            self.release_saved_pins()
         except Exception:  # noqa: BLE001 - pins only matter to a pager that is closing anyway
             log.debug("could not release the backward pins", exc_info=True)
         self._bw_pinned.clear()
+        self._saved_pinned.clear()
         try:
             self.backward_step.close()
         finally:

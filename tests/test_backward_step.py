@@ -560,3 +560,46 @@ def test_a_no_grad_forward_before_backward_keeps_a_tied_weight_autograd_saved(tm
     assert got == ref
     assert_same(state, snapshot(ref_m, ref_opts[0]))
     assert rep["state"] == ("armed" if mode == "on" else "off"), rep
+
+
+# ------------------------------------------------------------------ the third review's loops
+def test_writes_through_untracked_gradient_aliases_are_caught(tmp_path):
+    """A second view made while an earlier one keeps the gradient page pinned, written through
+    ``.data`` (no version counter follows it): the alias is watched all the same, the step taken
+    inside backward is rolled back, and training stays bitwise plain's."""
+    def edit(m, opt, x):
+        edit.keep = [p.grad.view(-1) for p in m.parameters()]  # pins every gradient page
+        for v in [p.grad.view(-1) for p in m.parameters()]:
+            v.data.mul_(0.5)
+
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, lambda m, opt: _loop(m, opt, 5, 2, edit))
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert rep["state"] == "off" and rep["rolled_back"] == 1 and "wrote a gradient" in rep["reason"], rep
+
+
+def test_a_data_handle_to_gradients_kept_across_steps_turns_the_step_off_and_stays_bitwise(tmp_path):
+    """``.data`` handles taken once and written every iteration (no version counter, made before
+    the gradients land): taking them turns the step inside backward off for good; also no crash
+    when an earlier handle that pinned the page dies (the later alias has its own pin)."""
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        torch.manual_seed(1)  # dropout
+        handles, out = None, []
+        for s in range(5):
+            opt.zero_grad(set_to_none=False)
+            if s >= 1:
+                handles = [p.grad.data for p in m.parameters()]  # the previous ones die here
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            for h in handles or ():
+                h.mul_(0.5)
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop)
+    assert got == ref
+    assert_same(got_state, ref_state)
+    assert rep["state"] == "off" and ".data alias of a gradient" in rep["reason"], rep

@@ -65,6 +65,7 @@ import weakref
 import torch
 
 from apt_model.base.log import get_logger
+from apt_model.memory.pages import Category
 
 log = get_logger(__name__)
 
@@ -247,6 +248,18 @@ class BackwardStep:
         if self.state != "off" and id(page) in self._landed_pages:
             self.session.mode.watched[id(alias)] = "grad"
             self._aliases.append(id(alias))
+            weakref.finalize(alias, self.session.mode.watched.pop, id(alias), None)  # its id may be reused
+
+    def data_alias(self, pages) -> None:
+        """``.data`` was read from a gradient page: writes through that alias bump no version
+        counter and, made later, pass no check here. The step inside backward turns off for good
+        (a pending one is rolled back at ``optimizer.step()``)."""
+        if self.state == "off" or not any(pg.category is Category.GRAD for pg in pages):
+            return
+        why = "a .data alias of a gradient was taken: writes through it are invisible to the checks"
+        self.grads_modified(why)
+        if self.state in ("armed", "trial") and self.pending is None:
+            self._turn_off(why)
 
     def backward_call(self, keeps_graph: bool) -> None:
         """``Tensor.backward`` is called. A step still pending from an earlier backward is rolled

@@ -10,7 +10,8 @@ storage of size 0 and crash the process. Rules that keep it safe:
 * an access from outside the hooks may write (directly or through an alias, ``p.data.mul_()``),
   so such a page is marked dirty and the change is written before the page is freed again;
 * an op whose result aliases a page (``p.data``, ``p.detach()``, a view) keeps that page pinned
-  until the result is garbage-collected — freeing the storage under a live alias would crash;
+  until the result is garbage-collected — freeing the storage under a live alias would crash —
+  also when the page was already pinned by someone else, whose pin may go first;
 * a parameter used during a forward with grad enabled (faulted in, or found resident and unpinned)
   stays resident until the end of the backward, in case autograd saved it;
 * an in-place op returns the paged tensor itself: that is the page's own tensor, not an alias, and
@@ -109,7 +110,9 @@ class PageFaultMode(TorchFunctionMode):
                 try:
                     out = func(*args, **kwargs)
                 finally:
-                    self.handler.exit(held, out)
+                    self.handler.exit(held, out, hit)
+                if func == _DATA_GET:
+                    self.handler.data_alias(hit)
                 return out
         return func(*args, **kwargs)
 

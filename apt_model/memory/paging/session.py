@@ -363,6 +363,10 @@ class PagingSession:
                 held.append((page, loaded))
         return held
 
+    def data_alias(self, pages: list[Page]) -> None:
+        """Fault handler: ``.data`` was read from ``pages`` (an alias no version counter follows)."""
+        self.backward_step.data_alias(pages)
+
     def watched_access(self, kinds: set, writes: bool) -> None:
         """Fault handler: an op on a watched tensor (see ``paging/fault.py``)."""
         self.backward_step.watched_access(kinds, writes)
@@ -371,15 +375,17 @@ class PagingSession:
         """Fault handler: zero a paged-out tensor without reading it (see ``Pager.zero_lower``)."""
         return self.pager.zero_lower(page)
 
-    def exit(self, held: list[tuple[Page, bool]], output) -> None:
-        """Fault handler, after the op: keep pages the output aliases; release the rest."""
-        if not held:
+    def exit(self, held: list[tuple[Page, bool]], output, pages: list[Page] | None = None) -> None:
+        """Fault handler, after the op: keep pages the output aliases — any page the op saw
+        (``pages``), also one someone else had pinned, whose pin may go before the alias does —
+        and release the rest."""
+        if not held and not pages:
             return
         from torch.utils._pytree import tree_leaves
 
         with torch._C.DisableTorchFunction():
             by_ptr = {}
-            for page, _ in held:
+            for page in [pg for pg, _ in held] + list(pages or ()):
                 st = page.storage()
                 if st is not None and st.nbytes():
                     by_ptr[st.data_ptr()] = page

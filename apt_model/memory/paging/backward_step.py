@@ -183,15 +183,15 @@ class BackwardStep:
         if self.state == "off":
             return
         task = torch._C._current_graph_task_id()
+        page = self.session.grad_pages.get(id(p))
+        if page is not None:
+            self._landed_pages.add(id(page))  # writes to it before the step are modifications
         if self.state == "learning":
             self._tasks.add(task)
             if id(p) not in self._rank:
                 self._rank[id(p)] = len(self.order)
                 self.order.append(id(p))
             self._grads[id(p)] = self._fingerprint(p)
-            page = self.session.grad_pages.get(id(p))
-            if page is not None:
-                self._landed_pages.add(id(page))
             return
         if self.state == "trial" and self._current == "after":
             return  # this iteration of the trial measures the step after backward
@@ -227,7 +227,7 @@ class BackwardStep:
         elif self.pending is not None and not self._stepping:
             self.pending.invalid = self.pending.invalid or why
 
-    def forward_starts(self, grad_enabled: bool = True) -> None:
+    def forward_starts(self) -> None:
         """A paged model's forward begins (outside backward): a pending step is rolled back first."""
         if self.pending is not None:
             self.abandon("a forward ran between backward and optimizer.step() (gradient accumulation or an "
@@ -346,10 +346,7 @@ class BackwardStep:
         for t, _ in pending.undo.resident_tensors(p):
             watched[id(t)] = "value"
             pending.watched.append(id(t))
-        page = self.session.grad_pages.get(id(p))
-        if page is not None:
-            self._landed_pages.add(id(page))
-        elif p.grad is not None:
+        if id(p) not in self.session.grad_pages and p.grad is not None:  # a page's writes are seen as landed
             watched[id(p.grad)] = "grad"
             pending.watched.append(id(p.grad))
 

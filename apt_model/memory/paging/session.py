@@ -261,28 +261,28 @@ class PagingSession:
         with self._lock:
             self._callback_queued = False
         self.release_backward_pins()
-        self.backward_step.forward_starts(torch.is_grad_enabled())  # a step never claimed: undone
+        self.backward_step.forward_starts()  # a step never claimed: undone
 
     def unpin_for_backward(self, page: Page) -> None:
         with self._lock:
             if self._bw_pinned.pop(id(page), None) is not None:
                 self.pager.release([page])
 
-    def release_backward_pins(self) -> None:
+    def _release_pins(self, pins: dict[int, Page]) -> None:
         with self._lock:
-            pages = list(self._bw_pinned.values())
-            self._bw_pinned.clear()
+            pages = list(pins.values())
+            pins.clear()
             if pages:
                 self.pager.release(pages)
+
+    def release_backward_pins(self) -> None:
+        """Let go of the pages units' backward hooks pinned."""
+        self._release_pins(self._bw_pinned)
 
     def release_saved_pins(self) -> None:
         """Let go of the parameters ops in forwards used (kept for autograd): a backward ended. Not
         at the next forward, which may be a no-grad one before this graph's backward."""
-        with self._lock:
-            pages = list(self._saved_pinned.values())
-            self._saved_pinned.clear()
-            if pages:
-                self.pager.release(pages)
+        self._release_pins(self._saved_pinned)
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
@@ -385,7 +385,7 @@ class PagingSession:
 
         with torch._C.DisableTorchFunction():
             by_ptr = {}
-            for page in [pg for pg, _ in held] + list(pages or ()):
+            for page in (pages if pages is not None else [pg for pg, _ in held]):  # held ones are among pages
                 st = page.storage()
                 if st is not None and st.nbytes():
                     by_ptr[st.data_ptr()] = page

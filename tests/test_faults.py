@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -212,7 +213,17 @@ def tmpfs(tmp_path):
 
 
 def remount(folder, how):
-    subprocess.run(["mount", "-o", f"remount,{how}", str(folder)], check=True, capture_output=True)
+    """Remount the test's tmpfs. ``ro`` fails with EBUSY while a file there is open for writing (a
+    background page write in flight, the cause of this test's rare failures): the pager's writes are
+    waited for first, and a busy remount is retried briefly."""
+    if how == "ro" and vb.is_enabled() and session() is not None:
+        session().pager.flush()
+    for attempt in range(20):
+        res = subprocess.run(["mount", "-o", f"remount,{how}", str(folder)], capture_output=True)
+        if res.returncode == 0:
+            return
+        time.sleep(0.05)
+    res.check_returncode()
 
 
 # ------------------------------------------------------------------ 1. write faults, then disable()

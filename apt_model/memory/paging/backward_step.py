@@ -423,6 +423,8 @@ class BackwardStep:
         why = None
         if host is not None and host.hosts(opt):
             why = "the optimizer steps on the host (paging_step=host)"
+        elif self._keeps_graph:  # before the count: a kept graph's second backward is no accumulation
+            why = "a backward keeps its graph (retain_graph/create_graph)"
         elif len(self._tasks) > 1:
             why = f"gradient accumulation: {len(self._tasks)} backward passes before the first optimizer.step()"
         elif not self._tasks:
@@ -431,8 +433,6 @@ class BackwardStep:
             why = "the loop clips gradients between backward and optimizer.step()"
         elif self._modified:
             why = self._modified
-        elif self._keeps_graph:
-            why = "a backward keeps its graph (retain_graph/create_graph)"
         elif self._learn_reused:
             why = ("a module built a graph twice before a backward (two forwards, or one module used twice) in "
                    "the first iteration")

@@ -12,8 +12,10 @@ storage of size 0 and crash the process. Rules that keep it safe:
 * an op whose result aliases a page (``p.data``, ``p.detach()``, a view) keeps that page pinned
   until the result is garbage-collected — freeing the storage under a live alias would crash —
   also when the page was already pinned by someone else, whose pin may go first;
-* a parameter used during a forward with grad enabled (faulted in, or found resident and unpinned)
-  stays resident until the end of the backward, in case autograd saved it;
+* an op that builds a graph keeps the pages autograd saves from it resident for as long as the
+  graph holds them (``paging/saved.py``): outside a forward, any page it used (a regularizer over
+  the parameters); inside a forward, the pages no module hook had pinned (a parameter used outside
+  its module: a faulted-in page, or one found resident and unpinned);
 * an in-place op returns the paged tensor itself: that is the page's own tensor, not an alias, and
   pins nothing (``zero_grad(set_to_none=False)`` used to pin every gradient for good);
 * zeroing a paged-out tensor (``t.zero_()``, ``torch._foreach_zero_``) reads nothing: the page is
@@ -108,7 +110,12 @@ class PageFaultMode(TorchFunctionMode):
                 held = self.handler.enter(hit, may_write(func, kwargs))
                 out = None
                 try:
-                    out = func(*args, **kwargs)
+                    saving = self.handler.graph_saves(hit, held, args, kwargs)
+                    if saving is None:
+                        out = func(*args, **kwargs)
+                    else:
+                        with saving:
+                            out = func(*args, **kwargs)
                 finally:
                     self.handler.exit(held, out, hit)
                 if func == _DATA_GET:

@@ -26,11 +26,21 @@ from apt_model.memory.paging.fault import PageFaultMode
 from apt_model.memory.paging.model import PagedModel
 from apt_model.base.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
+from apt_model.memory.paging.saved import SavedPins
 from apt_model.base.sizes import format_size
 from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
+
+
+def _builds_graph(args, kwargs) -> bool:
+    """Whether an op with these arguments records a graph (some tensor argument requires grad)."""
+    for a in (*args, *kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else (a,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                return True
+    return False
 
 
 class PagingSession:
@@ -84,7 +94,7 @@ class PagingSession:
         self.optimizers.after_step.append(self._mark_traffic)
         self.optimizers.after_step.append(lambda step: self.host_rss.sample())
         self._bw_pinned: dict[int, Page] = {}  # pinned by units' backward hooks (let go by the next forward)
-        self._saved_pinned: dict[int, Page] = {}  # used by ops in a forward with grad: kept to the end of a backward
+        self._saved_pinned: dict[int, Page] = {}  # saved by a graph where saved-tensor hooks are off: to the end of a backward
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
@@ -122,19 +132,35 @@ class PagingSession:
             self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
 
     def _patch_backward(self) -> None:
-        """``torch.autograd.backward`` (which ``Tensor.backward`` calls) tells the step inside
-        backward that a backward starts — whether it keeps its graph — and that it failed."""
-        real = torch.autograd.backward
+        """``torch.autograd.backward`` (which ``Tensor.backward`` calls) and ``torch.autograd.grad``
+        tell the step inside backward that a backward starts — whether it keeps its graph — and
+        that it failed; one that builds a graph (``create_graph=True``) runs under
+        :class:`~apt_model.memory.paging.saved.SavedPins`, so the parameters its formulas save
+        stay resident while the new graph lives (a gradient penalty)."""
+        real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
 
-        @functools.wraps(real)
-        def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
-            self.backward_step.backward_call(bool(retain_graph) or bool(create_graph))
+        def run(fn, args, kwargs, keeps_graph: bool, create_graph: bool):
+            self.backward_step.backward_call(keeps_graph)
             try:
-                return real(tensors, grad_tensors, retain_graph, create_graph, *args, **kwargs)
+                if create_graph and SavedPins.available():
+                    with SavedPins(self.pager):
+                        return fn(*args, **kwargs)
+                return fn(*args, **kwargs)
             except BaseException as err:
                 self.backward_step.backward_failed(err)
                 raise
+
+        @functools.wraps(real_backward)
+        def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
+            return run(real_backward, (tensors, grad_tensors, retain_graph, create_graph, *args), kwargs,
+                       bool(retain_graph) or bool(create_graph), bool(create_graph))
+
+        @functools.wraps(real_grad)
+        def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, *args, **kwargs):
+            return run(real_grad, (outputs, inputs, grad_outputs, retain_graph, create_graph, *args), kwargs,
+                       bool(retain_graph) or bool(create_graph), bool(create_graph))
         self.patches.set_attr(torch.autograd, "backward", backward, label="torch.autograd.backward")
+        self.patches.set_attr(torch.autograd, "grad", grad, label="torch.autograd.grad")
 
     def _noting_clip(self, fn):
         """``fn`` (a clip function) telling the step in backward that the loop clips."""
@@ -280,8 +306,9 @@ class PagingSession:
         self._release_pins(self._bw_pinned)
 
     def release_saved_pins(self) -> None:
-        """Let go of the parameters ops in forwards used (kept for autograd): a backward ended. Not
-        at the next forward, which may be a no-grad one before this graph's backward."""
+        """Let go of the pages ops saved into a graph where torch had disabled saved-tensor hooks
+        (see :meth:`graph_saves`): a backward ended. Not at the next forward, which may be a no-grad
+        one before this graph's backward."""
         self._release_pins(self._saved_pinned)
 
     def _end_of_backward(self) -> None:
@@ -363,6 +390,28 @@ class PagingSession:
                 held.append((page, loaded))
         return held
 
+    def graph_saves(self, hit: list[Page], held: list[tuple[Page, bool]], args, kwargs) -> SavedPins | None:
+        """Fault handler, around an op on ``hit`` pages: the saved-tensor hooks that keep the pages
+        autograd may save from it resident while its graph lives, or None when the op builds no
+        graph (grad mode off, no argument requiring grad). Outside a forward every page it used
+        counts; inside one, only those it had to pin itself (``held``): the module hooks bring
+        the others back for their backward. Where torch disabled saved-tensor hooks, the pages
+        are pinned to the end of the next backward instead (and None is returned)."""
+        if not torch.is_grad_enabled():
+            return None
+        pages = [pg for pg, _ in held] if self.forward_depth else hit
+        if not pages or not _builds_graph(args, kwargs):
+            return None
+        if SavedPins.available():
+            return SavedPins(self.pager, pages)
+        with self._lock:
+            fresh = list({id(pg): pg for pg in pages if id(pg) not in self._saved_pinned}.values())
+            if fresh:
+                self.pager.acquire(fresh)  # resident (the op holds them): pins only
+                for pg in fresh:
+                    self._saved_pinned[id(pg)] = pg
+        return None
+
     def data_alias(self, pages: list[Page]) -> None:
         """Fault handler: ``.data`` was read from ``pages`` (an alias no version counter follows)."""
         self.backward_step.data_alias(pages)
@@ -399,11 +448,7 @@ class PagingSession:
                         weakref.finalize(t, self._release_alias, page)
                         if page.category is Category.GRAD:
                             self.backward_step.grad_alias(page, t)  # writes through it are seen
-            for page, loaded in held:
-                if self.forward_depth and torch.is_grad_enabled() and page.category is Category.PARAM:
-                    self._saved_pinned.setdefault(id(page), page)  # autograd may have saved it: to the end of backward
-                else:
-                    self.pager.release([page])
+            self.pager.release([page for page, _ in held])
 
     def _release_alias(self, page: Page) -> None:
         # a finalizer: it runs on whatever thread drops the alias last (an I/O thread's garbage

@@ -603,3 +603,42 @@ def test_a_data_handle_to_gradients_kept_across_steps_turns_the_step_off_and_sta
     assert got == ref
     assert_same(got_state, ref_state)
     assert rep["state"] == "off" and ".data alias of a gradient" in rep["reason"], rep
+
+
+class _Checkpointed(torch.nn.Module):
+    """A block run under ``torch.utils.checkpoint`` (its activations recomputed in backward)."""
+
+    def __init__(self, block, reentrant):
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing_stays_bitwise(tmp_path, reentrant):
+    """Reentrant checkpointing runs one backward per block inside the backward, each accumulating
+    into the gradients: the step stays after backward, and the reason says why (it used to say
+    "gradient accumulation"). Non-reentrant checkpointing recomputes each block inside the one
+    backward: the step inside backward stays armed."""
+    def build():
+        m = model(dropout=0.0)
+        for i, block in enumerate(m.blocks):
+            m.blocks[i] = _Checkpointed(block, reentrant)
+        return m
+
+    ref_m, m = build(), build()
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = _loop(ref_m, ref_opt, 5)
+    _enable(tmp_path)
+    m.to("cpu")
+    got = _loop(m, opt, 5)
+    rep = _report()
+    vb.disable()
+    assert got == ref
+    assert_same(snapshot(m, opt), snapshot(ref_m, ref_opt))
+    if reentrant:
+        assert rep["state"] == "off" and "reentrant activation checkpointing" in rep["reason"], rep
+    else:
+        assert rep["state"] == "armed" and rep["steps_in_backward"] == 4, rep

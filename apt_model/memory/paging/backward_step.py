@@ -150,6 +150,7 @@ class BackwardStep:
         self._clipped = False
         self._modified: str | None = None  # why the learning step's gradients were modified
         self._keeps_graph = False  # a backward with retain_graph/create_graph was seen while learning
+        self._nested = False  # a backward inside a backward (reentrant checkpointing) was seen while learning
         self._landed_pages: set[int] = set()  # id() of the gradient pages that landed since the last step
         self._units: set[int] = set()  # id() of the paged units that built a graph since the last backward
         self._unit_reused = False  # one of them twice: two graphs (or one) may hold its parameters
@@ -261,22 +262,30 @@ class BackwardStep:
         if self.state in ("armed", "trial") and self.pending is None:
             self._turn_off(why)
 
-    def backward_call(self, keeps_graph: bool) -> None:
-        """``Tensor.backward`` is called. A step still pending from an earlier backward is rolled
-        back first (this backward may need the values it changed); a graph kept for another
-        backward, or a second forward since the last step (another graph may have saved the
-        parameters), rules the step inside backward out."""
+    def backward_call(self, keeps_graph: bool, nested: bool = False) -> None:
+        """``Tensor.backward`` (or ``torch.autograd.grad``) is called. A step still pending from an
+        earlier backward is rolled back first (this backward may need the values it changed); a
+        graph kept for another backward, a backward run inside a backward (``nested``: reentrant
+        activation checkpointing, whose inner backwards each accumulate into the gradients), or a
+        second forward since the last step (another graph may have saved the parameters), rules
+        the step inside backward out."""
+        inner = ("a backward ran inside a backward (reentrant activation checkpointing): each inner backward "
+                 "accumulates into the gradients")
         if self.pending is not None:
-            self.abandon("a second backward ran before optimizer.step() (gradient accumulation)")
+            self.abandon(inner if nested else "a second backward ran before optimizer.step() (gradient accumulation)")
         reused, self._unit_reused = self._unit_reused, False
-        self._units.clear()
+        if not nested:  # the units an inner backward recomputes belong to the outer one's graph
+            self._units.clear()
         if self.state == "learning":
             self._keeps_graph |= keeps_graph
+            self._nested |= nested
             self._learn_reused |= reused
         elif self.state in ("armed", "trial"):
             if keeps_graph:
                 self._turn_off("a backward keeps its graph (retain_graph/create_graph): a later backward would "
                                "need the parameters this step changes")
+            elif nested:
+                self._turn_off(inner)
             elif reused:
                 self._turn_off("a module built a graph twice before a backward (two forwards, or one module "
                                "used twice): another graph may have saved the parameters this step changes")
@@ -425,6 +434,9 @@ class BackwardStep:
             why = "the optimizer steps on the host (paging_step=host)"
         elif self._keeps_graph:  # before the count: a kept graph's second backward is no accumulation
             why = "a backward keeps its graph (retain_graph/create_graph)"
+        elif self._nested:  # nor are a reentrant checkpoint's inner backwards
+            why = ("a backward ran inside a backward (reentrant activation checkpointing): each inner backward "
+                   "accumulates into the gradients")
         elif len(self._tasks) > 1:
             why = f"gradient accumulation: {len(self._tasks)} backward passes before the first optimizer.step()"
         elif not self._tasks:

@@ -140,7 +140,7 @@ class PagingSession:
         real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
 
         def run(fn, args, kwargs, keeps_graph: bool, create_graph: bool):
-            self.backward_step.backward_call(keeps_graph)
+            self.backward_step.backward_call(keeps_graph, nested=torch._C._current_graph_task_id() != -1)
             try:
                 if create_graph and SavedPins.available():
                     with SavedPins(self.pager):

@@ -13,9 +13,9 @@ storage of size 0 and crash the process. Rules that keep it safe:
   until the result is garbage-collected — freeing the storage under a live alias would crash —
   also when the page was already pinned by someone else, whose pin may go first;
 * an op that builds a graph keeps the pages autograd saves from it resident for as long as the
-  graph holds them (``paging/saved.py``): outside a forward, any page it used (a regularizer over
-  the parameters); inside a forward, the pages no module hook had pinned (a parameter used outside
-  its module: a faulted-in page, or one found resident and unpinned);
+  graph holds them (``paging/saved.py``): every page it used except those of a module whose
+  forward is under way, which that module's backward hook brings back (so a regularizer over the
+  parameters, a parameter used outside its module, a block called directly are covered);
 * an in-place op returns the paged tensor itself: that is the page's own tensor, not an alias, and
   pins nothing (``zero_grad(set_to_none=False)`` used to pin every gradient for good);
 * zeroing a paged-out tensor (``t.zero_()``, ``torch._foreach_zero_``) reads nothing: the page is
@@ -85,9 +85,12 @@ class PageFaultMode(TorchFunctionMode):
         self.handler = handler
         self.active = True
         self.watched: dict[int, str] = {}  # id(tensor) -> "grad" | "value" (see the module docstring)
+        self.passthrough: set = set()  # functions that read no page themselves (backward, grad): not faulted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self.passthrough:
+            return func(*args, **kwargs)
         if self.active and self.watched and func not in METADATA_ONLY:
             kinds = set()
             for a in (*args, *kwargs.values()):
@@ -110,7 +113,7 @@ class PageFaultMode(TorchFunctionMode):
                 held = self.handler.enter(hit, may_write(func, kwargs))
                 out = None
                 try:
-                    saving = self.handler.graph_saves(hit, held, args, kwargs)
+                    saving = self.handler.graph_saves(hit, args, kwargs)
                     if saving is None:
                         out = func(*args, **kwargs)
                     else:

@@ -13,7 +13,8 @@ Units are the modules that directly own paged parameters. For each unit:
   when the backward pass ends.
 
 Gradients ("moved down as they are produced"): a tensor hook that runs before
-``AccumulateGrad`` brings a paged-out gradient back so accumulation over several backward passes
+``AccumulateGrad`` (or, in ``torch.autograd.grad``, lets the parameter go: no accumulation and no
+post-accumulate hook follow) brings a paged-out gradient back so accumulation over several backward passes
 happens in place, exactly as without paging; the post-accumulate-grad hook then (re)binds the
 page to ``param.grad`` and writes it behind. A gradient the user set to None is dropped.
 
@@ -134,9 +135,8 @@ class PagedModel:
             if not p.requires_grad or id(p) in self._hooked:
                 continue
             self._hooked.add(id(p))
-            if self.page_grads:
-                self._patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
-                                         f"grad pre-hook {self.names[id(p)]}")
+            self._patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
+                                     f"grad pre-hook {self.names[id(p)]}")
             self._patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),
                                      f"post-accumulate hook {self.names[id(p)]}")
 
@@ -178,9 +178,11 @@ class PagedModel:
             self.order.append(unit)
         self._seen_this_pass.add(id(unit))
         self.session.pager.acquire(unit.pages)
+        self.session.unit_forward_starts(unit.pages)
         self._prefetch(unit, +1)
 
     def _post(self, unit: Unit, output) -> None:
+        self.session.unit_forward_ends(unit.pages)
         self.session.pager.release(unit.pages)
         # backward comes through this unit whenever its outputs need gradients — for its own
         # parameters' gradients, or (a frozen unit) for its input's, which needs its weights too
@@ -220,7 +222,14 @@ class PagedModel:
         self._prefetch(unit, -1)
 
     def _before_accumulate(self, p: nn.Parameter) -> None:
-        self.session.in_backward(self.session.before_grad_accumulate, p, self.names[id(p)])
+        if self.session.grad_only():
+            # torch.autograd.grad: ``p``'s gradient is final and returned, not accumulated (no
+            # post-accumulate hook comes): every node that used ``p`` has run, its page may go
+            page = self.session.param_pages.get(id(p))
+            if page is not None:
+                self.session.unpin_for_backward(page)
+        elif self.page_grads:
+            self.session.in_backward(self.session.before_grad_accumulate, p, self.names[id(p)])
         return None
 
     def _after_accumulate(self, p: nn.Parameter) -> None:

@@ -31,12 +31,22 @@ from torch.autograd.graph import saved_tensors_hooks
 
 
 class _Pinned:
-    """A saved tensor whose page is pinned until this holder is freed."""
+    """A saved value (the tensor, detached, or what outer hooks packed it into) whose page is
+    pinned until this holder is freed."""
 
-    __slots__ = ("tensor", "__weakref__")
+    __slots__ = ("value", "__weakref__")
 
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
+    def __init__(self, value):
+        self.value = value
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without its autograd history: an op that saves its own output (``exp``, ``tanh``,
+    ``norm``) would otherwise hold its node through the saved tensor, a reference cycle across
+    C++ that the garbage collector cannot break (torch's own hooks must not return the input as
+    is, for the same reason). Autograd re-attaches the saved tensor's history on unpack."""
+    with torch._C.DisableTorchFunction():
+        return t.detach()
 
 
 class SavedPins(saved_tensors_hooks):
@@ -44,18 +54,29 @@ class SavedPins(saved_tensors_hooks):
 
     Args:
         pager: the session's :class:`~apt_model.memory.pager.Pager` (``acquire``, ``defer_release``,
-            ``by_tensor``).
-        pages: the pages the op may save (the fault handler's); None: any page, found through
-            ``pager.by_tensor`` by the saved tensor or its base (a backward with ``create_graph``).
+            ``pages``).
+        pages: the pages the op may save (the fault handler's); None: any of the pager's pages (a
+            backward with ``create_graph``).
 
-    A tensor is a page's when it shares the page's storage (same data pointer); only a resident,
-    non-empty page can match. Outer hooks (``torch._C._autograd._top_saved_tensors_default_hooks``)
-    receive every tensor that is not a page's, so a pack/unpack pair set by the user keeps working.
+    A tensor is a page's when it is strided and shares the page's storage object (a resident,
+    non-empty one): views autograd makes of a saved tensor are no views of the page's tensor
+    in Python's eyes, but they share its storage. Hooks that were active before
+    (``torch._C._autograd._top_saved_tensors_default_hooks``: the user's, activation offload, a
+    non-reentrant checkpoint's) receive every saved tensor, pages' included — a checkpoint counts
+    the tensors it sees in the forward and again in the recomputation, where no page is pinned
+    by these hooks (torch runs backward without the fault handler's mode) — and the page's pin
+    lives as long as what they packed it into; the page then stays resident for the
+    recomputation too. Without outer hooks a saved tensor is kept detached (see :func:`_detached`).
     """
 
     def __init__(self, pager, pages=None):
         self.pager = pager
         self.pages = pages
+        self._by_storage = None
+        if pages is None:  # a backward: its formulas save views autograd made itself, not views of the page's tensor
+            with torch._C.DisableTorchFunction():
+                self._by_storage = {st._cdata: pg for pg in list(pager.pages.values())
+                                    if (st := pg.storage()) is not None}
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         super().__init__(self._pack, self._unpack)
 
@@ -65,37 +86,41 @@ class SavedPins(saved_tensors_hooks):
         return bool(torch._C._autograd._saved_tensors_hooks_is_enabled())
 
     def _page_of(self, t: torch.Tensor):
-        if self.pages is not None:
-            candidates = self.pages
-        else:
-            lookup = self.pager.by_tensor
-            candidates = [pg for pg in (lookup.get(id(t)), lookup.get(id(t._base)) if t._base is not None else None)
-                          if pg is not None]
-        if not candidates:
+        """The page whose storage ``t`` shares (the same storage object, resident), or None."""
+        if t.layout is not torch.strided:  # sparse and other layouts have no storage to share
             return None
         with torch._C.DisableTorchFunction():
-            ptr = t.untyped_storage().data_ptr()
-            if not ptr:
+            try:
+                st = t.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # a wrapper subclass, a nested tensor...
                 return None
-            for page in candidates:
-                st = page.storage()
-                if st is not None and st.nbytes() and st.data_ptr() == ptr:
+            if not st.nbytes():
+                return None
+            key = st._cdata
+            if self._by_storage is not None:
+                page = self._by_storage.get(key)
+                return page if page is not None and page.storage() is not None and page.storage()._cdata == key \
+                    else None
+            for page in self.pages:
+                pst = page.storage()
+                if pst is not None and pst._cdata == key:
                     return page
         return None
 
-    def _pack(self, t: torch.Tensor):
+    def _pack(self, t):
         page = self._page_of(t) if isinstance(t, torch.Tensor) else None
+        value = self.outer[0](t) if self.outer is not None else _detached(t) if isinstance(t, torch.Tensor) else t
         if page is None:
-            return (False, self.outer[0](t)) if self.outer is not None else (False, t)
+            return (False, value)
         self.pager.acquire([page])  # resident (the op is using it): a pin, no load
-        holder = _Pinned(t)
+        holder = _Pinned(value)
         weakref.finalize(holder, _release, weakref.ref(self.pager), page)
         return (True, holder)
 
     def _unpack(self, packed):
         mine, value = packed
         if mine:
-            return value.tensor
+            value = value.value
         return self.outer[1](value) if self.outer is not None else value
 
 

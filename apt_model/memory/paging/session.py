@@ -11,6 +11,7 @@ still restored and ``disable()`` raises the
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -97,6 +98,9 @@ class PagingSession:
         self._saved_pinned: dict[int, Page] = {}  # saved by a graph where saved-tensor hooks are off: to the end of a backward
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
+        self._in_unit: dict[int, int] = {}  # id(page) -> forwards under way of units owning it
+        self._grad_calls = 0  # torch.autograd.grad calls under way (they accumulate into no gradient)
+        self._backward_calls = 0  # torch.autograd.backward calls under way (they do)
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
         self.forward_depth = 0  # > 0 while a paged model's forward runs
         self.uncovered_accesses = 0  # ops in a forward on a paged tensor no module hook had pinned
@@ -138,9 +142,19 @@ class PagingSession:
         :class:`~apt_model.memory.paging.saved.SavedPins`, so the parameters its formulas save
         stay resident while the new graph lives (a gradient penalty)."""
         real_backward, real_grad = torch.autograd.backward, torch.autograd.grad
+        entered = threading.local()  # this thread is inside a wrapper, before autograd runs a graph
 
-        def run(fn, args, kwargs, keeps_graph: bool, create_graph: bool):
+        def run(fn, args, kwargs, keeps_graph: bool, create_graph: bool, accumulates: bool):
+            if getattr(entered, "depth", 0) and torch._C._current_graph_task_id() == -1:
+                # the real function dispatching itself again through torch's function modes
+                # (arguments with __torch_function__): already announced
+                return fn(*args, **kwargs)
             self.backward_step.backward_call(keeps_graph, nested=torch._C._current_graph_task_id() != -1)
+            entered.depth = getattr(entered, "depth", 0) + 1
+            if accumulates:
+                self._backward_calls += 1
+            else:
+                self._grad_calls += 1
             try:
                 if create_graph and SavedPins.available():
                     with SavedPins(self.pager):
@@ -149,16 +163,25 @@ class PagingSession:
             except BaseException as err:
                 self.backward_step.backward_failed(err)
                 raise
+            finally:
+                entered.depth -= 1
+                if accumulates:
+                    self._backward_calls -= 1
+                else:
+                    self._grad_calls -= 1
 
         @functools.wraps(real_backward)
         def backward(tensors, grad_tensors=None, retain_graph=None, create_graph=False, *args, **kwargs):
             return run(real_backward, (tensors, grad_tensors, retain_graph, create_graph, *args), kwargs,
-                       bool(retain_graph) or bool(create_graph), bool(create_graph))
+                       bool(retain_graph) or bool(create_graph), bool(create_graph), True)
 
         @functools.wraps(real_grad)
         def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, *args, **kwargs):
             return run(real_grad, (outputs, inputs, grad_outputs, retain_graph, create_graph, *args), kwargs,
-                       bool(retain_graph) or bool(create_graph), bool(create_graph))
+                       bool(retain_graph) or bool(create_graph), bool(create_graph), False)
+        # autograd reads the pages itself, through the module hooks: the fault handler lets these
+        # calls through instead of loading every parameter named in ``inputs=`` for their duration
+        self.mode.passthrough.update((real_backward, real_grad, backward, grad, torch.Tensor.backward))
         self.patches.set_attr(torch.autograd, "backward", backward, label="torch.autograd.backward")
         self.patches.set_attr(torch.autograd, "grad", grad, label="torch.autograd.grad")
 
@@ -320,6 +343,11 @@ class PagingSession:
             self.pager.prefetch(self.optimizers.first_chunk)
 
     # ------------------------------------------------------------------ gradients
+    def grad_only(self) -> bool:
+        """Whether the backward under way is ``torch.autograd.grad``'s (gradients returned, none
+        accumulated). A ``grad`` call inside a backward (a hook's) counts as the backward."""
+        return bool(self._grad_calls) and not self._backward_calls
+
     def before_grad_accumulate(self, p: nn.Parameter, label: str) -> None:
         """Autograd is about to accumulate into ``p.grad``: a paged-out gradient comes back (pinned)
         so accumulation adds in place exactly as without paging. A gradient the user set to None,
@@ -390,16 +418,32 @@ class PagingSession:
                 held.append((page, loaded))
         return held
 
-    def graph_saves(self, hit: list[Page], held: list[tuple[Page, bool]], args, kwargs) -> SavedPins | None:
+    def unit_forward_starts(self, pages: list[Page]) -> None:
+        """A unit's forward begins (its pre-hook): its pages are covered — backward brings them
+        back through the unit's own hook — until :meth:`unit_forward_ends`."""
+        for pg in pages:
+            self._in_unit[id(pg)] = self._in_unit.get(id(pg), 0) + 1
+
+    def unit_forward_ends(self, pages: list[Page]) -> None:
+        for pg in pages:
+            n = self._in_unit.get(id(pg), 0) - 1
+            if n > 0:
+                self._in_unit[id(pg)] = n
+            else:
+                self._in_unit.pop(id(pg), None)
+
+    def graph_saves(self, hit: list[Page], args, kwargs) -> SavedPins | None:
         """Fault handler, around an op on ``hit`` pages: the saved-tensor hooks that keep the pages
         autograd may save from it resident while its graph lives, or None when the op builds no
-        graph (grad mode off, no argument requiring grad). Outside a forward every page it used
-        counts; inside one, only those it had to pin itself (``held``): the module hooks bring
-        the others back for their backward. Where torch disabled saved-tensor hooks, the pages
-        are pinned to the end of the next backward instead (and None is returned)."""
+        graph (grad mode off, no argument requiring grad). Pages of a unit whose forward is under
+        way do not count: the unit's backward hook brings them back (an op on another module's
+        parameter, or outside every module — a regularizer, a block called directly — counts).
+        Where torch disabled saved-tensor hooks, the pages are pinned to the end of the next
+        backward instead (and None is returned)."""
         if not torch.is_grad_enabled():
             return None
-        pages = [pg for pg, _ in held] if self.forward_depth else hit
+        in_unit = self._in_unit
+        pages = [pg for pg in hit if id(pg) not in in_unit] if in_unit else hit
         if not pages or not _builds_graph(args, kwargs):
             return None
         if SavedPins.available():

@@ -6,12 +6,14 @@ the parameters computed outside the forward — and is compared bitwise with pla
 these pins existed each of them read evicted storage (a segfault or a 0-byte storage error).
 """
 import gc
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
+from apt_model.models.gpt import GPT, GPTConfig
 from apt_model.switch.controller import session as vb_session
 from test_paging import FORCE, assert_same, make_opt, model, snapshot
 
@@ -133,3 +135,191 @@ def test_without_saved_tensor_hooks_pages_stay_to_the_end_of_backward(tmp_path):
     (ref_losses, ref_state), (losses, state), _ = _both(tmp_path, loop, paging_step_in_backward="off")
     assert losses == ref_losses
     assert_same(ref_state, state)
+
+
+# ------------------------------------------------------------------ found by a review of the first version
+def _lm_loss(out, x):
+    return F.cross_entropy(out.reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+
+
+def _loop_with(forward, steps=2, between=None):
+    """``loop(m, opt)``: ``steps`` steps of ``forward(m, x)``; ``between(m, pager)`` after each step."""
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = _lm_loss(forward(m, x), x)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if between is not None:
+                between(m)
+        return losses
+    return loop
+
+
+def _pinned_pages():
+    """The pages pinned now, after a collection ([] in the plain run: no session)."""
+    if vb_session() is None:
+        return []
+    pager = vb_session().paging.pager
+    gc.collect()
+    pager.flush()
+    return [pg for pg in pager.pages.values() if pg.pins]
+
+
+def test_an_op_saving_its_own_output_frees_its_graph(tmp_path):
+    """``p.norm()`` and ``p.exp()`` save their output: kept as is, the saved tensor held its own
+    node (a cycle through C++ that gc cannot break), and every page stayed pinned for good."""
+    seen = []
+
+    def metric(m):
+        sum(p.norm() ** 2 for p in m.parameters()).sqrt().item()  # a weight-norm metric without no_grad
+        e = m.blocks[0].mlp[0].weight.exp()
+        freed = weakref.ref(e)
+        del e
+        seen.append((freed() is None, len(_pinned_pages())))
+
+    (ref_losses, ref_state), (losses, state), _ = _both(tmp_path, _loop_with(lambda m, x: m(x), 3, metric),
+                                                         paging_step_in_backward="off")
+    assert losses == ref_losses
+    assert_same(ref_state, state)
+    assert seen[3:] == [(True, 0)] * 3  # the paged run's steps (the plain run's come first)
+
+
+def _checkpointed_forward(m, x):
+    """Blocks under non-reentrant checkpointing, each adding a projection through a weight its
+    block does not own (the head's: used outside its module), called by the loop itself (the
+    model's own forward never runs)."""
+    h = m.drop(m.tok_emb(x) + m.pos_emb(torch.arange(x.shape[1])))
+    for blk in m.blocks:
+        h = torch.utils.checkpoint.checkpoint(lambda t, blk=blk: blk(t) + F.linear(t, m.head.weight[:64]), h,
+                                              use_reentrant=False)
+    return m.head(m.ln_f(h))
+
+
+def test_checkpointing_around_a_parameter_used_outside_its_module(tmp_path):
+    """The checkpoint's hooks see the page's saved tensor too (it counts the forward's saved
+    tensors against the recomputation's: CheckpointError before), and the page stays resident
+    for the recomputation."""
+    (ref_losses, ref_state), (losses, state), _ = _both(tmp_path, _loop_with(_checkpointed_forward),
+                                                         paging_step_in_backward="off")
+    assert losses == ref_losses
+    assert_same(ref_state, state)
+
+
+def test_blocks_called_directly_pin_nothing_after_the_forward(tmp_path):
+    """Pages a unit's hooks hold are not pinned by the saved-tensor hooks, also where the model's
+    own forward never runs (the loop calls its blocks): before, the whole model stayed resident."""
+    after_forward = []
+
+    def forward(m, x):
+        h = m.drop(m.tok_emb(x) + m.pos_emb(torch.arange(x.shape[1])))
+        for blk in m.blocks:
+            h = blk(h)
+        out = m.head(m.ln_f(h))
+        after_forward.append(len(_pinned_pages()))
+        return out
+
+    (ref_losses, ref_state), (losses, state), _ = _both(tmp_path, _loop_with(forward), paging_step_in_backward="off")
+    assert losses == ref_losses
+    assert_same(ref_state, state)
+    assert after_forward[2:] == [0, 0]  # the paged run (the plain one counts nothing: no session)
+
+
+class _TiedGPT(GPT):
+    """The output layer is the token embedding, used through ``F.linear`` in the model's forward
+    (outside the embedding's module)."""
+
+    def forward(self, idx):
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1])))
+        for blk in self.blocks:
+            x = blk(x)
+        return F.linear(self.ln_f(x), self.tok_emb.weight)
+
+
+def test_a_parameter_used_outside_its_module_in_two_forwards(tmp_path):
+    """Two forwards, then two backwards: the second forward's use of the tied weight found its
+    page pinned by the first graph's saved tensor, was not pinned itself, and the second backward
+    read it evicted once the first had freed its graph."""
+    def build():
+        torch.manual_seed(0)
+        return _TiedGPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.0))
+
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            xs = [torch.randint(0, 256, (4, 32), generator=gen) for _ in range(2)]
+            ls = [_lm_loss(m(x), x) / 2 for x in xs]
+            for loss in ls:
+                loss.backward()
+            opt.step()
+            losses.append(sum(loss.item() for loss in ls))
+        return losses
+
+    ref_m, m = build(), build()
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = loop(ref_m, ref_opt)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        got = loop(m, opt)
+        assert not _pinned_pages()
+    finally:
+        vb.disable()
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+
+
+def test_a_sparse_saved_tensor(tmp_path):
+    """A sparse matrix saved beside a page (``torch.sparse.mm`` on the embedding) has no storage:
+    skipped, not an error."""
+    idx = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    lap = torch.sparse_coo_tensor(idx, torch.tensor([1.0, -2.0, 0.5]), (8, 256))
+
+    def forward(m, x):
+        out = m(x)
+        return out + 1e-3 * torch.sparse.mm(lap, m.tok_emb.weight).pow(2).sum()
+
+    (ref_losses, ref_state), (losses, state), _ = _both(tmp_path, _loop_with(forward), paging_step_in_backward="off")
+    assert losses == ref_losses
+    assert_same(ref_state, state)
+
+
+def test_autograd_grad_leaves_no_pins_and_loads_pages_one_unit_at_a_time(tmp_path):
+    """``torch.autograd.grad`` w.r.t. the parameters: their gradients already exist (accumulation),
+    yet no gradient page stays pinned (one more pin per call before), and the call does not load
+    every parameter at once (the fault handler used to, for everything in ``inputs``)."""
+    resident_at_end = []
+
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        hook = m.tok_emb.weight.register_hook(
+            lambda g: resident_at_end.append(vb_session().paging.pager.resident_bytes) if vb_session() else None)
+        for _ in range(3):
+            opt.zero_grad()
+            for _ in range(2):
+                x = torch.randint(0, 256, (4, 32), generator=gen)
+                loss = _lm_loss(m(x), x) / 2
+                grads = torch.autograd.grad(loss, list(m.parameters()), create_graph=True)
+                (loss + 0.1 * sum(g.pow(2).sum() for g in grads)).backward()
+                del grads
+            opt.step()
+            losses.append(loss.item())
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        torch.autograd.grad(_lm_loss(m(x), x), list(m.parameters()))  # the last call: no create_graph
+        hook.remove()
+        if vb_session() is not None:
+            assert not _pinned_pages()
+        return losses
+
+    (ref_losses, ref_state), (losses, state), _ = _both(tmp_path, loop, paging_step_in_backward="off")
+    assert losses == ref_losses
+    assert_same(ref_state, state)
+    whole = sum(p.numel() * 4 for p in model(dropout=0.0).parameters())
+    assert resident_at_end[-1] < whole / 4, (resident_at_end[-1], whole)

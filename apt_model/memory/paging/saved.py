@@ -29,6 +29,8 @@ import weakref
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from apt_model.memory.pages import Category
+
 
 class _Pinned:
     """A saved value (the tensor, detached, or what outer hooks packed it into) whose page is
@@ -109,6 +111,11 @@ class SavedPins(saved_tensors_hooks):
 
     def _pack(self, t):
         page = self._page_of(t) if isinstance(t, torch.Tensor) else None
+        if page is not None and self.outer is None and page.category is Category.PARAM:
+            base = page.bound()
+            if base is not None and base.dtype == t.dtype:
+                with torch._C.DisableTorchFunction():
+                    return (_RELOAD, _Reload(page, base, t))
         value = self.outer[0](t) if self.outer is not None else _detached(t) if isinstance(t, torch.Tensor) else t
         if page is None:
             return (False, value)
@@ -119,9 +126,59 @@ class SavedPins(saved_tensors_hooks):
 
     def _unpack(self, packed):
         mine, value = packed
+        if mine is _RELOAD:
+            return value.load(self.pager)
         if mine:
             value = value.value
         return self.outer[1](value) if self.outer is not None else value
+
+
+_RELOAD = "reload"
+
+
+class _Reload:
+    """A parameter's page saved by reference: where the saved tensor lies in the parameter's
+    storage, and the parameter's version then. Unpacked, the page is loaded and the same elements
+    are copied out (autograd uses the copy, then frees it), so the page is pinned only while it
+    is read, not while the graph lives."""
+
+    __slots__ = ("page", "ref", "version", "storage", "size", "stride", "offset")
+
+    def __init__(self, page, base: torch.Tensor, t: torch.Tensor):
+        self.page = page
+        self.ref = weakref.ref(base)
+        self.version = base._version
+        self.storage = base.untyped_storage()._cdata
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+
+    def load(self, pager) -> torch.Tensor:
+        """The saved elements, copied out of the (re)loaded page.
+
+        Raises:
+            RuntimeError: the parameter was modified in place since it was saved (as autograd
+                raises without paging), or its storage was replaced (``p.data = ...``; without
+                paging the graph would read the old storage, which paging no longer holds).
+        """
+        base = self.ref()
+        if base is None:
+            raise RuntimeError("a parameter saved for backward was freed before its backward (paged model)")
+        with torch._C.DisableTorchFunction():
+            if base._version != self.version:
+                raise RuntimeError(
+                    f"one of the variables needed for gradient computation has been modified by an inplace "
+                    f"operation: the paged parameter {self.page.label!r} is at version {base._version}; expected "
+                    f"version {self.version} instead")
+            if base.untyped_storage()._cdata != self.storage:
+                raise RuntimeError(
+                    f"the paged parameter {self.page.label!r} got new storage (p.data = ...) between the forward "
+                    "that saved it and this backward; paging keeps no copy of the old one")
+            if pager._closed or self.page.bound() is not base:  # paging was turned off: all in memory
+                return base.detach().as_strided(self.size, self.stride, self.offset).clone()
+            pager.acquire([self.page])
+            try:
+                return base.detach().as_strided(self.size, self.stride, self.offset).clone()
+            finally:
+                pager.release([self.page])
 
 
 def _release(pager_ref, page) -> None:

@@ -228,3 +228,28 @@ def test_probing_directly_while_enabled_does_not_adopt_the_probe_block(monkeypat
     assert get_speed("cpu", 96).to_dict().get("cached") is not True
     get_speed("cpu", 96)  # runs a transformer block under the switch's global hook
     assert vb.get_stats()["adopted_models"] == 0
+
+
+@pytest.mark.parametrize("paging", ["off", "always"])
+def test_adopting_a_parametrized_model_leaves_its_state_alone(tmp_path, paging):
+    """``spectral_norm`` updates its power-iteration buffers whenever its weight is read: adoption
+    used to read ``m.weight`` (to infer the width) and so changed the model before training."""
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        nn.utils.parametrizations.spectral_norm(m[0])
+        return m
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    ref = build()
+    m = build()
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    vb.enable("balanced", swap_dir=str(tmp_path), paging=paging, device_budget="4KB", attention="off",
+              mixed_precision="off", banner=False)
+    try:
+        m.to("cpu")
+        after = m.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), [k for k in before if not torch.equal(before[k], after[k])]
+        assert torch.equal(m(x), ref(x))
+    finally:
+        vb.disable()

@@ -54,13 +54,17 @@ def builtin_overrides() -> dict:
 
 
 def infer_width(model: nn.Module) -> int | None:
-    """The model's hidden size: the ``in_features`` / ``embedding_dim`` carrying the most weights."""
+    """The model's hidden size: the ``in_features`` / ``embedding_dim`` carrying the most weights.
+
+    Sizes come from the modules' shape attributes, never from ``m.weight``: on a parametrized
+    module (``spectral_norm``) reading the weight runs the parametrization, whose power iteration
+    updates buffers — adoption would change the training."""
     weight: Counter = Counter()
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            weight[m.in_features] += m.weight.numel()
+            weight[m.in_features] += m.in_features * m.out_features
         elif isinstance(m, nn.Embedding):
-            weight[m.embedding_dim] += m.weight.numel()
+            weight[m.embedding_dim] += m.num_embeddings * m.embedding_dim
     return weight.most_common(1)[0][0] if weight else None
 
 

@@ -1051,3 +1051,70 @@ def test_zero_grad_without_set_to_none_reads_nothing_and_pins_nothing(tmp_path):
     assert got == ref
     assert pages and pins == [0] * len(pages)
     assert faults == 0
+
+
+def _to_f64_and_back(m):
+    m.to(torch.float64)
+    m.to(torch.float32)
+
+
+def _vector_to_parameters(m):
+    v = torch.nn.utils.parameters_to_vector(m.parameters())
+    torch.nn.utils.vector_to_parameters(v * 0.99, m.parameters())
+
+
+@pytest.mark.parametrize("change", [_to_f64_and_back, _vector_to_parameters])
+def test_parameters_given_new_storage_mid_training_stay_bitwise(tmp_path, change):
+    """``p.data = x`` gives a paged parameter new storage under the same object — of another size
+    (``model.to(float64)``), or a view into one shared vector (``vector_to_parameters``). The page
+    follows the new storage; before, the old swap file was read into it (an error, then every
+    tensor NaN at ``disable()``: data lost), or evicting one parameter freed the shared vector."""
+    def loop(m, opt):
+        losses = train(m, opt, 1)
+        change(m)
+        return losses + train(m, opt, 2, seed=2)
+
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = loop(ref_m, ref_opt)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        got = loop(m, opt)
+        got_state = snapshot(m, opt)
+    finally:
+        vb.disable()  # raised PagingRecoveryError before
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
+def test_logging_through_numpy_stays_bitwise(tmp_path):
+    """``p.detach().numpy()`` (TensorBoard and wandb histograms) fixes the storage's size for good;
+    evicting it raised "Trying to resize storage that is not resizable" at the next step."""
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        w = m.blocks[0].mlp[0].weight
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            out.append(float(w.grad.detach().cpu().numpy().sum()))
+            opt.step()
+            out.append(float(w.detach().cpu().numpy().sum()))
+            out.append(loss.item())
+        return out
+
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = loop(ref_m, ref_opt)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        got = loop(m, opt)
+        got_state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)

@@ -358,6 +358,40 @@ class Pager:
         """The page's tensor object may have changed (a new gradient tensor): see :meth:`sync`."""
         self.sync(page)
 
+    def restorage(self, page: Page) -> None:
+        """``page``'s tensor got new storage under the same tensor object (``p.data = x``, which
+        ``Module.to(dtype)`` and ``vector_to_parameters`` do): the page manages the new storage
+        from now on, whatever its size, and the lower copy of the old one is dropped (whoever
+        still holds the old storage has its bytes: the fault handler loaded it for the op). A new
+        storage the tensor shares with others (a view into one flat vector) or cannot resize is
+        first replaced by the tensor's own copy — freeing it would free the others' bytes. Pins
+        are kept (they are the page's, not the storage's)."""
+        with self._lock:
+            t = page.bound()
+            if t is None:
+                return
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                st = t.untyped_storage()
+                if (t.storage_offset() or st.nbytes() != t.numel() * t.element_size() or not st.resizable()) \
+                        and t.numel():
+                    t.data = t.detach().clone()
+            self._settle(page)
+            if self._txn is None or page.key not in self._txn:
+                self.store.remove(page)
+            else:
+                self.store.discard(page.key)
+            pins = page.pins
+            self._set(page, State.ABSENT)
+            page.dirty, page.zero_on_load, page.scales, page.cached_norm, page.future = False, False, [], None, None
+            n = int(t.untyped_storage().nbytes())
+            page.nbytes = n
+            if n:
+                self._set(page, State.RESIDENT)
+                page.dirty = True
+                self._touch(page)
+                self._note_resident()
+            page.pins = pins
+
     def unregister(self, page: Page) -> None:
         """Stop managing ``page``: its tensor gets its bytes back first if it has data below.
 
@@ -534,6 +568,14 @@ class Pager:
         if self._live(page) is None or page.state is not State.RESIDENT:
             return  # its tensor is gone (or was replaced and is being written): nothing to free here
         storage = page.storage()
+        if not storage.resizable():
+            # exported to NumPy (``p.detach().numpy()``: TensorBoard histograms), which fixes the
+            # storage's size for good: the tensor gets its own copy to page, the export keeps the old
+            t = page.bound()
+            with torch._C.DisableTorchFunction(), torch.no_grad():
+                t.data = t.detach().clone()
+            storage = page.storage()
+            page.dirty = True
         if page.dirty or not self.store.has(page):
             page.future = self.store.start_write(page, storage)
             self._set(page, State.WRITING)

@@ -119,6 +119,8 @@ class PageFaultMode(TorchFunctionMode):
                     else:
                         with saving:
                             out = func(*args, **kwargs)
+                    if func == _DATA_SET and (page := self.lookup.get(id(args[0]))) is not None:
+                        self.handler.storage_replaced(page)  # p.data = x: the page follows the new storage
                 finally:
                     self.handler.exit(held, out, hit)
                 if func == _DATA_GET:

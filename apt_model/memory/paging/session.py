@@ -456,6 +456,10 @@ class PagingSession:
                     self._saved_pinned[id(pg)] = pg
         return None
 
+    def storage_replaced(self, page: Page) -> None:
+        """Fault handler: ``page``'s tensor got new storage (``p.data = x``; see ``Pager.restorage``)."""
+        self.pager.restorage(page)
+
     def data_alias(self, pages: list[Page]) -> None:
         """Fault handler: ``.data`` was read from ``pages`` (an alias no version counter follows)."""
         self.backward_step.data_alias(pages)

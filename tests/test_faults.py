@@ -301,7 +301,7 @@ def test_a_corrupt_or_missing_file_loses_that_tensor_only_and_disable_names_it(w
     s = session()
     s.pager.flush()
     w = m[4].weight
-    page = s.optimizers.state_pages[id(w)]["exp_avg"] if what == "state" else s.param_pages[id(w)]
+    page = s.optimizers.state_pages[(id(opt), id(w))]["exp_avg"] if what == "state" else s.param_pages[id(w)]
     assert page.state.value == "lower"
     path = s.swap.record(page.key).path
     if what == "missing":

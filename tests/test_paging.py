@@ -1118,3 +1118,88 @@ def test_logging_through_numpy_stays_bitwise(tmp_path):
         vb.disable()
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
+@pytest.mark.parametrize("step_in_backward", ["off", "on"])
+def test_two_optimizers_holding_one_parameter_keep_their_own_states(tmp_path, step_in_backward):
+    """The paged states were keyed by parameter alone: a second optimizer over a shared parameter
+    (an auxiliary head's optimizer over the shared embedding) stepped with the first one's states,
+    silently."""
+    def build():
+        m = model(dropout=0.0)
+        return m, make_opt(m, "adamw"), torch.optim.Adam([m.tok_emb.weight], lr=1e-3)
+
+    def loop(m, opt1, opt2):
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(4):
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            opt1.zero_grad()
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            opt1.step()
+            opt2.zero_grad()
+            aux = m.tok_emb(x).pow(2).mean()
+            aux.backward()
+            opt2.step()
+            out += [loss.item(), aux.item()]
+        return out
+
+    ref, got = build(), build()
+    ref_out = loop(*ref)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": step_in_backward})
+    try:
+        got[0].to("cpu")
+        got_out = loop(*got)
+        states = snapshot(got[0], got[1]), snapshot(got[0], got[2])
+    finally:
+        vb.disable()
+    assert got_out == ref_out
+    assert_same(snapshot(ref[0], ref[1]), states[0])
+    assert_same(snapshot(ref[0], ref[2]), states[1])
+
+
+class _LoRA(torch.nn.Module):
+    """A low-rank adapter around an existing linear layer (PEFT-style injection)."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.A = torch.nn.Parameter(torch.randn(4, base.in_features) * 0.01)
+        self.B = torch.nn.Parameter(torch.randn(base.out_features, 4) * 0.01)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.A.t() @ self.B.t()
+
+
+def test_a_module_wrapping_a_paged_model_is_adopted_without_paging_its_parameters_twice(tmp_path):
+    """An adapter injected after adoption, and a container around the whole model, are adopted at
+    their first forward as models of their own; parameters already paged stay with the model that
+    pages them (registered twice, they broke the new model and the original one)."""
+    def loop(m):
+        torch.manual_seed(5)
+        m.blocks[0].mlp[0] = _LoRA(m.blocks[0].mlp[0])
+        wrapped = torch.nn.Sequential(m, torch.nn.Identity())
+        opt = make_opt(m, "adamw")
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for s in range(3):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            out = wrapped(x) if s % 2 else m(x)
+            loss = F.cross_entropy(out.reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, snapshot(m, opt)
+
+    ref_losses, ref_state = loop(model(dropout=0.0))
+    m = model(dropout=0.0)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        losses, state = loop(m)
+    finally:
+        vb.disable()
+    assert losses == ref_losses
+    assert_same(ref_state, state)

@@ -372,8 +372,9 @@ class BackwardStep:
         i = self._rank.get(id(p))
         if i is None:
             return ahead
+        opt = self._opt() if self._opt is not None else None
         for pid in self.order[i + 1:i + 5]:
-            pages = list(paging.state_pages.get(pid, {}).values())
+            pages = list(paging.state_pages.get((id(opt), pid), {}).values())
             if sum(pg.nbytes for pg in pages) > room:
                 break
             room -= sum(pg.nbytes for pg in pages)

@@ -95,6 +95,10 @@ class PagedModel:
         for mname, module in self.model.named_modules():
             pages = []
             for pname, p in module.named_parameters(recurse=False):
+                if id(p) in self.session.params:
+                    # adopted with a model paged before (a wrapper around it, a LoRA-injected
+                    # layer's base weight): that model's hooks, on these same modules, page it
+                    continue
                 if id(p) not in seen:
                     label = f"{mname}.{pname}" if mname else pname
                     self.params.append(p)

@@ -89,7 +89,8 @@ class OptimizerPaging:
     def __init__(self, session, page_states: bool):
         self.session = session
         self.page_states = page_states
-        self.state_pages: dict[int, dict[str, Page]] = {}  # id(param) -> {state key: page}
+        # (id(optimizer), id(param)) -> {state key: page}: two optimizers may hold one parameter
+        self.state_pages: dict[tuple[int, int], dict[str, Page]] = {}
         self.known: weakref.WeakSet = weakref.WeakSet()
         self._stash: dict[int, list] = {}
         self._in_step = False
@@ -136,7 +137,7 @@ class OptimizerPaging:
         host = self.session.host_step
         if not self.page_states or (host is not None and id(p) in host.params):
             return []  # resident, or kept on the host by the host step
-        pages = self.state_pages.setdefault(id(p), {})
+        pages = self.state_pages.setdefault((id(opt), id(p)), {})
         new = []
         for k, v in opt.state.get(p, {}).items():
             if not isinstance(v, torch.Tensor) or v.numel() < 2 or v.device != p.device:
@@ -210,11 +211,11 @@ class OptimizerPaging:
                 g["params"] = params
         return None
 
-    def _pages_of(self, p: torch.Tensor) -> tuple[list[Page], list[Page]]:
-        """(pages written by the step, pages only read) for parameter ``p``."""
+    def _pages_of(self, opt, p: torch.Tensor) -> tuple[list[Page], list[Page]]:
+        """(pages written by ``opt``'s step, pages only read) for parameter ``p``."""
         s = self.session
         write = [pg for pg in (s.param_pages.get(id(p)),) if pg is not None]
-        write += list(self.state_pages.get(id(p), {}).values())
+        write += list(self.state_pages.get((id(opt), id(p)), {}).values())
         g = s.grad_pages.get(id(p))
         read = [g] if g is not None and g.state is not State.ABSENT else []
         return write, read
@@ -233,7 +234,7 @@ class OptimizerPaging:
         limit = max(self.session.pager.budget // 3, 1)
         chunks, cur, size = [], [], 0
         for p in params:
-            w, r = self._pages_of(p)
+            w, r = self._pages_of(opt, p)
             nbytes = (sum(pg.nbytes for pg in w + r) or p.untyped_storage().nbytes()) \
                 + self._new_state_bytes(opt, group, [p])
             if cur and size + nbytes > limit:
@@ -265,7 +266,7 @@ class OptimizerPaging:
         group = opt.param_groups[gi]
         write, read = [], []
         for p in chunk:
-            w, r = self._pages_of(p)
+            w, r = self._pages_of(opt, p)
             write += w
             read += r
         if first:
@@ -280,7 +281,7 @@ class OptimizerPaging:
             if next_chunk:
                 nxt = []
                 for p in next_chunk:
-                    w, r = self._pages_of(p)
+                    w, r = self._pages_of(opt, p)
                     nxt += w + r
                 pager.prefetch(nxt, reserve=creates)
             try:
@@ -385,7 +386,7 @@ class OptimizerPaging:
 
     def _state_dict_hook(self, opt, state_dict):
         for idx, p in enumerate(self.param_order(opt)):
-            pages = self.state_pages.get(id(p))
+            pages = self.state_pages.get((id(opt), id(p)))
             entry = state_dict["state"].get(idx)
             if not pages or entry is None:
                 continue
@@ -398,7 +399,7 @@ class OptimizerPaging:
 
     def _loaded_hook(self, opt):
         self._page_existing_states(opt)
-        pages = [pg for p in self.param_order(opt) for pg in self.state_pages.get(id(p), {}).values()]
+        pages = [pg for p in self.param_order(opt) for pg in self.state_pages.get((id(opt), id(p)), {}).values()]
         self.session.pager.evict_now(pages)
         return None
 
@@ -431,7 +432,7 @@ class _StepUndo:
         """(tensor, label) of what the step modifies for ``p`` that is not paged."""
         session = self.paging.session
         label = session.param_label(p)
-        pages = self.paging.state_pages.get(id(p), {})
+        pages = self.paging.state_pages.get((id(self.opt), id(p)), {})
         for k, v in self.opt.state.get(p, {}).items():
             if isinstance(v, torch.Tensor) and k not in pages:  # paged states are in the pager's transaction
                 yield v, f"{label}:{k}"
@@ -500,7 +501,7 @@ class _StepUndo:
         lost = self.pager.rollback()
         for p, page in self.created:
             self.pager.discard(page)
-            pages = self.paging.state_pages.get(id(p), {})
+            pages = self.paging.state_pages.get((id(self.opt), id(p)), {})
             for k, pg in list(pages.items()):
                 if pg is page:
                     del pages[k]

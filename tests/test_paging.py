@@ -1203,3 +1203,30 @@ def test_a_module_wrapping_a_paged_model_is_adopted_without_paging_its_parameter
         vb.disable()
     assert losses == ref_losses
     assert_same(ref_state, state)
+
+
+def test_hooks_reading_paged_weights_inside_backward(tmp_path):
+    """Autograd runs backward without the caller's torch-function modes: a full backward hook
+    reading its module's weight, or a gradient hook reading another module's weight, read a page
+    backward had let go (a segfault). Hooks registered before paging (wrapped at adoption) and
+    after (wrapped at registration) run under the fault handler now."""
+    def run(paged):
+        m = model(dropout=0.0)
+        opt = make_opt(m, "adamw")
+        before, after = [], []
+        m.blocks[0].mlp[0].register_full_backward_hook(lambda mod, gi, go: before.append(mod.weight.norm().item()))
+        if paged:
+            vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+        try:
+            m.to("cpu")
+            m.blocks[1].mlp[0].register_full_backward_hook(lambda mod, gi, go: after.append(mod.weight.norm().item()))
+            m.blocks[1].ln1.weight.register_hook(lambda g: after.append(m.blocks[0].mlp[2].weight.sum().item()))
+            losses = train(m, opt, 3)
+            return losses, before, after, snapshot(m, opt)
+        finally:
+            if paged:
+                vb.disable()
+
+    ref, got = run(False), run(True)
+    assert got[:3] == ref[:3] and len(got[1]) == 3 and len(got[2]) == 6
+    assert_same(ref[3], got[3])

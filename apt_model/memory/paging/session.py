@@ -121,6 +121,9 @@ class PagingSession:
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
         norm, value = self._noting_clip(norm), self._noting_clip(value)
         self._patch_backward()
+        from apt_model.memory.paging import backward_hooks
+
+        backward_hooks.install(self.mode, self.patches)  # user hooks in backward see the fault handler
         from torch.amp import GradScaler
 
         unscale = GradScaler.unscale_
@@ -206,6 +209,9 @@ class PagingSession:
         self._keep_resident(model, page_params, page_grads, state_factor)
         pm = PagedModel(self, model, page_params, page_grads)
         pm.install(self.patches)
+        from apt_model.memory.paging import backward_hooks
+
+        backward_hooks.wrap_existing(model, self.mode, self.patches)  # hooks registered before paging
         for p in pm.params:
             self.params[id(p)] = p
             self.labels[id(p)] = pm.names[id(p)]

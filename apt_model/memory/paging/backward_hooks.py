@@ -1,0 +1,103 @@
+"""User hooks that run inside backward run under the page-fault handler.
+
+Autograd runs a backward without the Python torch-function modes of the thread that called it, so
+the page-fault handler (:mod:`~apt_model.memory.paging.fault`) does not see what a hook does
+there: a full backward hook that logs ``module.weight.norm()``, or a gradient hook reading another
+module's weight, read a page the backward had already let go — freed storage, a segfault. While
+paging is on, the registration methods below wrap the hook they are given so that it runs with
+the handler pushed on the running thread's mode stack (and taken off after it):
+
+* ``nn.Module.register_full_backward_hook``, ``register_full_backward_pre_hook``,
+  ``register_backward_hook``;
+* ``Tensor.register_hook``, ``Tensor.register_post_accumulate_grad_hook``.
+
+Hooks registered before paging started are wrapped when their model is paged
+(:func:`wrap_existing`: the modules' backward hooks and its parameters' tensor hooks); the global
+``register_module_full_backward_hook`` and hooks on other tensors registered before are not. The library's own hooks (:class:`~apt_model.base.patches.SessionHook`) are not
+wrapped: they page what they touch themselves. A wrapped hook pickles (``torch.save(model)``,
+``copy.deepcopy``) as the user's own function.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn as nn
+
+from apt_model.base.patches import SessionHook
+
+
+class UnderFaults:
+    """``fn`` run with the fault handler ``mode`` on the current thread's mode stack (pushed only
+    when it is not there already and ``mode.active``)."""
+
+    __slots__ = ("fn", "mode", "__wrapped__")
+
+    def __init__(self, fn, mode):
+        self.fn = fn
+        self.mode = mode
+        self.__wrapped__ = fn
+
+    def __call__(self, *args, **kwargs):
+        mode = self.mode
+        if not mode.active or mode in torch.overrides._get_current_function_mode_stack():
+            return self.fn(*args, **kwargs)
+        torch._C._push_on_torch_function_stack(mode)
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            torch._C._pop_torch_function_stack()
+
+    def __reduce__(self):
+        return (_identity, (self.fn,))
+
+
+def _identity(fn):
+    return fn
+
+
+_METHODS = [
+    (nn.Module, "register_full_backward_hook"),
+    (nn.Module, "register_full_backward_pre_hook"),
+    (nn.Module, "register_backward_hook"),
+    (torch.Tensor, "register_hook"),
+    (torch.Tensor, "register_post_accumulate_grad_hook"),
+]
+
+
+def install(mode, patches) -> None:
+    """Patch the registration methods (through ``patches``, undone when paging closes) to wrap
+    user hooks in :class:`UnderFaults` with the session's fault handler ``mode``."""
+    for owner, name in _METHODS:
+        real = getattr(owner, name)
+
+        def register(self, hook, *args, _real=real, **kwargs):
+            if callable(hook) and not isinstance(hook, (SessionHook, UnderFaults)):
+                hook = UnderFaults(hook, mode)
+            return _real(self, hook, *args, **kwargs)
+
+        patches.set_attr(owner, name, functools.wraps(real)(register), label=f"{owner.__name__}.{name}")
+
+
+def wrap_existing(model: nn.Module, mode, patches) -> None:
+    """Wrap the backward hooks already registered on ``model``'s modules and on its parameters
+    (registered before paging started) in :class:`UnderFaults`; the originals come back when
+    paging closes."""
+    dicts = []
+    for module in model.modules():
+        dicts += [getattr(module, "_backward_hooks", None), getattr(module, "_backward_pre_hooks", None)]
+    for p in model.parameters():
+        dicts += [getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)]
+    for hooks in dicts:
+        if not hooks:
+            continue
+        for key, fn in list(hooks.items()):
+            if callable(fn) and not isinstance(fn, (SessionHook, UnderFaults)):
+                hooks[key] = UnderFaults(fn, mode)
+                patches.add_undo(functools.partial(_unwrap, hooks, key), f"backward hook {key} under faults")
+
+
+def _unwrap(hooks: dict, key) -> None:
+    fn = hooks.get(key)
+    if isinstance(fn, UnderFaults):
+        hooks[key] = fn.fn

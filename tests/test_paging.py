@@ -1053,6 +1053,23 @@ def test_zero_grad_without_set_to_none_reads_nothing_and_pins_nothing(tmp_path):
     assert faults == 0
 
 
+def _assert_paged_like_plain(tmp_path, loop):
+    """``loop(model, optimizer)`` gives the same results and final state paged (everything, the
+    step after backward) as in plain PyTorch; ``vb.disable()`` raises nothing."""
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = loop(ref_m, ref_opt)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        got = loop(m, opt)
+        got_state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
 def _to_f64_and_back(m):
     m.to(torch.float64)
     m.to(torch.float32)
@@ -1074,18 +1091,7 @@ def test_parameters_given_new_storage_mid_training_stay_bitwise(tmp_path, change
         change(m)
         return losses + train(m, opt, 2, seed=2)
 
-    ref_m, m = model(dropout=0.0), model(dropout=0.0)
-    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
-    ref = loop(ref_m, ref_opt)
-    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
-    try:
-        m.to("cpu")
-        got = loop(m, opt)
-        got_state = snapshot(m, opt)
-    finally:
-        vb.disable()  # raised PagingRecoveryError before
-    assert got == ref
-    assert_same(snapshot(ref_m, ref_opt), got_state)
+    _assert_paged_like_plain(tmp_path, loop)  # disable() raised PagingRecoveryError before
 
 
 def test_logging_through_numpy_stays_bitwise(tmp_path):
@@ -1106,18 +1112,7 @@ def test_logging_through_numpy_stays_bitwise(tmp_path):
             out.append(loss.item())
         return out
 
-    ref_m, m = model(dropout=0.0), model(dropout=0.0)
-    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
-    ref = loop(ref_m, ref_opt)
-    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
-    try:
-        m.to("cpu")
-        got = loop(m, opt)
-        got_state = snapshot(m, opt)
-    finally:
-        vb.disable()
-    assert got == ref
-    assert_same(snapshot(ref_m, ref_opt), got_state)
+    _assert_paged_like_plain(tmp_path, loop)
 
 
 @pytest.mark.parametrize("step_in_backward", ["off", "on"])

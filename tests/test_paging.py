@@ -1225,3 +1225,73 @@ def test_hooks_reading_paged_weights_inside_backward(tmp_path):
     ref, got = run(False), run(True)
     assert got[:3] == ref[:3] and len(got[1]) == 3 and len(got[2]) == 6
     assert_same(ref[3], got[3])
+
+
+def test_hooks_wrapped_in_one_session_serve_the_next(tmp_path):
+    """A hook wrapped while paging was on runs under the handler of whichever session is open
+    when it runs (it kept the first, closed one's before: no protection after a new enable());
+    registering a hook on a paged-out parameter reads nothing."""
+    m = model(dropout=0.0)
+    opt = make_opt(m, "adamw")
+    seen = []
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        from apt_model.switch.controller import session as vb_session
+
+        pager = vb_session().paging.pager
+        faults = pager.stats.faults
+        m.blocks[1].mlp[0].register_full_backward_hook(lambda mod, gi, go: seen.append(mod.weight.norm().item()))
+        m.blocks[1].mlp[0].weight.register_hook(lambda g: None)
+        assert pager.stats.faults == faults
+        train(m, opt, 1)
+    finally:
+        vb.disable()
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        train(m, opt, 2, seed=2)
+    finally:
+        vb.disable()
+    assert len(seen) == 3 and all(v == v and v > 0 for v in seen)
+
+
+def test_storage_given_by_user_code_is_never_freed_under_the_user(tmp_path):
+    """``p.data = x``: the page takes its own copy, so paging ``p`` out never frees ``x``'s bytes
+    (a segfault on ``x`` before); ``a.data = b.data`` between two paged parameters is refused
+    (two pages cannot manage one storage)."""
+    m = model(dropout=0.0)
+    opt = make_opt(m, "adamw")
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        x = torch.randn(m.blocks[0].mlp[0].weight.shape)
+        keep = x.clone()
+        m.blocks[0].mlp[0].weight.data = x
+        train(m, opt, 1)
+        assert x.untyped_storage().nbytes() == keep.numel() * 4 and torch.equal(x, keep)
+        with pytest.raises(ValueError, match="another paged tensor"):
+            m.blocks[1].mlp[0].weight.data = m.blocks[0].mlp[0].weight.data
+    finally:
+        vb.disable()
+
+
+def test_a_dropped_optimizer_takes_its_state_pages_with_it(tmp_path):
+    """States are paged per optimizer: a loop that makes a new optimizer per phase must not keep
+    the old one's pages (and swap space) for good."""
+    m = model(dropout=0.0)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        from apt_model.switch.controller import session as vb_session
+
+        pager = vb_session().paging.pager
+        counts = []
+        for phase in range(3):
+            opt = make_opt(m, "adamw")
+            train(m, opt, 1, seed=phase)
+            del opt
+            counts.append(sum(1 for pg in pager.pages.values() if pg.category.value == "state"))
+        assert counts[0] > 0 and counts == [counts[0]] * 3, counts
+    finally:
+        vb.disable()

@@ -334,3 +334,25 @@ def test_autograd_grad_leaves_no_pins_and_loads_pages_one_unit_at_a_time(tmp_pat
     assert_same(ref_state, state)
     whole = sum(p.numel() * 4 for p in model(dropout=0.0).parameters())
     assert resident_at_end[-1] < whole / 4, (resident_at_end[-1], whole)
+
+
+def test_a_parameter_saved_by_reference_survives_paging_copying_its_storage(tmp_path):
+    """A NumPy export makes paging give the tensor a new storage when it is evicted; a parameter
+    saved by reference before that must still unpack (it raised "got new storage" before)."""
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        w = m.blocks[0].mlp[0].weight
+        for _ in range(3):
+            opt.zero_grad()
+            reg = w.pow(2).sum() * 1e-4  # saved by reference, before the forward
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = _lm_loss(m(x), x) + reg
+            loss.backward()
+            opt.step()
+            out += [loss.item(), float(w.detach().numpy().sum())]
+        return out
+
+    (ref_out, ref_state), (out, state), _ = _both(tmp_path, loop, paging_step_in_backward="off")
+    assert out == ref_out
+    assert_same(ref_state, state)

@@ -362,19 +362,34 @@ class Pager:
         """``page``'s tensor got new storage under the same tensor object (``p.data = x``, which
         ``Module.to(dtype)`` and ``vector_to_parameters`` do): the page manages the new storage
         from now on, whatever its size, and the lower copy of the old one is dropped (whoever
-        still holds the old storage has its bytes: the fault handler loaded it for the op). A new
-        storage the tensor shares with others (a view into one flat vector) or cannot resize is
-        first replaced by the tensor's own copy — freeing it would free the others' bytes. Pins
-        are kept (they are the page's, not the storage's)."""
+        still holds the old storage has its bytes: the fault handler loaded it for the op). The
+        tensor first gets its own copy of the new storage — which may be shared (a view into one
+        flat vector) or still held by the caller (``x`` after ``p.data = x``), and eviction frees
+        a storage in place — so ``x`` and ``p`` no longer share memory, unlike without paging.
+        Pins are kept (they are the page's, not the storage's).
+
+        Raises:
+            ValueError: the new storage is another page's (``a.data = b.data`` between two paged
+                tensors: two pages cannot manage one storage).
+        """
         with self._lock:
             t = page.bound()
             if t is None:
                 return
             with torch._C.DisableTorchFunction(), torch.no_grad():
-                st = t.untyped_storage()
-                if (t.storage_offset() or st.nbytes() != t.numel() * t.element_size() or not st.resizable()) \
-                        and t.numel():
+                key = t.untyped_storage()._cdata
+                other = next((pg for pg in self.pages.values() if pg is not page and pg.bound() is not None
+                              and pg.storage()._cdata == key), None)
+                if other is not None:
+                    raise ValueError(
+                        f"{page.label}.data was set to the storage of {other.label}, another paged tensor: two "
+                        "pages cannot manage one storage. Tie parameters by assigning the Parameter "
+                        "(a.weight = b.weight), or enable(paging='off')")
+                if t.numel():
+                    # always its own copy: the new storage may be shared (a view into one flat vector)
+                    # or still held by the caller (x after p.data = x), and eviction frees it in place
                     t.data = t.detach().clone()
+            page.generation += 1
             self._settle(page)
             if self._txn is None or page.key not in self._txn:
                 self.store.remove(page)
@@ -391,6 +406,8 @@ class Pager:
                 self._touch(page)
                 self._note_resident()
             page.pins = pins
+            if self.resident_bytes > self.budget:
+                self.make_room(0, protect=[page])
 
     def unregister(self, page: Page) -> None:
         """Stop managing ``page``: its tensor gets its bytes back first if it has data below.

@@ -81,6 +81,9 @@ class Page:
     #: ``torch._foreach_norm([t], 2.0)[0]`` of the current data, or None when unknown/stale.
     cached_norm: torch.Tensor | None = None
     ref: weakref.ref | None = None
+    #: Counts the new storages user code gave the tensor (``p.data = x``; see ``Pager.restorage``);
+    #: a copy paging makes itself (a storage exported to NumPy) does not count.
+    generation: int = 0
 
     def bound(self) -> torch.Tensor | None:
         """The tensor whose storage this page manages (None once it was garbage-collected)."""

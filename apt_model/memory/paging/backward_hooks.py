@@ -27,20 +27,24 @@ import torch.nn as nn
 from apt_model.base.patches import SessionHook
 
 
+_CURRENT: list = [None]  # the fault handler of the paging session open now (None: paging is off)
+
+
 class UnderFaults:
-    """``fn`` run with the fault handler ``mode`` on the current thread's mode stack (pushed only
-    when it is not there already and ``mode.active``)."""
+    """``fn`` run with the open paging session's fault handler on the current thread's mode stack
+    (pushed only when it is active and not there already). The handler is looked up at each call:
+    a hook wrapped in one session runs plainly once paging is off and under the next session's
+    handler after a new ``enable()``, and holds no closed session alive."""
 
-    __slots__ = ("fn", "mode", "__wrapped__")
+    __slots__ = ("fn", "__wrapped__")
 
-    def __init__(self, fn, mode):
+    def __init__(self, fn):
         self.fn = fn
-        self.mode = mode
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
-        mode = self.mode
-        if not mode.active or mode in torch.overrides._get_current_function_mode_stack():
+        mode = _CURRENT[0]
+        if mode is None or not mode.active or mode in torch.overrides._get_current_function_mode_stack():
             return self.fn(*args, **kwargs)
         torch._C._push_on_torch_function_stack(mode)
         try:
@@ -67,19 +71,29 @@ _METHODS = [
 
 def install(mode, patches) -> None:
     """Patch the registration methods (through ``patches``, undone when paging closes) to wrap
-    user hooks in :class:`UnderFaults` with the session's fault handler ``mode``."""
+    user hooks in :class:`UnderFaults`, and make ``mode`` (the session's fault handler) the one
+    they push. The patched methods pass through ``mode`` (registering a hook reads no data)."""
+    _CURRENT[0] = mode
+    patches.add_undo(functools.partial(_clear, mode), "backward hooks: fault handler")
     for owner, name in _METHODS:
         real = getattr(owner, name)
 
         def register(self, hook, *args, _real=real, **kwargs):
             if callable(hook) and not isinstance(hook, (SessionHook, UnderFaults)):
-                hook = UnderFaults(hook, mode)
+                hook = UnderFaults(hook)
             return _real(self, hook, *args, **kwargs)
 
-        patches.set_attr(owner, name, functools.wraps(real)(register), label=f"{owner.__name__}.{name}")
+        register = functools.wraps(real)(register)
+        mode.passthrough.add(register)
+        patches.set_attr(owner, name, register, label=f"{owner.__name__}.{name}")
 
 
-def wrap_existing(model: nn.Module, mode, patches) -> None:
+def _clear(mode) -> None:
+    if _CURRENT[0] is mode:
+        _CURRENT[0] = None
+
+
+def wrap_existing(model: nn.Module, patches) -> None:
     """Wrap the backward hooks already registered on ``model``'s modules and on its parameters
     (registered before paging started) in :class:`UnderFaults`; the originals come back when
     paging closes."""
@@ -93,7 +107,7 @@ def wrap_existing(model: nn.Module, mode, patches) -> None:
             continue
         for key, fn in list(hooks.items()):
             if callable(fn) and not isinstance(fn, (SessionHook, UnderFaults)):
-                hooks[key] = UnderFaults(fn, mode)
+                hooks[key] = UnderFaults(fn)
                 patches.add_undo(functools.partial(_unwrap, hooks, key), f"backward hook {key} under faults")
 
 

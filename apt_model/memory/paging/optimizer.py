@@ -37,6 +37,7 @@ during a step (the old ones are then reused for the next step's writes).
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -83,6 +84,12 @@ def expected_state_bytes(opt: torch.optim.Optimizer, group: dict, p: torch.Tenso
     return _state_copies(opt, group) * p.numel() * p.element_size()
 
 
+def _state_of(opt_ref, p, key):
+    """The optimizer's live state tensor ``key`` of ``p`` (None once the optimizer is gone)."""
+    opt = opt_ref()
+    return None if opt is None else opt.state[p].get(key)
+
+
 class OptimizerPaging:
     """Global step hooks plus per-optimizer state pages for one paging session."""
 
@@ -92,12 +99,13 @@ class OptimizerPaging:
         # (id(optimizer), id(param)) -> {state key: page}: two optimizers may hold one parameter
         self.state_pages: dict[tuple[int, int], dict[str, Page]] = {}
         self.known: weakref.WeakSet = weakref.WeakSet()
+        self._dead: list[int] = []  # id() of adopted optimizers since garbage-collected (a finalizer's queue)
         self._stash: dict[int, list] = {}
         self._in_step = False
         self.steps = 0
         self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
-        self.last_stepped = None  # the optimizer whose step ran last (for the after_step callbacks)
+        self._last_stepped = None  # weakref to the optimizer whose step ran last (see last_stepped)
 
     def install(self, patches) -> None:
         patches.add_handle(register_optimizer_step_pre_hook(self._pre), "optimizer step pre-hook")
@@ -119,6 +127,8 @@ class OptimizerPaging:
                 "(enable(paging='off'))"
             )
         self.known.add(opt)
+        # its pages go when it does (another optimizer may later get its id): see _retire_dead
+        weakref.finalize(opt, self._dead.append, id(opt))
         patches.add_handle(opt.register_state_dict_pre_hook(self._before_state_dict),
                            f"{type(opt).__name__} state_dict pre-hook")
         patches.add_handle(opt.register_state_dict_post_hook(self._state_dict_hook), f"{type(opt).__name__} state_dict hook")
@@ -133,7 +143,24 @@ class OptimizerPaging:
             for p in g["params"]:
                 self._page_new_states(opt, p)
 
+    @property
+    def last_stepped(self):
+        """The optimizer whose step ran last (for the after_step callbacks), None once it is gone
+        (held weakly: a dropped optimizer's pages are retired, see :meth:`_retire_dead`)."""
+        return self._last_stepped() if self._last_stepped is not None else None
+
+    def _retire_dead(self) -> None:
+        """Forget the state pages of optimizers that were garbage-collected (their states died
+        with them): without this a loop that makes a new optimizer per phase grows the pager and
+        the swap space, and a new optimizer could inherit a dead one's id."""
+        while self._dead:
+            oid = self._dead.pop()
+            for key in [k for k in self.state_pages if k[0] == oid]:
+                for page in self.state_pages.pop(key).values():
+                    self.session.pager.discard(page)
+
     def _page_new_states(self, opt: torch.optim.Optimizer, p: torch.Tensor) -> list[Page]:
+        self._retire_dead()
         host = self.session.host_step
         if not self.page_states or (host is not None and id(p) in host.params):
             return []  # resident, or kept on the host by the host step
@@ -149,7 +176,8 @@ class OptimizerPaging:
                 if not v.untyped_storage().resizable():  # e.g. loaded from a checkpoint buffer
                     v = opt.state[p][k] = v.clone()
                 label = f"{self.session.param_label(p)}:{k}"
-                page = self.session.pager.register(Category.STATE, (lambda opt=opt, p=p, k=k: opt.state[p].get(k)), label)
+                page = self.session.pager.register(Category.STATE, functools.partial(_state_of, weakref.ref(opt), p, k),
+                                                   label)
                 pages[k] = page
                 new.append(page)
         return new
@@ -179,7 +207,7 @@ class OptimizerPaging:
                 if handler_off:
                     self.session.restore_fault_handler()
         self.steps += 1
-        self.last_stepped = opt
+        self._last_stepped = weakref.ref(opt)
         for fn in self.after_step:
             fn(self.steps)
         self._stash[id(opt)] = [g["params"] for g in opt.param_groups]

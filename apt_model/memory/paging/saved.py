@@ -113,7 +113,8 @@ class SavedPins(saved_tensors_hooks):
         page = self._page_of(t) if isinstance(t, torch.Tensor) else None
         if page is not None and self.outer is None and page.category is Category.PARAM:
             base = page.bound()
-            if base is not None and base.dtype == t.dtype:
+            if base is not None and base.dtype == t.dtype and not t.is_conj() and not t.is_neg() \
+                    and 0 not in t.stride():  # else pinned below (a copy would lose the bit or the expansion)
                 with torch._C.DisableTorchFunction():
                     return (_RELOAD, _Reload(page, base, t))
         value = self.outer[0](t) if self.outer is not None else _detached(t) if isinstance(t, torch.Tensor) else t
@@ -142,13 +143,13 @@ class _Reload:
     are copied out (autograd uses the copy, then frees it), so the page is pinned only while it
     is read, not while the graph lives."""
 
-    __slots__ = ("page", "ref", "version", "storage", "size", "stride", "offset")
+    __slots__ = ("page", "ref", "version", "generation", "size", "stride", "offset")
 
     def __init__(self, page, base: torch.Tensor, t: torch.Tensor):
         self.page = page
         self.ref = weakref.ref(base)
         self.version = base._version
-        self.storage = base.untyped_storage()._cdata
+        self.generation = page.generation  # storages given by user code (not paging's own copies)
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
     def load(self, pager) -> torch.Tensor:
@@ -168,7 +169,7 @@ class _Reload:
                     f"one of the variables needed for gradient computation has been modified by an inplace "
                     f"operation: the paged parameter {self.page.label!r} is at version {base._version}; expected "
                     f"version {self.version} instead")
-            if base.untyped_storage()._cdata != self.storage:
+            if self.page.generation != self.generation:
                 raise RuntimeError(
                     f"the paged parameter {self.page.label!r} got new storage (p.data = ...) between the forward "
                     "that saved it and this backward; paging keeps no copy of the old one")

@@ -211,7 +211,7 @@ class PagingSession:
         pm.install(self.patches)
         from apt_model.memory.paging import backward_hooks
 
-        backward_hooks.wrap_existing(model, self.mode, self.patches)  # hooks registered before paging
+        backward_hooks.wrap_existing(model, self.patches)  # hooks registered before paging
         for p in pm.params:
             self.params[id(p)] = p
             self.labels[id(p)] = pm.names[id(p)]

@@ -100,8 +100,9 @@ def wrap_existing(model: nn.Module, patches) -> None:
     dicts = []
     for module in model.modules():
         dicts += [getattr(module, "_backward_hooks", None), getattr(module, "_backward_pre_hooks", None)]
-    for p in model.parameters():
-        dicts += [getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)]
+    with torch._C.DisableTorchFunction():  # reading a paged tensor's hook dicts must not fault it in
+        for p in model.parameters():
+            dicts += [getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)]
     for hooks in dicts:
         if not hooks:
             continue

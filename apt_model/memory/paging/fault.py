@@ -75,6 +75,15 @@ def may_write(func, kwargs) -> bool:
 
 
 
+def _storage_key(t) -> int | None:
+    """Identity of ``t``'s storage object (None for a tensor without one)."""
+    try:
+        with torch._C.DisableTorchFunction():
+            return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
 class PageFaultMode(TorchFunctionMode):
     """Loads paged-out tensors on access. ``handler.enter(pages) -> held`` loads and pins them for
     the op; ``handler.exit(held, output)`` lets them go (keeping pages that ``output`` aliases)."""
@@ -112,6 +121,7 @@ class PageFaultMode(TorchFunctionMode):
             if hit:
                 held = self.handler.enter(hit, may_write(func, kwargs))
                 out = None
+                before = _storage_key(args[0]) if func == _DATA_SET else None
                 try:
                     saving = self.handler.graph_saves(hit, args, kwargs)
                     if saving is None:
@@ -119,7 +129,8 @@ class PageFaultMode(TorchFunctionMode):
                     else:
                         with saving:
                             out = func(*args, **kwargs)
-                    if func == _DATA_SET and (page := self.lookup.get(id(args[0]))) is not None:
+                    if func == _DATA_SET and (page := self.lookup.get(id(args[0]))) is not None \
+                            and _storage_key(args[0]) != before:  # Module.to() sets p.data = p when nothing changes
                         self.handler.storage_replaced(page)  # p.data = x: the page follows the new storage
                 finally:
                     self.handler.exit(held, out, hit)

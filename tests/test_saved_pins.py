@@ -290,7 +290,7 @@ def test_a_sparse_saved_tensor(tmp_path):
     """A sparse matrix saved beside a page (``torch.sparse.mm`` on the embedding) has no storage:
     skipped, not an error."""
     idx = torch.tensor([[0, 1, 2], [3, 4, 5]])
-    lap = torch.sparse_coo_tensor(idx, torch.tensor([1.0, -2.0, 0.5]), (8, 256))
+    lap = torch.sparse_coo_tensor(idx, torch.tensor([1.0, -2.0, 0.5]), (8, 256), check_invariants=True)
 
     def forward(m, x):
         out = m(x)

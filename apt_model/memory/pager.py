@@ -144,6 +144,13 @@ class _Saved:
         self.zero_on_load = page.zero_on_load
 
 
+def _own_storage(t: torch.Tensor) -> None:
+    """Give ``t`` a private copy of its bytes (``t.data = copy``): the storage it had may be shared
+    or may not be freed in place, and paging frees the storage it manages."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        t.data = t.detach().clone()
+
+
 class Pager:
     """Keeps registered pages within ``budget`` bytes on the compute level.
 
@@ -309,22 +316,32 @@ class Pager:
         self._read_back(page, old, log_loss=True)
         if self.by_tensor.get(page.tensor_id) is page:
             del self.by_tensor[page.tensor_id]
-        if self._txn is None or page.key not in self._txn:
-            self.store.remove(page)
-        else:  # the pre-step copy stays (under its backup key) for a roll-back
-            self.store.discard(page.key)
-        self._set(page, State.ABSENT)
+        self._drop_storage(page)
         page.pins = 0  # pins were taken on the old tensor; their releases are clamped at 0
-        page.dirty, page.zero_on_load, page.scales, page.cached_norm, page.future = False, False, [], None, None
         n = int(new.untyped_storage().nbytes()) if new is not None else 0
         page.bind(new if n else None)
         if n:
-            page.nbytes = n
             self.by_tensor[id(new)] = page
-            self._set(page, State.RESIDENT)
-            page.dirty = True
-            self._touch(page)
-            self._note_resident()
+            self._hold_new_storage(page, n)
+
+    def _drop_storage(self, page: Page) -> None:
+        """The page lets go of the storage it managed: its lower copy is dropped (a step's pre-step
+        copy stays, under its backup key, for a roll-back), it is ABSENT, and what belonged to that
+        storage (dirty, deferred zeroing and scales, cached norm, I/O future) is reset. Under the lock."""
+        if self._txn is None or page.key not in self._txn:
+            self.store.remove(page)
+        else:
+            self.store.discard(page.key)
+        self._set(page, State.ABSENT)
+        page.dirty, page.zero_on_load, page.scales, page.cached_norm, page.future = False, False, [], None, None
+
+    def _hold_new_storage(self, page: Page, nbytes: int) -> None:
+        """The page manages a new resident storage of ``nbytes`` bytes, none of them below yet. Under the lock."""
+        page.nbytes = nbytes
+        self._set(page, State.RESIDENT)
+        page.dirty = True
+        self._touch(page)
+        self._note_resident()
 
     def _read_back(self, page: Page, t: torch.Tensor | None, log_loss: bool = False) -> None:
         """If ``page``'s bytes are on a lower level, read them back into ``t`` (a tensor still
@@ -376,7 +393,7 @@ class Pager:
             t = page.bound()
             if t is None:
                 return
-            with torch._C.DisableTorchFunction(), torch.no_grad():
+            with torch._C.DisableTorchFunction():
                 key = t.untyped_storage()._cdata
                 other = next((pg for pg in self.pages.values() if pg is not page and pg.bound() is not None
                               and pg.storage()._cdata == key), None)
@@ -385,27 +402,17 @@ class Pager:
                         f"{page.label}.data was set to the storage of {other.label}, another paged tensor: two "
                         "pages cannot manage one storage. Tie parameters by assigning the Parameter "
                         "(a.weight = b.weight), or enable(paging='off')")
-                if t.numel():
-                    # always its own copy: the new storage may be shared (a view into one flat vector)
-                    # or still held by the caller (x after p.data = x), and eviction frees it in place
-                    t.data = t.detach().clone()
+            if t.numel():
+                # always its own copy: the new storage may be shared (a view into one flat vector)
+                # or still held by the caller (x after p.data = x), and eviction frees it in place
+                _own_storage(t)
             page.generation += 1
             self._settle(page)
-            if self._txn is None or page.key not in self._txn:
-                self.store.remove(page)
-            else:
-                self.store.discard(page.key)
-            pins = page.pins
-            self._set(page, State.ABSENT)
-            page.dirty, page.zero_on_load, page.scales, page.cached_norm, page.future = False, False, [], None, None
+            self._drop_storage(page)  # pins stay: they are the page's
             n = int(t.untyped_storage().nbytes())
             page.nbytes = n
             if n:
-                self._set(page, State.RESIDENT)
-                page.dirty = True
-                self._touch(page)
-                self._note_resident()
-            page.pins = pins
+                self._hold_new_storage(page, n)
             if self.resident_bytes > self.budget:
                 self.make_room(0, protect=[page])
 
@@ -588,9 +595,7 @@ class Pager:
         if not storage.resizable():
             # exported to NumPy (``p.detach().numpy()``: TensorBoard histograms), which fixes the
             # storage's size for good: the tensor gets its own copy to page, the export keeps the old
-            t = page.bound()
-            with torch._C.DisableTorchFunction(), torch.no_grad():
-                t.data = t.detach().clone()
+            _own_storage(page.bound())
             storage = page.storage()
             page.dirty = True
         if page.dirty or not self.store.has(page):

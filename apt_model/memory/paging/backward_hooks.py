@@ -13,9 +13,10 @@ the handler pushed on the running thread's mode stack (and taken off after it):
 
 Hooks registered before paging started are wrapped when their model is paged
 (:func:`wrap_existing`: the modules' backward hooks and its parameters' tensor hooks); the global
-``register_module_full_backward_hook`` and hooks on other tensors registered before are not. The library's own hooks (:class:`~apt_model.base.patches.SessionHook`) are not
-wrapped: they page what they touch themselves. A wrapped hook pickles (``torch.save(model)``,
-``copy.deepcopy``) as the user's own function.
+``register_module_full_backward_hook`` and hooks on other tensors registered before are not. The
+library's own hooks (:class:`~apt_model.base.patches.SessionHook`) are not wrapped: they page what
+they touch themselves. A wrapped hook pickles (``torch.save(model)``, ``copy.deepcopy``) as the
+user's own function.
 """
 from __future__ import annotations
 

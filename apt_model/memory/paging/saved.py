@@ -1,4 +1,4 @@
-"""Pages that autograd saves stay resident for as long as the graph holding them lives.
+"""Tensors autograd saves outside the module hooks stay readable while their graph lives.
 
 Autograd keeps references to some tensors an op used (``p.pow(2)`` saves ``p``; ``x @ w.t()``
 saves a view of ``w``) and reads them in backward. A saved tensor that shares a page's storage
@@ -15,12 +15,18 @@ module hooks (which bring a unit's parameters back when backward reaches it):
   ``torch.autograd.backward`` and ``torch.autograd.grad`` run it under :class:`SavedPins`, which
   the autograd engine carries onto its device threads.
 
-:class:`SavedPins` is a ``torch.autograd.graph.saved_tensors_hooks``: its pack hook checks whether
-the saved tensor's storage is a page's and, if so, pins that page and returns a holder whose
-finalizer lets the pin go — when autograd frees the saved tensor (after the backward that used
-it, without ``retain_graph``) or the graph is dropped. Other tensors go to the hooks that were
-active before (activation offload, checkpointing) or are saved as usual. The saved values are the
-tensors themselves: nothing is copied, so results are bitwise those of unpaged training.
+:class:`SavedPins` is a ``torch.autograd.graph.saved_tensors_hooks`` whose pack hook recognizes a
+page's tensor by its storage:
+
+* a **parameter** (no outer hooks) is saved by reference (:class:`_Reload`): its place in the
+  storage and its version. Unpacked, the page is loaded, the elements are copied out and the page
+  is let go, so the graph pins nothing and level 0 keeps its budget while it lives;
+* any **other page** (a gradient), and every page when outer hooks are active, is pinned; a holder
+  whose finalizer lets the pin go lives as long as autograd keeps the saved value.
+
+Other tensors go to the hooks that were active before (activation offload, checkpointing) or are
+saved detached. Values are bitwise those of unpaged training: a reloaded parameter is a copy of
+the same bytes, and one changed in place since it was saved raises autograd's own error.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
+from apt_model.memory.paging import backward_hooks
 from apt_model.memory.paging.backward_step import BackwardStep
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
@@ -121,8 +122,6 @@ class PagingSession:
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
         norm, value = self._noting_clip(norm), self._noting_clip(value)
         self._patch_backward()
-        from apt_model.memory.paging import backward_hooks
-
         backward_hooks.install(self.mode, self.patches)  # user hooks in backward see the fault handler
         from torch.amp import GradScaler
 
@@ -209,8 +208,6 @@ class PagingSession:
         self._keep_resident(model, page_params, page_grads, state_factor)
         pm = PagedModel(self, model, page_params, page_grads)
         pm.install(self.patches)
-        from apt_model.memory.paging import backward_hooks
-
         backward_hooks.wrap_existing(model, self.patches)  # hooks registered before paging
         for p in pm.params:
             self.params[id(p)] = p

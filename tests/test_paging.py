@@ -1295,3 +1295,92 @@ def test_a_dropped_optimizer_takes_its_state_pages_with_it(tmp_path):
         assert counts[0] > 0 and counts == [counts[0]] * 3, counts
     finally:
         vb.disable()
+
+
+class _ScaleByCtx(torch.autograd.Function):
+    """``x * w`` that keeps ``w`` as a ctx attribute (not saved): its backward reads ``w`` itself."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.w = w
+        return x * w
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.w, None
+
+
+class _Reuse(torch.nn.Module):
+    """Runs ``block`` under reentrant checkpointing, then multiplies by another module's weight
+    (``other.weight``, used outside its module) — inside the checkpoint or through a custom
+    autograd Function that reads it in its backward."""
+
+    def __init__(self, block, other, how):
+        super().__init__()
+        self.block, self.how = block, how
+        self.other = [other]  # not a submodule: its weight is reached from outside
+
+    def forward(self, x):
+        w = self.other[0].weight
+        if self.how == "reentrant checkpoint":
+            return torch.utils.checkpoint.checkpoint(lambda h: self.block(h) * w, x, use_reentrant=True)
+        return _ScaleByCtx.apply(self.block(x), w)
+
+
+@pytest.mark.parametrize("how", ["reentrant checkpoint", "custom Function"])
+def test_custom_backward_reading_a_parameter_outside_its_module(tmp_path, how):
+    """Autograd calls a custom Function's backward — reentrant checkpointing's recomputation among
+    them — without the fault handler: a parameter it reads that its own module had let go was
+    freed storage ("storage of size 0" or a segfault). It runs under the handler now."""
+    def build():
+        m = model(dropout=0.0)
+        m.blocks[1] = _Reuse(m.blocks[1], m.blocks[0].ln2, how)  # block 0 is not in its backward yet
+        return m
+
+    ref_m, m = build(), build()
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = train(ref_m, ref_opt, 3)
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")
+        got = train(m, opt, 3)
+        got_state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
+def test_global_backward_hooks_reading_paged_weights(tmp_path):
+    """``register_module_full_backward_hook`` (global: every module) and its pre-hook twin, set
+    before paging starts or while it is on, run under the fault handler; they read a freed page
+    before."""
+    from torch.nn.modules import module as module_mod
+
+    def run(paged):
+        m = model(dropout=0.0)
+        opt = make_opt(m, "adamw")
+        seen = []
+
+        def hook(mod, *_):
+            if mod is m.blocks[1].mlp[0]:
+                seen.append(m.blocks[0].mlp[2].weight.sum().item())
+
+        handles = [module_mod.register_module_full_backward_hook(hook)]
+        if paged:
+            vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+        try:
+            m.to("cpu")
+            handles.append(module_mod.register_module_full_backward_pre_hook(hook))
+            losses = train(m, opt, 3)
+            return losses, seen, snapshot(m, opt)
+        finally:
+            for h in handles:
+                h.remove()
+            if paged:
+                vb.disable()
+
+    ref, got = run(False), run(True)
+    assert got[:2] == ref[:2] and len(got[1]) == 6
+    assert_same(ref[2], got[2])
+    assert not module_mod._global_backward_hooks and not module_mod._global_backward_pre_hooks

@@ -1,19 +1,24 @@
-"""User hooks that run inside backward run under the page-fault handler.
+"""User code that runs inside backward runs under the page-fault handler.
 
 Autograd runs a backward without the Python torch-function modes of the thread that called it, so
-the page-fault handler (:mod:`~apt_model.memory.paging.fault`) does not see what a hook does
-there: a full backward hook that logs ``module.weight.norm()``, or a gradient hook reading another
-module's weight, read a page the backward had already let go — freed storage, a segfault. While
-paging is on, the registration methods below wrap the hook they are given so that it runs with
-the handler pushed on the running thread's mode stack (and taken off after it):
+the page-fault handler (:mod:`~apt_model.memory.paging.fault`) does not see what user code does
+there: a full backward hook that logs ``module.weight.norm()``, a gradient hook reading another
+module's weight, or the recomputation of a reentrant activation checkpoint that uses a parameter
+outside its own module read a page the backward had already let go — freed storage, a segfault or
+"storage of size 0". While paging is on, such code runs with the handler pushed on the running
+thread's mode stack (and taken off after it):
 
-* ``nn.Module.register_full_backward_hook``, ``register_full_backward_pre_hook``,
-  ``register_backward_hook``;
-* ``Tensor.register_hook``, ``Tensor.register_post_accumulate_grad_hook``.
+* hooks given to ``nn.Module.register_full_backward_hook``, ``register_full_backward_pre_hook``,
+  ``register_backward_hook``, ``Tensor.register_hook``, ``Tensor.register_post_accumulate_grad_hook``
+  and the global ``torch.nn.modules.module.register_module_full_backward_hook`` /
+  ``register_module_full_backward_pre_hook`` are wrapped when registered;
+* the backward of every custom ``torch.autograd.Function`` (``torch.utils.checkpoint``'s reentrant
+  ``CheckpointFunction`` among them, whose backward reruns the forward): autograd calls it through
+  ``BackwardCFunction.apply``, which is patched.
 
 Hooks registered before paging started are wrapped when their model is paged
-(:func:`wrap_existing`: the modules' backward hooks and its parameters' tensor hooks); the global
-``register_module_full_backward_hook`` and hooks on other tensors registered before are not. The
+(:func:`wrap_existing`: the modules' backward hooks and its parameters' tensor hooks) and, for the
+global module hooks, when paging starts; hooks on other tensors registered before are not. The
 library's own hooks (:class:`~apt_model.base.patches.SessionHook`) are not wrapped: they page what
 they touch themselves. A wrapped hook pickles (``torch.save(model)``, ``copy.deepcopy``) as the
 user's own function.
@@ -24,6 +29,8 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_mod
+from torch.autograd.function import BackwardCFunction
 
 from apt_model.base.patches import SessionHook
 
@@ -44,22 +51,31 @@ class UnderFaults:
         self.__wrapped__ = fn
 
     def __call__(self, *args, **kwargs):
-        mode = _CURRENT[0]
-        if mode is None or not mode.active or mode in torch.overrides._get_current_function_mode_stack():
-            return self.fn(*args, **kwargs)
-        torch._C._push_on_torch_function_stack(mode)
-        try:
-            return self.fn(*args, **kwargs)
-        finally:
-            torch._C._pop_torch_function_stack()
+        return _under_faults(self.fn, args, kwargs)
 
     def __reduce__(self):
         return (_identity, (self.fn,))
 
 
+def _under_faults(fn, args, kwargs):
+    """``fn(*args, **kwargs)`` with the open session's fault handler pushed if it is active and not
+    on this thread's mode stack already."""
+    mode = _CURRENT[0]
+    if mode is None or not mode.active or mode in torch.overrides._get_current_function_mode_stack():
+        return fn(*args, **kwargs)
+    torch._C._push_on_torch_function_stack(mode)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch._C._pop_torch_function_stack()
+
+
 def _identity(fn):
     return fn
 
+
+#: The global module backward-hook registrations (``torch.nn.modules.module``).
+_GLOBAL = ("register_module_full_backward_hook", "register_module_full_backward_pre_hook")
 
 _METHODS = [
     (nn.Module, "register_full_backward_hook"),
@@ -87,6 +103,30 @@ def install(mode, patches) -> None:
         register = functools.wraps(real)(register)
         mode.passthrough.add(register)
         patches.set_attr(owner, name, register, label=f"{owner.__name__}.{name}")
+    for name in _GLOBAL:
+        real = getattr(module_mod, name)
+
+        def register_global(hook, _real=real):
+            return _real(UnderFaults(hook) if callable(hook) and not isinstance(hook, (SessionHook, UnderFaults))
+                         else hook)
+
+        patches.set_attr(module_mod, name, functools.wraps(real)(register_global), label=f"{name} (global)")
+    hooks_now = [module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
+    for hooks in hooks_now:
+        for key, fn in list(hooks.items()):
+            if callable(fn) and not isinstance(fn, (SessionHook, UnderFaults)):
+                hooks[key] = UnderFaults(fn)
+                patches.add_undo(functools.partial(_unwrap, hooks, key), f"global backward hook {key} under faults")
+    for name in ("apply", "apply_boxed"):
+        real = getattr(BackwardCFunction, name, None)
+        if real is None:
+            continue
+
+        def apply(self, *args, _real=real):
+            return _under_faults(_real, (self, *args), {})
+
+        patches.set_attr(BackwardCFunction, name, functools.wraps(real)(apply),
+                         label=f"autograd.function.BackwardCFunction.{name}: custom backward under faults")
 
 
 def _clear(mode) -> None:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from apt_model.memory.paging.compiled import compiling
+
 _TB = torch._C.TensorBase
 #: Accesses that read or set metadata only (never the data): no fault for these. ``.data`` is
 #: deliberately absent: it returns an alias through which the data can be changed.
@@ -98,6 +100,8 @@ class PageFaultMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if compiling():  # Dynamo is tracing: it records the op itself (paging/compiled.py)
+            return func(*args, **kwargs)
         if func in self.passthrough:
             return func(*args, **kwargs)
         if self.active and self.watched and func not in METADATA_ONLY:

@@ -21,7 +21,7 @@ from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
-from apt_model.memory.paging import backward_hooks
+from apt_model.memory.paging import backward_hooks, compiled
 from apt_model.memory.paging.backward_step import BackwardStep
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
@@ -123,6 +123,7 @@ class PagingSession:
         norm, value = self._noting_clip(norm), self._noting_clip(value)
         self._patch_backward()
         backward_hooks.install(self.mode, self.patches)  # user hooks in backward see the fault handler
+        compiled.install(self.patches)  # torch.compile runs paged models eagerly
         from torch.amp import GradScaler
 
         unscale = GradScaler.unscale_
@@ -209,6 +210,7 @@ class PagingSession:
         pm = PagedModel(self, model, page_params, page_grads)
         pm.install(self.patches)
         backward_hooks.wrap_existing(model, self.patches)  # hooks registered before paging
+        compiled.add_model(model, self.patches)  # runs eagerly under torch.compile
         for p in pm.params:
             self.params[id(p)] = p
             self.labels[id(p)] = pm.names[id(p)]

@@ -1,0 +1,108 @@
+"""``torch.compile`` while paging is on (memory/paging/compiled.py).
+
+Before, any ``torch.compile`` in a script with paging on failed while Dynamo traced the page-fault
+handler's torch-function mode (``NameError: ___get_torch_function_mode_stack_at``) — a compiled
+function that touches no paged tensor included. Now the handler steps aside while Dynamo traces,
+and a paged model reached by compiled code runs eagerly (a graph break), so its results are bitwise
+those of plain eager PyTorch. ``backend="aot_eager"`` keeps Dynamo's tracing (what failed) without
+Inductor's code generation (minutes on a 2-core CPU, and other rounding).
+"""
+import pytest
+import torch
+import torch._dynamo.testing
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from apt_model.memory.paging import compiled
+from test_paging import FORCE, assert_same, make_opt, model, snapshot
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _loop(m, opt, how):
+    """Three training steps, the model called as ``how`` says; returns the losses."""
+    if how == "torch.compile(model)":
+        call = torch.compile(m, backend="aot_eager")
+    elif how == "model.compile()":
+        m.compile(backend="aot_eager")
+        call = m
+    elif how == "compiled step":
+        @torch.compile(backend="aot_eager")
+        def call(x):
+            return m(x) * 1.0
+    else:
+        call = m
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(call(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_compiled_code_that_touches_no_page_compiles_while_paging(tmp_path):
+    """A compiled function beside a paged model is traced and compiled (one graph, no break)."""
+    m = model(dropout=0.0)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m(torch.randint(0, 256, (2, 32))).sum().backward()  # pages exist and are out
+
+        def f(x):
+            return torch.sin(x) * 2 + 1
+
+        x = torch.randn(8)
+        counts = torch._dynamo.testing.CompileCounter()
+        got = torch.compile(f, backend=counts)(x)  # NameError while tracing the mode before
+    finally:
+        vb.disable()
+    assert torch.equal(got, f(x))
+    assert counts.frame_count == 1 and counts.op_count == 3, (counts.frame_count, counts.op_count)
+
+
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "compiled step"])
+def test_a_compiled_paged_model_runs_eagerly_and_stays_bitwise(tmp_path, how):
+    """Compiled three ways, the paged model trains bitwise like plain eager PyTorch (it runs
+    eagerly, pages faulted as usual); Dynamo records the graph break with the reason."""
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = _loop(ref_m, ref_opt, "eager")
+    torch._dynamo.utils.counters.clear()
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        m.to("cpu")  # adopted here, as by a script's model.to(device): a first call inside Dynamo adopts nothing
+        got = _loop(m, opt, how)
+        got_state = snapshot(m, opt)
+        plan = vb.get_report()["models"][0]["features"]["paging"]
+        loads = vb.get_report()["memory"]["paging"]["pager"]["bytes_in"]
+    finally:
+        vb.disable()
+    assert plan["chosen"] == "paged" and loads > 0, (plan, loads)
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+    breaks = " ".join(str(k) for k in torch._dynamo.utils.counters["graph_break"])
+    assert "pages this module's parameters" in breaks, dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_the_patch_is_undone_when_paging_closes(tmp_path):
+    """After ``disable()`` modules are called through torch's own ``_call_impl`` again and no
+    module is left registered as paged."""
+    real = torch.nn.Module._call_impl
+    m = model(dropout=0.0)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m(torch.randint(0, 256, (2, 32)))
+        assert torch.nn.Module._call_impl is not real
+        assert compiled.runs_eagerly(m) and compiled.runs_eagerly(m.blocks[0])
+    finally:
+        vb.disable()
+    assert torch.nn.Module._call_impl is real
+    assert compiled.eager_module_count() == 0 and not compiled.runs_eagerly(m)

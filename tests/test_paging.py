@@ -6,10 +6,16 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as module_mod
+from torch.nn.modules.module import register_module_backward_hook as _deprecated_hook
+from torch.nn.modules.module import register_module_full_backward_hook as _imported_full_hook
+from torch.nn.modules.module import register_module_full_backward_pre_hook as _imported_pre_hook
 
 import apt_model.optimization.vb_global as vb
 from apt_model.errors import ConfigError
@@ -33,8 +39,26 @@ def make_opt(m, kind):
     return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9, nesterov=True)
 
 
+def _backward_on_another_thread(loss):
+    """``loss.backward()`` run by a new thread (as autograd's device thread runs it on an
+    accelerator: without the caller's torch-function modes); its error is raised here."""
+    errors = []
+
+    def run():
+        try:
+            loss.backward()
+        except BaseException as err:  # noqa: BLE001 - handed to the caller
+            errors.append(err)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if errors:
+        raise errors[0]
+
+
 def train(m, opt, steps, accum=1, clip=None, seed=1, sched=None, eval_every=0, zero_to_none=True, device="cpu",
-          seq=32):
+          seq=32, backward_thread=False):
     gen = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # dropout
     losses = []
@@ -43,7 +67,10 @@ def train(m, opt, steps, accum=1, clip=None, seed=1, sched=None, eval_every=0, z
         for _ in range(accum):
             x = torch.randint(0, 256, (4, seq), generator=gen).to(device)
             loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)) / accum
-            loss.backward()
+            if backward_thread:
+                _backward_on_another_thread(loss)
+            else:
+                loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         opt.step()
@@ -1327,11 +1354,14 @@ class _Reuse(torch.nn.Module):
         return _ScaleByCtx.apply(self.block(x), w)
 
 
+@pytest.mark.parametrize("thread", ["main", "other"])
 @pytest.mark.parametrize("how", ["reentrant checkpoint", "custom Function"])
-def test_custom_backward_reading_a_parameter_outside_its_module(tmp_path, how):
+def test_custom_backward_reading_a_parameter_outside_its_module(tmp_path, how, thread):
     """Autograd calls a custom Function's backward — reentrant checkpointing's recomputation among
     them — without the fault handler: a parameter it reads that its own module had let go was
-    freed storage ("storage of size 0" or a segfault). It runs under the handler now."""
+    freed storage ("storage of size 0" or a segfault). It runs under the handler now, also when
+    backward runs on another thread than the forward (as on an accelerator's autograd thread,
+    whose mode stack is empty)."""
     def build():
         m = model(dropout=0.0)
         m.blocks[1] = _Reuse(m.blocks[1], m.blocks[0].ln2, how)  # block 0 is not in its backward yet
@@ -1343,7 +1373,7 @@ def test_custom_backward_reading_a_parameter_outside_its_module(tmp_path, how):
     vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
     try:
         m.to("cpu")
-        got = train(m, opt, 3)
+        got = train(m, opt, 3, backward_thread=thread == "other")
         got_state = snapshot(m, opt)
     finally:
         vb.disable()
@@ -1351,11 +1381,18 @@ def test_custom_backward_reading_a_parameter_outside_its_module(tmp_path, how):
     assert_same(snapshot(ref_m, ref_opt), got_state)
 
 
-def test_global_backward_hooks_reading_paged_weights(tmp_path):
-    """``register_module_full_backward_hook`` (global: every module) and its pre-hook twin, set
-    before paging starts or while it is on, run under the fault handler; they read a freed page
-    before."""
-    from torch.nn.modules import module as module_mod
+@pytest.mark.parametrize("how", ["module attribute", "imported name", "deprecated"])
+def test_global_backward_hooks_reading_paged_weights(tmp_path, how):
+    """Global backward hooks (every module) read a freed page before: a segfault. They run under
+    the fault handler now however they were registered — through ``torch.nn.modules.module``'s
+    attribute, a name imported before ``enable()``, the deprecated ``register_module_backward_hook``
+    — and whether before paging starts or while it is on (they are wrapped as modules read them)."""
+    register, register_pre = {
+        "module attribute": (lambda h: module_mod.register_module_full_backward_hook(h),
+                             lambda h: module_mod.register_module_full_backward_pre_hook(h)),
+        "imported name": (_imported_full_hook, _imported_pre_hook),
+        "deprecated": (_deprecated_hook, _imported_pre_hook),
+    }[how]
 
     def run(paged):
         m = model(dropout=0.0)
@@ -1366,17 +1403,20 @@ def test_global_backward_hooks_reading_paged_weights(tmp_path):
             if mod is m.blocks[1].mlp[0]:
                 seen.append(m.blocks[0].mlp[2].weight.sum().item())
 
-        handles = [module_mod.register_module_full_backward_hook(hook)]
+        handles = [register(hook)]
         if paged:
             vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
         try:
             m.to("cpu")
-            handles.append(module_mod.register_module_full_backward_pre_hook(hook))
-            losses = train(m, opt, 3)
+            handles.append(register_pre(hook))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the deprecated hook's warning on modules with several inputs
+                losses = train(m, opt, 3)
             return losses, seen, snapshot(m, opt)
         finally:
             for h in handles:
                 h.remove()
+            module_mod._global_is_full_backward_hook = None  # torch never clears it (deprecated vs full)
             if paged:
                 vb.disable()
 

@@ -8,17 +8,18 @@ outside its own module read a page the backward had already let go — freed sto
 "storage of size 0". While paging is on, such code runs with the handler pushed on the running
 thread's mode stack (and taken off after it):
 
-* hooks given to ``nn.Module.register_full_backward_hook``, ``register_full_backward_pre_hook``,
-  ``register_backward_hook``, ``Tensor.register_hook``, ``Tensor.register_post_accumulate_grad_hook``
-  and the global ``torch.nn.modules.module.register_module_full_backward_hook`` /
-  ``register_module_full_backward_pre_hook`` are wrapped when registered;
+* module backward hooks — a module's own (``register_full_backward_hook``,
+  ``register_full_backward_pre_hook``, ``register_backward_hook``) and the global ones
+  (``register_module_full_backward_hook`` and its pre-hook and deprecated twins), however and
+  whenever registered — are wrapped as ``Module._call_impl`` reads them at each forward;
+* hooks given to ``Tensor.register_hook`` and ``Tensor.register_post_accumulate_grad_hook`` are
+  wrapped when registered;
 * the backward of every custom ``torch.autograd.Function`` (``torch.utils.checkpoint``'s reentrant
   ``CheckpointFunction`` among them, whose backward reruns the forward): autograd calls it through
   ``BackwardCFunction.apply``, which is patched.
 
-Hooks registered before paging started are wrapped when their model is paged
-(:func:`wrap_existing`: the modules' backward hooks and its parameters' tensor hooks) and, for the
-global module hooks, when paging starts; hooks on other tensors registered before are not. The
+Tensor hooks registered before paging started are wrapped when their model is paged
+(:func:`wrap_existing`: its parameters' hooks); hooks on other tensors registered before are not. The
 library's own hooks (:class:`~apt_model.base.patches.SessionHook`) are not wrapped: they page what
 they touch themselves. A wrapped hook pickles (``torch.save(model)``, ``copy.deepcopy``) as the
 user's own function.
@@ -29,10 +30,10 @@ import functools
 
 import torch
 import torch.nn as nn
-import torch.nn.modules.module as module_mod
 from torch.autograd.function import BackwardCFunction
 
 from apt_model.base.patches import SessionHook
+from apt_model.memory.paging.compiled import compiling
 
 
 _CURRENT: list = [None]  # the fault handler of the paging session open now (None: paging is off)
@@ -74,22 +75,28 @@ def _identity(fn):
     return fn
 
 
-#: The global module backward-hook registrations (``torch.nn.modules.module``).
-_GLOBAL = ("register_module_full_backward_hook", "register_module_full_backward_pre_hook")
-
 _METHODS = [
-    (nn.Module, "register_full_backward_hook"),
-    (nn.Module, "register_full_backward_pre_hook"),
-    (nn.Module, "register_backward_hook"),
     (torch.Tensor, "register_hook"),
     (torch.Tensor, "register_post_accumulate_grad_hook"),
 ]
 
 
+def _wrapped(hooks: list) -> list:
+    return [UnderFaults(h) if callable(h) and not isinstance(h, (SessionHook, UnderFaults)) else h for h in hooks]
+
+
 def install(mode, patches) -> None:
-    """Patch the registration methods (through ``patches``, undone when paging closes) to wrap
-    user hooks in :class:`UnderFaults`, and make ``mode`` (the session's fault handler) the one
-    they push. The patched methods pass through ``mode`` (registering a hook reads no data)."""
+    """Make ``mode`` (the session's fault handler) the one user code inside backward runs under,
+    and patch (through ``patches``, undone when paging closes):
+
+    * the tensor hook registrations, to wrap the hook in :class:`UnderFaults` (they pass through
+      ``mode``: registering a hook reads no data);
+    * ``nn.Module._get_backward_hooks`` / ``_get_backward_pre_hooks``, through which
+      ``Module._call_impl`` reads a module's own and the global backward hooks at each forward:
+      what they return is wrapped, however and whenever the hook was registered (an imported
+      ``register_module_full_backward_hook``, the deprecated ``register_module_backward_hook``);
+    * ``BackwardCFunction.apply`` / ``apply_boxed``: a custom Function's backward.
+    """
     _CURRENT[0] = mode
     patches.add_undo(functools.partial(_clear, mode), "backward hooks: fault handler")
     for owner, name in _METHODS:
@@ -103,20 +110,24 @@ def install(mode, patches) -> None:
         register = functools.wraps(real)(register)
         mode.passthrough.add(register)
         patches.set_attr(owner, name, register, label=f"{owner.__name__}.{name}")
-    for name in _GLOBAL:
-        real = getattr(module_mod, name)
+    real_hooks, real_pre = nn.Module._get_backward_hooks, nn.Module._get_backward_pre_hooks
 
-        def register_global(hook, _real=real):
-            return _real(UnderFaults(hook) if callable(hook) and not isinstance(hook, (SessionHook, UnderFaults))
-                         else hook)
+    @functools.wraps(real_hooks)
+    def _get_backward_hooks(self):
+        full, non_full = real_hooks(self)
+        if compiling():  # Dynamo traces this: it handles the hooks itself (no paged module is traced)
+            return full, non_full
+        return _wrapped(full), _wrapped(non_full)
 
-        patches.set_attr(module_mod, name, functools.wraps(real)(register_global), label=f"{name} (global)")
-    hooks_now = [module_mod._global_backward_hooks, module_mod._global_backward_pre_hooks]
-    for hooks in hooks_now:
-        for key, fn in list(hooks.items()):
-            if callable(fn) and not isinstance(fn, (SessionHook, UnderFaults)):
-                hooks[key] = UnderFaults(fn)
-                patches.add_undo(functools.partial(_unwrap, hooks, key), f"global backward hook {key} under faults")
+    @functools.wraps(real_pre)
+    def _get_backward_pre_hooks(self):
+        hooks = real_pre(self)
+        return hooks if compiling() else _wrapped(hooks)
+
+    patches.set_attr(nn.Module, "_get_backward_hooks", _get_backward_hooks,
+                     label="nn.Module._get_backward_hooks: module backward hooks under faults")
+    patches.set_attr(nn.Module, "_get_backward_pre_hooks", _get_backward_pre_hooks,
+                     label="nn.Module._get_backward_pre_hooks: module backward pre-hooks under faults")
     for name in ("apply", "apply_boxed"):
         real = getattr(BackwardCFunction, name, None)
         if real is None:
@@ -135,12 +146,10 @@ def _clear(mode) -> None:
 
 
 def wrap_existing(model: nn.Module, patches) -> None:
-    """Wrap the backward hooks already registered on ``model``'s modules and on its parameters
-    (registered before paging started) in :class:`UnderFaults`; the originals come back when
-    paging closes."""
+    """Wrap the tensor hooks already registered on ``model``'s parameters (registered before
+    paging started) in :class:`UnderFaults`; the originals come back when paging closes. (Module
+    backward hooks need nothing here: they are wrapped as ``_call_impl`` reads them.)"""
     dicts = []
-    for module in model.modules():
-        dicts += [getattr(module, "_backward_hooks", None), getattr(module, "_backward_pre_hooks", None)]
     with torch._C.DisableTorchFunction():  # reading a paged tensor's hook dicts must not fault it in
         for p in model.parameters():
             dicts += [getattr(p, "_backward_hooks", None), getattr(p, "_post_accumulate_grad_hooks", None)]

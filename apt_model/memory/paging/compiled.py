@@ -11,9 +11,12 @@ keyed by tensor id, a lock, the pager's I/O) is not something Dynamo can do. Bef
 
 So, while paging is on:
 
-* the fault handler steps aside while Dynamo traces (:func:`compiling`): what Dynamo traces is
+* the fault handler steps aside while Dynamo traces (``compiling``): what Dynamo traces is
   the user's op itself, and a compiled function that touches no paged model compiles and runs as
   it would without the switch;
+* the streamed optimizer step (the global optimizer-step hooks of
+  :mod:`~apt_model.memory.paging.optimizer`) runs eagerly when Dynamo reaches it (``torch.compile``
+  of ``optimizer.step`` or of a training step that calls it);
 * every module of a paged model (the root and all its submodules) is called through
   :func:`torch.compiler.disable` when Dynamo reaches it: ``torch.compile(model)``,
   ``model.compile()`` and a compiled training step that calls the model all run the paged model
@@ -21,11 +24,14 @@ So, while paging is on:
   compile the rest. Dynamo logs the graph break with the reason below.
 
 This is done with one patch of ``nn.Module._call_impl`` (undone when paging closes) that checks
-``torch.compiler.is_compiling()`` first, so an eager call pays one function call and one flag
-read. Not covered: a model compiled with ``model.compile()`` *before* paging started (its
-compiled call was bound to the unpatched ``_call_impl``), and a compiled function that reads a
-paged parameter directly, outside any module call (``torch.compile(lambda: model.fc.weight.sum())``):
-Dynamo lifts the parameter as a graph input and the kernel reads it without a fault. Compile the
+``compiling()`` first, so an eager call pays one function call more. ``torch.compile(...,
+fullgraph=True)`` of code that reaches a paged model raises Dynamo's ``Unsupported`` error, whose
+text gives the reason below (its hint to remove a ``torch.compiler.disable`` call means this one).
+A model compiled with ``model.compile()`` *before* paging started is not paged (its compiled call
+is bound to the unpatched ``_call_impl``; :func:`compiled_before`). Not covered: a compiled
+function that reads a paged parameter directly, outside any module call (an L2 term over
+``model.parameters()`` inside a compiled loss): Dynamo lifts the parameter as a graph input and
+the kernel reads it without a fault — with Inductor, the default backend, a crash. Compile the
 model (or the code around it), not code that reaches into a paged model's parameters.
 """
 from __future__ import annotations
@@ -40,7 +46,11 @@ REASON = ("apt_model pages this module's parameters: it runs eagerly under torch
           "loaded by module hooks and a torch-function mode that compiled code would bypass)")
 
 _PAGED: set[int] = set()  # id(module) of every module of a paged model (while paging is on)
-compiling = torch.compiler.is_compiling
+#: True only while Dynamo traces the calling code (it folds the call to True); False when code
+#: runs, on every thread. ``torch.compiler.is_compiling()`` is no substitute: at run time it reads
+#: one process-wide flag, True for the whole of a compilation, so another thread's faults would
+#: step aside while a compile is under way.
+compiling = torch.compiler.is_dynamo_compiling
 
 
 def install(patches) -> None:
@@ -78,3 +88,12 @@ def runs_eagerly(module: nn.Module) -> bool:
 def eager_module_count() -> int:
     """How many modules are registered as paged (0 once paging closed)."""
     return len(_PAGED)
+
+
+def compiled_before(model: nn.Module) -> str | None:
+    """The name of a module of ``model`` compiled with ``Module.compile()`` (its compiled call
+    bound to the unpatched ``_call_impl``: Dynamo would trace the paging hooks), or None."""
+    for name, m in model.named_modules():
+        if getattr(m, "_compiled_call_impl", None) is not None:
+            return name or type(model).__name__
+    return None

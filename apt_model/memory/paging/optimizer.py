@@ -57,6 +57,26 @@ PER_PARAMETER = (
 )
 
 
+#: Devices torch's optimizers accept ``capturable=True`` for (``torch.optim.Optimizer`` asserts otherwise).
+_CAPTURABLE_DEVICES = frozenset(["cuda", "xpu", "hpu", "xla", "privateuseone"])
+
+
+def _undo_dynamo_capturable(opt) -> None:
+    """Dynamo, tracing ``optimizer.step``, sets ``capturable=True`` in every param group it reads;
+    the streamed step then runs eagerly (a graph break) with that flag, which torch's optimizers
+    refuse for parameters on the CPU ("If capturable=True, params and state_steps must be on
+    supported devices"). Such a group could never have stepped with the flag: it is set back to
+    False. Groups on capturable devices are left as they are."""
+    for g in opt.param_groups:
+        if g.get("capturable") and any(p.device.type not in _CAPTURABLE_DEVICES for p in g["params"]):
+            g["capturable"] = False
+            log.debug("param group capturable=True (set by torch.compile) on non-capturable devices: set to False")
+
+
+#: Dynamo's graph-break reason at the paged optimizer step.
+EAGER_STEP = "apt_model streams this optimizer's step through its pages: it runs eagerly under torch.compile"
+
+
 class PagedOptimizerError(VBError, RuntimeError):
     """An optimizer that cannot be stepped in chunks holds paged state."""
 
@@ -108,8 +128,12 @@ class OptimizerPaging:
         self._last_stepped = None  # weakref to the optimizer whose step ran last (see last_stepped)
 
     def install(self, patches) -> None:
-        patches.add_handle(register_optimizer_step_pre_hook(self._pre), "optimizer step pre-hook")
-        patches.add_handle(register_optimizer_step_post_hook(self._post), "optimizer step post-hook")
+        # run eagerly when Dynamo reaches them (torch.compile of optimizer.step or of a training step
+        # that calls it): the streamed step's I/O and bookkeeping cannot be traced (paging/compiled.py)
+        pre = torch.compiler.disable(self._pre, reason=EAGER_STEP)
+        post = torch.compiler.disable(self._post, reason=EAGER_STEP)
+        patches.add_handle(register_optimizer_step_pre_hook(pre), "optimizer step pre-hook")
+        patches.add_handle(register_optimizer_step_post_hook(post), "optimizer step post-hook")
 
     # ------------------------------------------------------------------ discovery
     def _involves_paging(self, opt: torch.optim.Optimizer) -> bool:
@@ -194,6 +218,7 @@ class OptimizerPaging:
                 f"{type(opt).__name__}.step(closure) re-evaluates the model inside the step, which cannot be "
                 "streamed in chunks; call loss.backward() yourself and then optimizer.step() without a closure"
             )
+        _undo_dynamo_capturable(opt)
         if not self.session.backward_step.claim(opt):  # else: it ran inside backward, committed now
             # every page the step touches is acquired by the step itself: its ops (the optimizer's
             # arithmetic, this bookkeeping) need no op-level fault handler

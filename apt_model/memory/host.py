@@ -154,13 +154,19 @@ def process_rss() -> int:
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
+_statm: list = [None, None]  # [pid, fd] of /proc/self/statm, opened once per process
+
+
 def rss_now() -> int:
-    """Resident set size of this process in bytes, read the cheap way (``/proc/self/statm``: a few
-    microseconds); :func:`process_rss` (psutil) where there is no ``/proc``."""
+    """Resident set size of this process in bytes, read the cheap way (one ``pread`` of
+    ``/proc/self/statm`` kept open: ~3 microseconds); :func:`process_rss` (psutil) where there is
+    no ``/proc``. The file is reopened in a forked child (its ``self`` was resolved at open)."""
     try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE_SIZE
-    except (OSError, IndexError, ValueError):
+        pid = os.getpid()
+        if _statm[0] != pid:
+            _statm[:] = [pid, os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))]
+        return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE_SIZE
+    except (OSError, IndexError, ValueError, AttributeError):
         return process_rss()
 
 

@@ -1424,3 +1424,37 @@ def test_global_backward_hooks_reading_paged_weights(tmp_path, how):
     assert got[:2] == ref[:2] and len(got[1]) == 6
     assert_same(ref[2], got[2])
     assert not module_mod._global_backward_hooks and not module_mod._global_backward_pre_hooks
+
+
+def test_torch_func_transforms_over_a_paged_model(tmp_path):
+    """``torch.func.vmap`` over a paged model's forward raised "Cannot access storage of
+    BatchedTensorImpl" (the fault handler looked for aliases of its pages in the batched output);
+    per-sample gradients (``vmap(grad(functional_call))``, as differential-privacy training takes
+    them) and the forward under ``vmap`` are bitwise those of plain PyTorch now."""
+    from torch.func import functional_call, grad, vmap
+
+    def run(paged):
+        m = model(dropout=0.0)
+        opt = make_opt(m, "adamw")
+        if paged:
+            vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+        try:
+            m.to("cpu")
+            train(m, opt, 1)  # pages exist and are out
+            x = torch.randint(0, 256, (3, 32), generator=torch.Generator().manual_seed(5))
+            logits = vmap(lambda xi: m(xi[None])[0])(x)
+            params = {k: v.detach() for k, v in m.named_parameters()}
+
+            def loss(p, xi):
+                out = functional_call(m, p, (xi[None],))
+                return F.cross_entropy(out.reshape(-1, 256), xi.roll(-1, 0))
+
+            per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+            return logits, {k: v.clone() for k, v in per_sample.items()}
+        finally:
+            if paged:
+                vb.disable()
+
+    (ref_logits, ref_grads), (logits, grads) = run(False), run(True)
+    assert torch.equal(logits, ref_logits)
+    assert ref_grads.keys() == grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)

@@ -19,7 +19,10 @@ storage of size 0 and crash the process. Rules that keep it safe:
 * an in-place op returns the paged tensor itself: that is the page's own tensor, not an alias, and
   pins nothing (``zero_grad(set_to_none=False)`` used to pin every gradient for good);
 * zeroing a paged-out tensor (``t.zero_()``, ``torch._foreach_zero_``) reads nothing: the page is
-  marked to load as zeros.
+  marked to load as zeros;
+* where TorchDynamo traces the handler (``torch.compile`` of code run while paging is on) it steps
+  aside and Dynamo records the op itself; paged models and the streamed optimizer step run eagerly
+  there (:mod:`~apt_model.memory.paging.compiled`).
 
 It also serves the optimizer step taken inside backward (``paging/backward_step.py``): each op
 tells the handler whether it may write its arguments (:func:`may_write`), and tensors that are no

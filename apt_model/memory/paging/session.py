@@ -45,6 +45,19 @@ def _builds_graph(args, kwargs) -> bool:
     return False
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage — of the tensor inside, for a ``torch.func`` wrapper
+    (``vmap``'s batched tensors, ``grad``'s wrapped ones have no storage of their own) — or None
+    for a tensor without storage."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t):
+        t = functorch.get_unwrapped(t)
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class PagingSession:
     """Pages parameters, gradients and optimizer states of adopted models.
 
@@ -493,7 +506,7 @@ class PagingSession:
                     by_ptr[st.data_ptr()] = page
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.device.type == self.pager.device.type:
-                    page = by_ptr.get(t.untyped_storage().data_ptr())
+                    page = by_ptr.get(_storage_ptr(t))
                     # an in-place op returns the paged tensor itself (``p.grad.zero_()``): that is
                     # the page's own tensor, freed and refilled by paging, not an alias to protect
                     if page is not None and t is not page.bound():

@@ -69,6 +69,32 @@ def test_compiled_code_that_touches_no_page_compiles_while_paging(tmp_path):
     assert counts.frame_count == 1 and counts.op_count == 3, (counts.frame_count, counts.op_count)
 
 
+def test_a_module_with_backward_hooks_beside_a_paged_model_compiles(tmp_path):
+    """A module that is not paged but has a full backward hook, called in compiled code while
+    paging is on: Dynamo failed (``AttributeError: 'bool' object has no attribute 'name'``, a
+    Dynamo bug with any torch-function mode on the stack, here the fault handler). It runs eagerly
+    now — where plain Dynamo graph-breaks anyway — with its hook, as without the switch."""
+    def run(paged):
+        torch.manual_seed(3)
+        b = torch.nn.Linear(4, 4)
+        seen = []
+        b.register_full_backward_hook(lambda mod, gi, go: seen.append(go[0].sum().item()))
+        m = model(dropout=0.0)
+        if paged:
+            vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+        try:
+            m.to("cpu")
+            x = torch.randn(2, 4, generator=torch.Generator().manual_seed(4), requires_grad=True)
+            torch.compile(lambda x: b(x) * 2, backend="aot_eager")(x).sum().backward()
+            return b.weight.grad.clone(), x.grad.clone(), seen
+        finally:
+            if paged:
+                vb.disable()
+
+    ref, got = run(False), run(True)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]) and got[2] == ref[2] and len(got[2]) == 1
+
+
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()", "compiled step", "compiled optimizer.step"])
 def test_a_compiled_paged_model_runs_eagerly_and_stays_bitwise(tmp_path, how):
     """Compiled three ways, the paged model trains bitwise like plain eager PyTorch (it runs
@@ -91,6 +117,10 @@ def test_a_compiled_paged_model_runs_eagerly_and_stays_bitwise(tmp_path, how):
     assert plan["chosen"] == "paged" and loads > 0, (plan, loads)
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), got_state)
+    # Dynamo's capturable=True (written back after each compiled optimizer.step) never outlives a step
+    assert [g.get("capturable") for g in opt.param_groups] == [g.get("capturable") for g in ref_opt.param_groups]
+    train_one = _loop(m, opt, "eager")  # and the optimizer steps eagerly after disable()
+    assert len(train_one) == 3
     if how != "compiled optimizer.step":  # (that trace breaks earlier, in torch's own step wrapper)
         breaks = " ".join(str(k) for k in torch._dynamo.utils.counters["graph_break"])
         assert "pages this module's parameters" in breaks, dict(torch._dynamo.utils.counters["graph_break"])
@@ -134,21 +164,29 @@ def test_a_compilation_under_way_leaves_faults_on(tmp_path, monkeypatch):
     assert got == want
 
 
-def test_a_model_compiled_before_enable_is_not_paged(tmp_path):
-    """``model.compile()`` before ``enable()`` bound its compiled call to torch's own
-    ``_call_impl``: Dynamo would trace the paging hooks (a RecursionError). Paging is off for that
-    model, with the reason in the report; it trains as without the switch."""
+@pytest.mark.parametrize("when", ["before enable()", "after enable(), before adoption"])
+def test_a_model_compiled_before_paging_started_is_paged_and_runs_eagerly(tmp_path, when):
+    """``model.compile()`` before paging started (before ``enable()``, or after it but before the
+    first model was paged, when ``_call_impl`` is still torch's) bound its compiled call to torch's
+    own ``_call_impl``: Dynamo traced the paging hooks (a RecursionError). That call is taken off
+    while the model is paged (it trains bitwise like eager PyTorch) and given back after."""
     ref_m, m = model(dropout=0.0), model(dropout=0.0)
     ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
     ref = _loop(ref_m, ref_opt, "eager")
-    m.compile(backend="aot_eager")
+    if when == "before enable()":
+        m.compile(backend="aot_eager")
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     try:
+        if when != "before enable()":
+            m.compile(backend="aot_eager")
+        compiled_call = m._compiled_call_impl
         m.to("cpu")
+        assert m._compiled_call_impl is None
         got = _loop(m, opt, "eager")
         paging = vb.get_report()["models"][0]["features"]["paging"]
     finally:
         vb.disable()
-    assert paging["chosen"] == "off" and "before enable()" in paging["reason"], paging
+    assert paging["chosen"] == "paged", paging
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
+    assert m._compiled_call_impl is compiled_call

@@ -164,6 +164,9 @@ def rss_now() -> int:
     try:
         pid = os.getpid()
         if _statm[0] != pid:
+            if _statm[1] is not None:  # a forked child: the parent's file, inherited
+                os.close(_statm[1])
+                _statm[1] = None
             _statm[:] = [pid, os.open("/proc/self/statm", os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))]
         return int(os.pread(_statm[1], 128, 0).split()[1]) * _PAGE_SIZE
     except (OSError, IndexError, ValueError, AttributeError):

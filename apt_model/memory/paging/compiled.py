@@ -17,6 +17,9 @@ So, while paging is on:
 * the streamed optimizer step (the global optimizer-step hooks of
   :mod:`~apt_model.memory.paging.optimizer`) runs eagerly when Dynamo reaches it (``torch.compile``
   of ``optimizer.step`` or of a training step that calls it);
+* a module with backward hooks (its own or global ones) is called the same way: Dynamo would
+  graph-break there anyway, and with the fault handler on the stack it fails instead (a Dynamo
+  bug with any torch-function mode);
 * every module of a paged model (the root and all its submodules) is called through
   :func:`torch.compiler.disable` when Dynamo reaches it: ``torch.compile(model)``,
   ``model.compile()`` and a compiled training step that calls the model all run the paged model
@@ -27,8 +30,9 @@ This is done with one patch of ``nn.Module._call_impl`` (undone when paging clos
 ``compiling()`` first, so an eager call pays one function call more. ``torch.compile(...,
 fullgraph=True)`` of code that reaches a paged model raises Dynamo's ``Unsupported`` error, whose
 text gives the reason below (its hint to remove a ``torch.compiler.disable`` call means this one).
-A model compiled with ``model.compile()`` *before* paging started is not paged (its compiled call
-is bound to the unpatched ``_call_impl``; :func:`compiled_before`). Not covered: a compiled
+A model compiled with ``model.compile()`` *before* paging started has its compiled call bound to
+torch's own ``_call_impl`` (Dynamo would trace the paging hooks): that call is taken off while the
+model is paged, and given back when paging closes (:func:`add_model`). Not covered: a compiled
 function that reads a paged parameter directly, outside any module call (an L2 term over
 ``model.parameters()`` inside a compiled loss): Dynamo lifts the parameter as a graph input and
 the kernel reads it without a fault — with Inductor, the default backend, a crash. Compile the
@@ -40,10 +44,25 @@ import functools
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_mod
+
+from apt_model.base.log import get_logger
+
+log = get_logger(__name__)
 
 #: The reason Dynamo records for the graph break at a paged module.
 REASON = ("apt_model pages this module's parameters: it runs eagerly under torch.compile (its pages are "
           "loaded by module hooks and a torch-function mode that compiled code would bypass)")
+
+#: The reason at a module with backward hooks. Dynamo graph-breaks there anyway ("Module-level
+#: backwards hooks require compiled autograd"); with a torch-function mode on the stack (the fault
+#: handler) it fails instead (``AttributeError: 'bool' object has no attribute 'name'``, a Dynamo
+#: bug seen with any mode).
+HOOKED_REASON = ("a module with backward hooks runs eagerly under torch.compile while apt_model's paging is on "
+                 "(Dynamo fails on it under a torch-function mode)")
+
+#: Attribute set on the patched ``_call_impl`` (see :func:`_bound_to_torchs_call`).
+PATCHED_MARK = "_apt_model_paging"
 
 _PAGED: set[int] = set()  # id(module) of every module of a paged model (while paging is on)
 #: True only while Dynamo traces the calling code (it folds the call to True); False when code
@@ -60,12 +79,19 @@ def install(patches) -> None:
     real = nn.Module._call_impl
     eager = torch.compiler.disable(real, reason=REASON)
 
+    hooked = torch.compiler.disable(real, reason=HOOKED_REASON)
+
     @functools.wraps(real)
     def _call_impl(self, *args, **kwargs):
-        if compiling() and id(self) in _PAGED:
-            return eager(self, *args, **kwargs)
+        if compiling():
+            if id(self) in _PAGED:
+                return eager(self, *args, **kwargs)
+            if (self._backward_hooks or self._backward_pre_hooks or module_mod._global_backward_hooks
+                    or module_mod._global_backward_pre_hooks):
+                return hooked(self, *args, **kwargs)
         return real(self, *args, **kwargs)
 
+    setattr(_call_impl, PATCHED_MARK, True)
     patches.set_attr(nn.Module, "_call_impl", _call_impl, label="nn.Module._call_impl: paged modules run eagerly "
                                                                  "under torch.compile")
     patches.add_undo(_PAGED.clear, "paged modules under torch.compile")
@@ -73,7 +99,14 @@ def install(patches) -> None:
 
 def add_model(model: nn.Module, patches) -> None:
     """Register ``model`` and all its submodules as paged (run eagerly under ``torch.compile``)
-    until paging closes."""
+    until paging closes. A module compiled with ``Module.compile()`` before paging started (its
+    compiled call would have Dynamo trace the paging hooks) has its compiled call taken off — it
+    would run eagerly anyway — and given back when paging closes."""
+    for name, m in model.named_modules():
+        if _bound_to_torchs_call(m):
+            log.info("%s was compiled with Module.compile() before paging started: it runs eagerly while paged, "
+                     "compiled again after disable()", name or type(model).__name__)
+            patches.set_attr(m, "_compiled_call_impl", None, label=f"compiled call of {name or 'the model'} off")
     ids = {id(m) for m in model.modules()}
     new = ids - _PAGED
     _PAGED.update(new)
@@ -90,10 +123,12 @@ def eager_module_count() -> int:
     return len(_PAGED)
 
 
-def compiled_before(model: nn.Module) -> str | None:
-    """The name of a module of ``model`` compiled with ``Module.compile()`` (its compiled call
-    bound to the unpatched ``_call_impl``: Dynamo would trace the paging hooks), or None."""
-    for name, m in model.named_modules():
-        if getattr(m, "_compiled_call_impl", None) is not None:
-            return name or type(model).__name__
-    return None
+def _bound_to_torchs_call(m: nn.Module) -> bool:
+    """Whether ``m`` was compiled with ``Module.compile()`` while paging was off: its compiled call
+    wraps torch's own ``_call_impl`` (one compiled while paging was on, in this or an earlier
+    session, wraps the patched one and runs a paged module eagerly by itself)."""
+    compiled = getattr(m, "_compiled_call_impl", None)
+    if compiled is None:
+        return False
+    orig = getattr(compiled, "_torchdynamo_orig_callable", None)
+    return not getattr(getattr(orig, "__func__", None), PATCHED_MARK, False)

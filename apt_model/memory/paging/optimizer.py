@@ -57,20 +57,37 @@ PER_PARAMETER = (
 )
 
 
-#: Devices torch's optimizers accept ``capturable=True`` for (``torch.optim.Optimizer`` asserts otherwise).
-_CAPTURABLE_DEVICES = frozenset(["cuda", "xpu", "hpu", "xla", "privateuseone"])
+class CapturableFlags:
+    """The ``capturable`` flag of each param group as the user set it, put back around every
+    paged step.
 
+    Dynamo, tracing ``optimizer.step`` (``torch.compile(optimizer.step)``), sets
+    ``capturable=True`` in every param group whose parameters are all on an accelerator — or that
+    has none, which is what the streamed step leaves the real step (its parameters are taken out:
+    see :meth:`PagedOptimizers._pre`) — and writes that back to the real groups after each
+    compiled step. On the CPU torch's optimizers then refuse to step ("If capturable=True, params
+    and state_steps must be on supported devices"), the next eager step and a checkpoint's
+    ``state_dict()`` included. The value a group had when the paging step first saw it (before
+    any traced step body ran) is the user's; it is restored before and after each step.
+    """
 
-def _undo_dynamo_capturable(opt) -> None:
-    """Dynamo, tracing ``optimizer.step``, sets ``capturable=True`` in every param group it reads;
-    the streamed step then runs eagerly (a graph break) with that flag, which torch's optimizers
-    refuse for parameters on the CPU ("If capturable=True, params and state_steps must be on
-    supported devices"). Such a group could never have stepped with the flag: it is set back to
-    False. Groups on capturable devices are left as they are."""
-    for g in opt.param_groups:
-        if g.get("capturable") and any(p.device.type not in _CAPTURABLE_DEVICES for p in g["params"]):
-            g["capturable"] = False
-            log.debug("param group capturable=True (set by torch.compile) on non-capturable devices: set to False")
+    def __init__(self):
+        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {group index: value}
+
+    def remember(self, opt) -> None:
+        """Record the flag of groups not seen before (a group added by ``add_param_group`` too)."""
+        seen = self._seen.setdefault(opt, {})
+        for i, g in enumerate(opt.param_groups):
+            seen.setdefault(i, g.get("capturable"))
+
+    def restore(self, opt) -> None:
+        """Put back the recorded flags that something (Dynamo) changed since."""
+        seen = self._seen.get(opt, {})
+        for i, g in enumerate(opt.param_groups):
+            if i in seen and "capturable" in g and g["capturable"] != seen[i]:
+                log.debug("param group %d: capturable=%s (set by torch.compile) put back to %s", i, g["capturable"],
+                          seen[i])
+                g["capturable"] = seen[i]
 
 
 #: Dynamo's graph-break reason at the paged optimizer step.
@@ -126,6 +143,7 @@ class OptimizerPaging:
         self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
         self._last_stepped = None  # weakref to the optimizer whose step ran last (see last_stepped)
+        self.capturable = CapturableFlags()
 
     def install(self, patches) -> None:
         # run eagerly when Dynamo reaches them (torch.compile of optimizer.step or of a training step
@@ -218,7 +236,8 @@ class OptimizerPaging:
                 f"{type(opt).__name__}.step(closure) re-evaluates the model inside the step, which cannot be "
                 "streamed in chunks; call loss.backward() yourself and then optimizer.step() without a closure"
             )
-        _undo_dynamo_capturable(opt)
+        self.capturable.remember(opt)
+        self.capturable.restore(opt)
         if not self.session.backward_step.claim(opt):  # else: it ran inside backward, committed now
             # every page the step touches is acquired by the step itself: its ops (the optimizer's
             # arithmetic, this bookkeeping) need no op-level fault handler
@@ -262,6 +281,7 @@ class OptimizerPaging:
         if saved is not None:
             for g, params in zip(opt.param_groups, saved):
                 g["params"] = params
+            self.capturable.restore(opt)  # after a compiled step's write-back (see CapturableFlags)
         return None
 
     def _pages_of(self, opt, p: torch.Tensor) -> tuple[list[Page], list[Page]]:

@@ -2,8 +2,6 @@
 
 Decision (per adopted model): ``paging=off`` or no memory stack: ``off``; an earlier step's fact
 ``paging_blocked`` (data parallelism reads the storage paging frees): ``off`` with that reason;
-a module compiled with ``Module.compile()`` before ``enable()``: ``off`` (its compiled call would
-trace the paging hooks, :mod:`~apt_model.memory.paging.compiled`);
 otherwise the placement plan (:func:`~apt_model.memory.placement.plan_placement`) compares the
 model's training state with the stack's compute budget — ``resident`` when it fits (unless
 ``paging=always``), else ``paged`` with what stays resident and why, using the levels' measured
@@ -19,7 +17,6 @@ import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.patches import PatchSet
-from apt_model.memory.paging.compiled import compiled_before
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
 from apt_model.memory.placement import plan_placement
 
@@ -46,11 +43,6 @@ class PagingStep(FeatureStep):
         blocked = ctx.facts.get("paging_blocked")
         if blocked:
             return Decision(self.name, req, "off", blocked)
-        early = compiled_before(model)
-        if early is not None:
-            return Decision(self.name, req, "off", f"{early} was compiled with Module.compile() before enable(): its "
-                            "compiled call would trace the paging hooks; call compile() after enable() (a paged model "
-                            "then runs eagerly) or use torch.compile(model)")
         budget = stack.compute_budget
         plan = plan_placement(model, budget, None, force=req == "always")
         if not plan.paged:

@@ -110,6 +110,8 @@ def test_memory_mode_stores_frozen_linears_in_fp4_and_disable_restores_them(caps
         loss.backward()
         opt.step()
     assert all(not torch.equal(a, p) for a, p in zip(snap, lora))
+    # the FP4Linear modules the conversion put in are part of this model, not models of their own
+    assert [m["name"] for m in vb.get_report()["models"]] == [type(model).__name__]
     y_on = model(x)
     vb.disable()
     for n, m in model.named_modules():

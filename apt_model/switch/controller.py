@@ -600,4 +600,6 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             st.counters["adoptions"] += 1
         finally:
             st.suspended -= 1
+            for m in module.modules():  # modules the steps put in (FP4Linear, ...) belong to this model
+                st.seen.add(m)
         return ctx

@@ -72,7 +72,7 @@ class RssPeakSampler:
 
     def _run(self) -> None:
         # a plain sleep, not Event.wait(timeout) (a new lock and a timed acquire per wake-up): the
-        # thread wakes 200 times a second and cost 48 ms of CPU per second that way, ~12 now
+        # thread wakes 200 times a second and cost ~50 ms of CPU per second that way, ~15 now
         while not self._stop.is_set():
             left = self.interval
             while left > 0 and not self._stop.is_set():  # slices of <= 50 ms: stop() never waits long

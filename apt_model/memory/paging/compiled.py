@@ -78,7 +78,6 @@ def install(patches) -> None:
     :func:`torch.compiler.disable` (eagerly, with everything it calls)."""
     real = nn.Module._call_impl
     eager = torch.compiler.disable(real, reason=REASON)
-
     hooked = torch.compiler.disable(real, reason=HOOKED_REASON)
 
     @functools.wraps(real)

@@ -263,7 +263,7 @@ def scenario_accel_ddp1(vb, rank):
         return losses, _full_params(model)
 
     plain_losses, plain_params = run(False)
-    vb.enable("balanced", mixed_precision="off", banner=False)
+    vb.enable("balanced", mixed_precision="off", tf32="off", banner=False)  # plain training's IEEE fp32 matmuls
     dist.init_process_group("nccl")
     out = {"vb_device": str(vb.device()), "backend": str(dist.get_backend()), "world_size": dist.get_world_size()}
     losses, params = run(True)

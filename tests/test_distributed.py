@@ -237,8 +237,8 @@ def _train_data_parallel(switch: bool, device_ids, steps: int = 3):
     torch.manual_seed(0)
     x, y = torch.randn(16, 8), torch.randn(16, 4)
     torch.manual_seed(0)
-    if switch:
-        vb.enable("balanced", mixed_precision="off", banner=False)
+    if switch:  # TF32 off: balanced turns it on where the device has it (a mode's numerics, not DataParallel's)
+        vb.enable("balanced", mixed_precision="off", tf32="off", banner=False)
     device = vb.device()
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(device)
     dp = nn.DataParallel(model, device_ids=device_ids)
@@ -420,7 +420,8 @@ def test_the_switch_initializes_nothing_without_a_complete_launcher(monkeypatch)
 def test_each_rank_pages_into_its_own_swap_folder(monkeypatch, tmp_path):
     for k, v in LAUNCH.items():
         monkeypatch.setenv(k, v)
-    vb.enable("balanced", paging="always", swap_dir=str(tmp_path), banner=False)
+    # the CPU rank of a two-rank launch (on a one-GPU machine the accelerator would refuse rank 1)
+    vb.enable("balanced", paging="always", swap_dir=str(tmp_path), banner=False, device="cpu")
     folder = vb.get_report()["memory"]["stack"]["swap_folder"]
     assert folder.startswith(str(tmp_path / "rank1-"))
     vb.disable()
@@ -643,7 +644,8 @@ def test_more_ranks_than_accelerators_under_torchrun_is_a_clear_error(tmp_path):
                      "--max-bytes", "20000", "--quiet", "--out", str(out)], tmp_path, nproc=count + 1, check=False)
     assert proc.returncode != 0
     err = proc.stderr
-    assert "DeviceSelectionError" in err, err[-4000:]
+    # train.py reports the DeviceSelectionError raised at enable() as one line per rank, exit status 2
+    assert f"train.py: error: LOCAL_RANK=0: {count + 1} processes on this node" in err, err[-4000:]
     for needle in (f"LOCAL_WORLD_SIZE={count + 1}", f"local rank {count} would have no", str(sel.candidate.visible_devices_env),
                    f"torchrun --nproc_per_node={count}", "VB_DEVICE=cpu"):
         assert needle in err, err[-4000:]

@@ -100,7 +100,7 @@ def _eager_routed_matches(name: str, atol: float) -> None:
     model = build(name, "eager").eval()
     x = batch()[:2]
     ref = model(input_ids=x).logits
-    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", tf32="off", banner=False)
     model.to(vb.device())
     assert model.config._attn_implementation == "sdpa"
     feats = vb.get_report()["models"][0]["features"]

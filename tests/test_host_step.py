@@ -226,6 +226,28 @@ def test_the_cost_model_keeps_the_step_on_the_device_for_the_documented_reasons(
     assert STEP_CHOICES == ("auto", "device", "host")
 
 
+def test_every_placement_is_plain_data_when_the_host_rate_was_never_probed():
+    """The decision travels in the report (JSON, and pickled across processes by the GPU benchmark's
+    workers): a host-rate probe the decision did not need stays ``None``, not the callable (seen on
+    an H200: "Can't pickle local object ... <lambda>")."""
+    import json
+    import pickle
+
+    def rate():
+        return 100 * GB
+
+    cases = [_plan(exact=True, host_rate=rate), _plan(page_params=True, host_rate=rate),
+             _plan(page_states=False, host_rate=rate), _plan(room=2 * GB, host_rate=rate),
+             _plan(request="device", host_rate=rate)]
+    for placement in cases:
+        d = placement.to_dict()
+        assert d["where"] == "device" and d["inputs"]["host_step_bytes_per_s"] is None, d
+        assert json.loads(json.dumps(d)) == d
+        pickle.dumps(d)
+    probed = _plan(host_rate=rate).to_dict()  # needed: probed, and the measured rate is reported
+    assert probed["inputs"]["host_step_bytes_per_s"] == 100 * GB
+
+
 def test_the_switch_reports_where_the_step_runs_and_validates_the_settings(tmp_path, monkeypatch):
     from apt_model.errors import ConfigError
 

@@ -549,7 +549,11 @@ class Pager:
     def _apply_scales(page: Page, t: torch.Tensor | None = None) -> None:
         """Apply to ``t`` (default: the page's tensor) the multiplications the lower copy still owes,
         in order and with the same op (``_foreach_mul_`` or ``mul_``) the caller would have used.
-        The page stays clean: the lower copy plus ``page.scales`` is the current value."""
+        The page stays clean: the lower copy plus ``page.scales`` is the current value.
+
+        A tensor factor on another device than ``t`` (gradient clipping's coefficient is a 0-dim
+        tensor on the accelerator; the host step materializes gradients into host buffers) is copied
+        to ``t``'s device first: the same fp32 value, one 4-byte copy, which waits for the device."""
         if not page.scales:
             return
         t = page.bound() if t is None else t
@@ -557,6 +561,8 @@ class Pager:
             return
         with torch.no_grad(), torch._C.DisableTorchFunction():
             for factor, foreach in page.scales:
+                if isinstance(factor, torch.Tensor) and factor.device != t.device:
+                    factor = factor.to(t.device)
                 if foreach:
                     torch._foreach_mul_([t], factor)
                 else:

@@ -134,7 +134,9 @@ def plan_optimizer_step(request: str, exact: bool, device: torch.device | str, p
     if request not in STEP_CHOICES:
         raise ValueError(f"paging_step={request!r} is not valid; valid values: {', '.join(STEP_CHOICES)}")
     device = torch.device(device)
-    inputs = {"link_gbps": link_gbps, "device_gbps": device_gbps, "host_step_bytes_per_s": host_rate,
+    # a callable rate is probed only where the prediction needs it; until then the report says None
+    inputs = {"link_gbps": link_gbps, "device_gbps": device_gbps,
+              "host_step_bytes_per_s": None if callable(host_rate) else host_rate,
               "params_bytes": params_bytes, "grads_bytes": grads_bytes, "states_bytes": states_bytes,
               "host_room": host_room}
     if request == "device":

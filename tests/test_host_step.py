@@ -15,6 +15,7 @@ import apt_model.optimization.vb_global as vb
 from apt_model.base.patches import PatchSet
 from apt_model.memory.pages import Category
 from apt_model.memory.paging.session import PagingSession
+import apt_model.memory.paging.host_step as host_step_mod
 from apt_model.memory.paging.step_placement import STEP_CHOICES, StepPlacement, plan_optimizer_step
 from apt_model.memory.swap import SwapSpace
 from test_paging import assert_same, make_opt, model, snapshot, train
@@ -92,6 +93,63 @@ def test_the_host_step_is_bitwise_the_in_memory_step_on_the_same_kernels(tmp_pat
     assert traffic["steps"] == 5 and traffic["write_bytes_per_step"] == accum * p_bytes  # each backward's gradients
     if accum == 1:
         assert traffic["read_bytes_per_step"] == 0  # nothing comes back up through the pager: no state, no gradient
+
+
+class _CoupledAdamW(torch.optim.AdamW):
+    """A subclass: it may couple its parameters, so the host steps it whole."""
+
+
+@pytest.mark.parametrize("host_budget,interleaved", [(64 * 2**20, True), (2 * 2**20 + 192 * 2**10, False)],
+                         ids=["grads-in-host-memory", "grads-spilled-to-disk"])
+def test_the_host_step_in_chunks_is_bitwise_the_whole_step(tmp_path, monkeypatch, host_budget, interleaved):
+    """Chunks of a few KiB (tens per step), in the order the gradients landed: bitwise plain
+    training. Each chunk reads its own gradients where all host copies are in memory; where some
+    were spilled to disk every gradient is read first (a read error then modifies nothing)."""
+    monkeypatch.setattr(host_step_mod, "CHUNK_BYTES", 4096)
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = train(ref_m, ref_opt, 4, clip=0.5)
+    m = model()
+    opt = make_opt(m, "adamw")
+    session, patches = _session(tmp_path, host_budget=host_budget)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = train(m, opt, 4, clip=0.5)
+        state = snapshot(m, opt)
+        rep = session.report()["host_step"]
+        spilled = session.pager.store.stats()["disk"]["written"]["bytes"] if interleaved is False else None
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    n_params = len(list(m.parameters()))
+    assert 4 < rep["chunks_per_step"] <= n_params, rep
+    assert rep["interleaved_steps"] == (4 if interleaved else 0), rep
+    if spilled is not None:
+        assert spilled > 0  # the small host level did spill
+
+
+def test_an_optimizer_subclass_is_stepped_whole_on_the_host(tmp_path, monkeypatch):
+    monkeypatch.setattr(host_step_mod, "CHUNK_BYTES", 4096)
+
+    def run(m, opt):
+        return train(m, opt, 3)
+
+    m_ref = model()
+    ref = run(m_ref, _CoupledAdamW(m_ref.parameters(), lr=1e-3, weight_decay=0.1))
+    m = model()
+    opt = _CoupledAdamW(m.parameters(), lr=1e-3, weight_decay=0.1)
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = run(m, opt)
+        rep = session.report()["host_step"]
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert rep["chunks_per_step"] == 1 and rep["interleaved_steps"] == 0, rep
 
 
 def test_the_host_steps_state_dict_round_trips_with_plain_training(tmp_path):

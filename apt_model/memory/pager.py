@@ -841,6 +841,10 @@ class Pager:
             t = self._live(page)
             if t is None:
                 raise RuntimeError(f"page {page.label} has no tensor (it was set to None)")
+            if page.state is State.WRITING and page.future is not None:
+                # wait for that copy's event only and read the host copy: a copy from the device
+                # would wait for everything queued on the compute stream before it
+                self._finish_write(page, wait=True)
             if page.state in (State.RESIDENT, State.WRITING, State.LOADING):
                 if page.state is State.LOADING:
                     self._finish_load(page)

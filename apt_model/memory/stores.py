@@ -96,6 +96,10 @@ class DiskStore:
     def abort_read(self, page: Page) -> None:
         return None
 
+    def in_memory(self, page: Page) -> bool:
+        """Always False: every copy here is on disk (see :meth:`HostStore.in_memory`)."""
+        return False
+
     def read_to_cpu(self, page: Page, out: torch.Tensor) -> None:
         self.swap.read_into(page.key, cpu_byte_view(out.untyped_storage()))
 
@@ -484,6 +488,11 @@ class HostStore:
                     seg = self.entries.pop(page.key, None)
                     if seg is not None:
                         self._release(seg)
+
+    def in_memory(self, page: Page) -> bool:
+        """Whether the page's lower copy is in host memory (reading it cannot meet a disk error)."""
+        with self._lock:
+            return page.key in self.entries
 
     def read_to_cpu(self, page: Page, out: torch.Tensor) -> None:
         """Copy the page's lower copy into the CPU tensor ``out`` (waiting, bounded, for a copy

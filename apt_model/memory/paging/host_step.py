@@ -18,6 +18,19 @@ and hyperparameters steps host copies of those parameters:
    before the next forward). An event recorded after the copies is waited for (that event only,
    never the whole device) before the next step writes the host copies again.
 
+**Chunks, in the order the gradients landed.** For the built-in optimizers whose update of a
+parameter reads nothing of another (:data:`PER_PARAMETER`: SGD, Adam, AdamW...; exact class, not
+a subclass, which may couple them) the parameters are stepped in chunks of about
+:data:`CHUNK_BYTES`, in the order their gradients landed in the last backward (the last layers
+first), each chunk's parameters copied up as soon as it is stepped. Where every gradient's host
+copy is in host memory, each chunk reads its own gradients just before its step, waiting for
+those copies only: on an accelerator the host steps the first chunks while later gradients are
+still on their way down (the scheme of torchao's ``CPUOffloadOptimizer``, which steps each
+parameter once its gradient's copy event completed), and the uploads overlap the later chunks'
+steps. Each parameter's update is the same whichever chunk it is in (its own state, its own
+``step`` count), so the result is bitwise the one whole step. Other optimizer classes are stepped
+whole, once.
+
 The host copy of a parameter is refreshed from the device whenever the parameter changed since
 the last upload — ``p._version`` or its storage moved (``p.data.mul_()``, ``p.data = ...``,
 ``load_state_dict`` on the model) — so code that edits weights between steps is followed.
@@ -29,9 +42,11 @@ dict has no state for starts afresh, as in plain PyTorch); a state dict saved fr
 loads here and vice versa. Parameters added to the optimizer after its first host step
 (``add_param_group``) are refused with an error naming them.
 
-A step is all or nothing up to the upload: gradients are read and copies refreshed before
-anything is modified, so a read error (a corrupt swap file) leaves parameters and states as
-they were; the shadow's own step raising leaves them as plain PyTorch would.
+A step is all or nothing up to the upload where a read can fail: when some gradient's host copy
+was spilled to disk, every gradient is read (and every copy refreshed) before anything is
+modified, so a read error (a corrupt swap file) leaves parameters and states as they were. A read
+from host memory cannot fail that way; the shadow's own step raising leaves the chunks before it
+stepped (and uploaded) and the rest as they were.
 """
 from __future__ import annotations
 
@@ -41,12 +56,22 @@ import weakref
 import torch
 
 from apt_model.base.log import get_logger
+from apt_model.memory.pages import State
 
 log = get_logger(__name__)
 
 #: Group keys not copied from the user's groups to the shadow's: the kernel choice is the shadow's
 #: own (host tensors), and ``params`` are the host copies.
 _OWN_KEYS = ("params", "foreach", "fused", "capturable")
+
+#: Optimizer classes (exact types) whose update of one parameter reads only that parameter, its
+#: gradient and its own state: they are stepped in chunks (see the module docstring).
+PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
+                 torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
+
+#: Bytes of parameters per chunk of the host step (64 MiB: a few tens of chunks for a model of
+#: gigabytes, each long enough that the optimizer's per-call cost stays small beside it).
+CHUNK_BYTES = 64 * 2**20
 
 
 class _Shadow:
@@ -130,10 +155,25 @@ class HostStep:
         self.step_seconds = 0.0  # of which the shadow optimizer's step
         self.grad_bytes = 0  # gradients read into host buffers
         self.param_bytes = 0  # parameters copied up
+        self.chunks = 0  # shadow-optimizer steps, over all steps (one per chunk)
+        self.interleaved = 0  # steps whose chunks read their own gradients (all host copies in memory)
+        self._landed: dict[int, None] = {}  # id(p), in the order the gradients landed in this backward
 
     def add(self, params) -> None:
         """Step these parameters (resident on the compute device) on the host from now on."""
         self.params.update(id(p) for p in params)
+
+    def landed(self, p: torch.Tensor) -> None:
+        """``p``'s gradient is complete (called by the session as each one lands in backward)."""
+        if id(p) in self.params:
+            self._landed.pop(id(p), None)
+            self._landed[id(p)] = None
+
+    def _order(self, hosted: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``hosted`` in the order their gradients landed last, then those that did not land."""
+        rank = {k: i for i, k in enumerate(self._landed)}
+        n = len(rank)
+        return sorted(hosted, key=lambda p: rank.get(id(p), n))
 
     def hosts(self, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
         """``opt``'s parameters that are stepped on the host."""
@@ -175,7 +215,9 @@ class HostStep:
         """Step ``opt``'s host-stepped parameters on the host.
 
         Raises:
-            SwapError and its kinds: a gradient's host copy could not be read (nothing was modified).
+            SwapError and its kinds: a gradient's host copy could not be read from disk (nothing was
+                modified).
+            RuntimeError: a parameter was added to ``opt`` after its first host step.
             whatever the shadow optimizer raises (as plain PyTorch would).
         """
         t0 = time.perf_counter()
@@ -187,37 +229,87 @@ class HostStep:
             for k, v in ug.items():
                 if k not in _OWN_KEYS:
                     hg[k] = v
-        hosted = self.hosts(opt)
-        stepped = []
+        hosted = self._order(self.hosts(opt))
+        self._landed.clear()
         for p in hosted:
             if id(p) not in sh.masters:  # added to the group after the shadow was built
                 raise RuntimeError(f"{self.session.param_label(p)} was added to {type(opt).__name__} after its "
                                    "first host step; create the optimizer with all its parameters")
-            sh.refresh(p)
-            g = self._grad_to_host(sh, p)
-            m = sh.masters[id(p)]
-            m.grad = g
-            if g is not None:
-                stepped.append(p)
-                self.grad_bytes += g.numel() * g.element_size()
-        t1 = time.perf_counter()
+        chunks = self._chunks(opt, hosted)
+        interleave = len(chunks) > 1 and self._all_in_memory(hosted)
+        grads = {} if interleave else self._read(sh, hosted)  # all first: a disk read error modifies nothing
+        stepped = []
         try:
-            sh.host.step()
+            for chunk in chunks:
+                if interleave:
+                    grads = self._read(sh, chunk)
+                done = [p for p in chunk if grads.get(id(p)) is not None]
+                for p in done:
+                    sh.masters[id(p)].grad = grads[id(p)]
+                t1 = time.perf_counter()
+                try:
+                    if done:
+                        sh.host.step()
+                        self.chunks += 1
+                finally:
+                    self.step_seconds += time.perf_counter() - t1
+                    for p in done:
+                        sh.masters[id(p)].grad = None
+                self._upload(sh, done)
+                stepped.extend(done)
         finally:
-            self.step_seconds += time.perf_counter() - t1
             for p in hosted:
                 sh.masters[id(p)].grad = None
+            if sh.pin and stepped:
+                sh.event = torch.Event(device=stepped[0].device)
+                sh.event.record()
+        self.interleaved += interleave
+        self.steps += 1
+        self.seconds += time.perf_counter() - t0
+
+    def _chunks(self, opt: torch.optim.Optimizer, hosted: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``hosted`` cut into chunks of about :data:`CHUNK_BYTES` (one chunk for a class not in
+        :data:`PER_PARAMETER`)."""
+        if type(opt) not in PER_PARAMETER:
+            return [hosted] if hosted else []
+        chunks, cur, size = [], [], 0
+        for p in hosted:
+            cur.append(p)
+            size += p.numel() * p.element_size()
+            if size >= CHUNK_BYTES:
+                chunks.append(cur)
+                cur, size = [], 0
+        if cur:
+            chunks.append(cur)
+        return chunks
+
+    def _all_in_memory(self, hosted: list[torch.Tensor]) -> bool:
+        """Every gradient page of ``hosted`` has its lower copy in host memory (or none is paged)."""
+        store = self.session.pager.store
+        for p in hosted:
+            page = self.session.grad_page(p)
+            if page is not None and page.state is State.LOWER and not store.in_memory(page):
+                return False
+        return True
+
+    def _read(self, sh: _Shadow, params: list[torch.Tensor]) -> dict[int, torch.Tensor | None]:
+        """Refresh the host copies of ``params`` and read their gradients into host buffers."""
+        out = {}
+        for p in params:
+            sh.refresh(p)
+            g = out[id(p)] = self._grad_to_host(sh, p)
+            if g is not None:
+                self.grad_bytes += g.numel() * g.element_size()
+        return out
+
+    def _upload(self, sh: _Shadow, params: list[torch.Tensor]) -> None:
+        """Copy the stepped host copies of ``params`` into the device parameters."""
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            for p in stepped:
+            for p in params:
                 m = sh.masters[id(p)]
                 p.copy_(m, non_blocking=sh.pin)
                 sh.marks[id(p)] = (p._version, p.data_ptr())
                 self.param_bytes += m.numel() * m.element_size()
-        if sh.pin and stepped:
-            sh.event = torch.Event(device=stepped[0].device)
-            sh.event.record()
-        self.steps += 1
-        self.seconds += time.perf_counter() - t0
 
     # ------------------------------------------------------------------ state_dict
     def _state_dict_hook(self, opt, state_dict):
@@ -269,4 +361,5 @@ class HostStep:
                 "seconds_per_step": round(self.seconds / n, 4), "step_seconds_per_step": round(self.step_seconds / n, 4),
                 "grad_bytes_down_per_step": self.grad_bytes // n, "param_bytes_up_per_step": self.param_bytes // n,
                 "host_bytes": self.host_bytes(), "fused": any(sh.fused for sh in self.shadows.values()),
-                "copies_refreshed": sum(sh.refreshes for sh in self.shadows.values())}
+                "copies_refreshed": sum(sh.refreshes for sh in self.shadows.values()),
+                "chunks_per_step": round(self.chunks / n, 2), "interleaved_steps": self.interleaved}

@@ -385,6 +385,8 @@ class PagingSession:
         g = p.grad
         pinned = id(p) in self._accumulating
         self._accumulating.discard(id(p))
+        if self.host_step is not None and g is not None:
+            self.host_step.landed(p)  # the host step takes the gradients in the order they land
         page = self.grad_pages.get(id(p))
         if g is None:
             if pinned and page is not None:

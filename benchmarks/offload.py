@@ -147,6 +147,8 @@ def main(argv=None) -> dict:
     g.add_argument("--keep-cuda-cache", action="store_true",
                    help="workers keep their cached HBM between turns (default: each empties its cache after its "
                         "turn and starts the next with one untimed step, so that six idle workers fit in HBM)")
+    g.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed turns each worker profiles one more step and writes DIR/profile-<variant>.txt")
     g.add_argument("--worker-timeout", type=float, default=1800.0, help="seconds to wait for a worker's answer")
     g.add_argument("--gpu-code-on-cpu", action="store_true",
                    help="run the GPU mode's code on the CPU (tests of the benchmark itself; the times mean nothing)")

@@ -243,6 +243,26 @@ class Variant:
             torch.cuda.empty_cache()  # the idle workers' caches would not all fit in HBM at once
         return times, delta, peak
 
+    def profile(self, folder: str) -> str:
+        """One more step under ``torch.profiler`` (host ops; device kernels and copies on CUDA), after
+        the timed turns so that it changes none of them; writes ``profile-<variant>.txt`` in
+        ``folder``: the ops by self host time and by self device time (the counts show the copies
+        and synchronizations per step). Returns the file's path."""
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.step()  # untimed: the allocator's cache, as in a turn
+        with profile(activities=acts) as prof:
+            seconds = self.step()
+        avg = prof.key_averages()
+        path = os.path.join(folder, f"profile-{self.name}.txt")
+        with open(path, "w") as f:
+            f.write(f"{self.name}: one profiled step, {seconds * 1e3:.1f} ms (the profiler's overhead included)\n\n")
+            f.write(avg.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+            if self.cuda:
+                f.write(avg.table(sort_by="self_device_time_total", row_limit=30) + "\n")
+        return path
+
     def close(self) -> dict:
         out = {}
         if self.vb is not None:
@@ -273,7 +293,8 @@ def gpu_worker(conn, name: str, args, budget: int | None) -> None:
         conn.send(("ready", info))
         while (msg := conn.recv()) != "stop":
             conn.send(("times", *run.turn(msg)))
-        conn.send(("final", run.close()))
+        profiled = run.profile(args.profile) if args.profile else None
+        conn.send(("final", {**run.close(), "profile": profiled}))
     except Exception as err:
         conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
 

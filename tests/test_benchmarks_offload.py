@@ -158,7 +158,8 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     res = _run("--device", "cuda", "--gpu-code-on-cpu", "--threads", "1", "--d-model", "32", "--layers", "1",
                "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--rounds", "2", "--steps-per-round", "1",
                "--warmup", "1", "--variants", "in_memory,torchao_offload,fsdp2_cpu_offload,vb_all_paged,vb_params_kept",
-               "--budget-kept", "1KB", "--swap-dir", str(tmp_path), "--json", str(out), timeout=600)
+               "--budget-kept", "1KB", "--swap-dir", str(tmp_path), "--json", str(out), "--profile", str(tmp_path),
+               timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     v = r["variants"]
@@ -172,6 +173,10 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     assert v["vb_all_paged"]["info"]["plan"]["plan"]["page_params"] is True
     assert len(r["comparison"]) == 5
     assert "SKIPPED: torchao" in res.stdout and "FAILED" in res.stdout and "against the issue's targets" in res.stdout
+    for name in ("in_memory", "vb_all_paged"):  # --profile: one more step per worker, its op table
+        prof = Path(v[name]["final"]["profile"])
+        assert prof == tmp_path / f"profile-{name}.txt" and "Self CPU" in prof.read_text(), name
+        assert "aten::" in prof.read_text()
 
 
 def test_cpu_mode_without_clipping_measures_the_step_inside_backward_against_after(tmp_path):

@@ -19,8 +19,8 @@ and hyperparameters steps host copies of those parameters:
    never the whole device) before the next step writes the host copies again.
 
 **Chunks, in the order the gradients landed.** For the built-in optimizers whose update of a
-parameter reads nothing of another (:data:`PER_PARAMETER`: SGD, Adam, AdamW...; exact class, not
-a subclass, which may couple them) the parameters are stepped in chunks of about
+parameter reads nothing of another (:data:`~apt_model.memory.paging.optimizer.PER_PARAMETER`: SGD,
+Adam, AdamW...; here the exact class, not a subclass, which may couple them) the parameters are stepped in chunks of about
 :data:`CHUNK_BYTES`, in the order their gradients landed in the last backward (the last layers
 first), each chunk's parameters copied up as soon as it is stepped. Where every gradient's host
 copy is in host memory, each chunk reads its own gradients just before its step, waiting for
@@ -57,17 +57,13 @@ import torch
 
 from apt_model.base.log import get_logger
 from apt_model.memory.pages import State
+from apt_model.memory.paging.optimizer import PER_PARAMETER
 
 log = get_logger(__name__)
 
 #: Group keys not copied from the user's groups to the shadow's: the kernel choice is the shadow's
 #: own (host tensors), and ``params`` are the host copies.
 _OWN_KEYS = ("params", "foreach", "fused", "capturable")
-
-#: Optimizer classes (exact types) whose update of one parameter reads only that parameter, its
-#: gradient and its own state: they are stepped in chunks (see the module docstring).
-PER_PARAMETER = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.RMSprop,
-                 torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta)
 
 #: Bytes of parameters per chunk of the host step (64 MiB: a few tens of chunks for a model of
 #: gigabytes, each long enough that the optimizer's per-call cost stays small beside it).
@@ -268,8 +264,8 @@ class HostStep:
         self.seconds += time.perf_counter() - t0
 
     def _chunks(self, opt: torch.optim.Optimizer, hosted: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """``hosted`` cut into chunks of about :data:`CHUNK_BYTES` (one chunk for a class not in
-        :data:`PER_PARAMETER`)."""
+        """``hosted`` cut into chunks of about :data:`CHUNK_BYTES` (one chunk for a class that is not
+        exactly one of :data:`~apt_model.memory.paging.optimizer.PER_PARAMETER`)."""
         if type(opt) not in PER_PARAMETER:
             return [hosted] if hosted else []
         chunks, cur, size = [], [], 0

@@ -126,8 +126,37 @@ def test_the_host_step_in_chunks_is_bitwise_the_whole_step(tmp_path, monkeypatch
     n_params = len(list(m.parameters()))
     assert 4 < rep["chunks_per_step"] <= n_params, rep
     assert rep["interleaved_steps"] == (4 if interleaved else 0), rep
+    assert rep["grad_bytes_shared_per_step"] == 0  # clipping's deferred scaling: read into buffers
     if spilled is not None:
         assert spilled > 0  # the small host level did spill
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd", "adam"])
+def test_the_host_step_reads_gradients_where_they_lie_and_leaves_them_unchanged(tmp_path, kind):
+    """No clipping, every gradient's host copy in memory: the step reads the copies themselves (no
+    host-to-host copy) — bitwise plain training, and the gradients after the last step are still
+    plain training's (the step only read them)."""
+    ref_m = model()
+    ref_opt = make_opt(ref_m, kind)
+    ref = train(ref_m, ref_opt, 4)
+    m = model()
+    opt = make_opt(m, kind)
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        got = train(m, opt, 4)
+        state = snapshot(m, opt)
+        grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+        rep = session.report()["host_step"]
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    for n, p in ref_m.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+    p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert rep["grad_bytes_shared_per_step"] == rep["grad_bytes_down_per_step"] == p_bytes, rep
 
 
 def test_an_optimizer_subclass_is_stepped_whole_on_the_host(tmp_path, monkeypatch):

@@ -865,6 +865,26 @@ class Pager:
                 self._apply_scales(page, out)
             return out
 
+    def host_copy(self, page: Page) -> torch.Tensor | None:
+        """The page's current data as a CPU tensor sharing its lower copy in host memory (no copy),
+        for reading at once; None where that is not the current data as is — the page is resident,
+        owes deferred scalings or zeroing, or its copy is not in host memory (use
+        :meth:`materialize`). A write still running is waited for (that copy's event only).
+
+        Raises:
+            SwapError and its kinds / SwapTimeoutError: the write being waited for failed or did
+                not finish in time (the page stays resident, nothing is lost).
+        """
+        with self._lock:
+            t = self._live(page)
+            if t is None:
+                return None
+            if page.state is State.WRITING and page.future is not None:
+                self._finish_write(page, wait=True)
+            if page.state is not State.LOWER or page.scales or page.zero_on_load:
+                return None
+            return self.store.host_tensor(page, t)
+
     # ------------------------------------------------------------------ step transactions
     def begin_step(self) -> None:
         """Start a step transaction: pages passed to :meth:`protect` until :meth:`commit` or

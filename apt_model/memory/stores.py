@@ -100,6 +100,10 @@ class DiskStore:
         """Always False: every copy here is on disk (see :meth:`HostStore.in_memory`)."""
         return False
 
+    def host_tensor(self, page: Page, like: torch.Tensor) -> None:
+        """Always None: no copy here is in memory (see :meth:`HostStore.host_tensor`)."""
+        return None
+
     def read_to_cpu(self, page: Page, out: torch.Tensor) -> None:
         self.swap.read_into(page.key, cpu_byte_view(out.untyped_storage()))
 
@@ -493,6 +497,22 @@ class HostStore:
         """Whether the page's lower copy is in host memory (reading it cannot meet a disk error)."""
         with self._lock:
             return page.key in self.entries
+
+    def host_tensor(self, page: Page, like: torch.Tensor) -> torch.Tensor | None:
+        """The page's lower copy in host memory, as a CPU tensor shaped like ``like`` (the page's
+        tensor: same dtype, shape, strides and storage offset) sharing the pinned segment — no
+        copy; None when the copy is not in host memory or a copy into it is still running. Valid
+        until the page is next written, spilled or discarded: for reading at once, never to keep."""
+        with self._lock:
+            self._reclaim()
+            seg = self.entries.get(page.key)
+            if seg is None or self._busy(seg):
+                return None
+            item = like.element_size()
+            if seg.offset % item:
+                return None
+            flat = self._host_bytes(page.key).view(like.dtype)
+            return flat.as_strided(like.shape, like.stride(), flat.storage_offset() + like.storage_offset())
 
     def read_to_cpu(self, page: Page, out: torch.Tensor) -> None:
         """Copy the page's lower copy into the CPU tensor ``out`` (waiting, bounded, for a copy

@@ -7,9 +7,11 @@ and hyperparameters steps host copies of those parameters:
 1. **Hyperparameters** are copied from the user's parameter groups before every step (a learning
    rate scheduler changes the user's ``lr``; the shadow follows).
 2. **Gradients down.** Each gradient is paged down as it is produced (the gradient pages of
-   :mod:`~apt_model.memory.paging.model`, written behind into the host level during backward);
-   the step reads its host copy — with the scaling a streamed ``clip_grad_norm_`` deferred —
-   into a reused host buffer. A gradient the plan keeps on the device is copied down here.
+   :mod:`~apt_model.memory.paging.model`, written behind into the host level during backward).
+   For torch's per-parameter optimizers (which never write a gradient) the step reads the host
+   copy where it lies in pinned memory, no copy made; otherwise — a deferred ``clip_grad_norm_``
+   scaling still owed, a copy spilled to disk, another optimizer class — the current value is
+   read into a reused host buffer. A gradient the plan keeps on the device is copied down here.
 3. **The step** runs on the host copies (in the parameter's own dtype): the states (Adam's m and v...) are created there and
    never reach the device. With ``exact=False`` the shadow uses the CPU's fused kernel where the
    class has one (probed), else the per-tensor loop.
@@ -149,7 +151,8 @@ class HostStep:
         self.steps = 0
         self.seconds = 0.0  # wall seconds in host steps (gradients down, step, parameters up)
         self.step_seconds = 0.0  # of which the shadow optimizer's step
-        self.grad_bytes = 0  # gradients read into host buffers
+        self.grad_bytes = 0  # gradients read on the host
+        self.shared_bytes = 0  # of which read where their page's host copy lies (not copied)
         self.param_bytes = 0  # parameters copied up
         self.chunks = 0  # shadow-optimizer steps, over all steps (one per chunk)
         self.interleaved = 0  # steps whose chunks read their own gradients (all host copies in memory)
@@ -187,8 +190,10 @@ class HostStep:
             self._take_states(opt, sh)  # states loaded (or made) before the first host step
         return sh
 
-    def _grad_to_host(self, sh: _Shadow, p: torch.Tensor) -> torch.Tensor | None:
-        """``p``'s current gradient in a host buffer (None when it has none)."""
+    def _grad_to_host(self, sh: _Shadow, p: torch.Tensor, share: bool) -> torch.Tensor | None:
+        """``p``'s current gradient on the host (None when it has none): with ``share``, its page's
+        host copy itself where that is the current value (no copy; the step only reads it), else
+        a copy in a reused host buffer."""
         session = self.session
         page = session.grad_page(p)
         if page is not None:
@@ -196,6 +201,11 @@ class HostStep:
                 g = page.bound()
                 if g is None:
                     return None
+                if share:
+                    view = session.pager.host_copy(page)
+                    if view is not None:
+                        self.shared_bytes += view.numel() * view.element_size()
+                        return view
                 buf = sh.grad_buffer(p, g)
             session.pager.materialize(page, out=buf)
             return buf
@@ -233,12 +243,13 @@ class HostStep:
                                    "first host step; create the optimizer with all its parameters")
         chunks = self._chunks(opt, hosted)
         interleave = len(chunks) > 1 and self._all_in_memory(hosted)
-        grads = {} if interleave else self._read(sh, hosted)  # all first: a disk read error modifies nothing
+        share = type(opt) in PER_PARAMETER  # torch's own steps never write a gradient: its host copy is read as is
+        grads = {} if interleave else self._read(sh, hosted, share)  # all first: a disk read error modifies nothing
         stepped = []
         try:
             for chunk in chunks:
                 if interleave:
-                    grads = self._read(sh, chunk)
+                    grads = self._read(sh, chunk, share)
                 done = [p for p in chunk if grads.get(id(p)) is not None]
                 for p in done:
                     sh.masters[id(p)].grad = grads[id(p)]
@@ -288,12 +299,12 @@ class HostStep:
                 return False
         return True
 
-    def _read(self, sh: _Shadow, params: list[torch.Tensor]) -> dict[int, torch.Tensor | None]:
-        """Refresh the host copies of ``params`` and read their gradients into host buffers."""
+    def _read(self, sh: _Shadow, params: list[torch.Tensor], share: bool) -> dict[int, torch.Tensor | None]:
+        """Refresh the host copies of ``params`` and get their gradients on the host."""
         out = {}
         for p in params:
             sh.refresh(p)
-            g = out[id(p)] = self._grad_to_host(sh, p)
+            g = out[id(p)] = self._grad_to_host(sh, p, share)
             if g is not None:
                 self.grad_bytes += g.numel() * g.element_size()
         return out
@@ -358,4 +369,5 @@ class HostStep:
                 "grad_bytes_down_per_step": self.grad_bytes // n, "param_bytes_up_per_step": self.param_bytes // n,
                 "host_bytes": self.host_bytes(), "fused": any(sh.fused for sh in self.shadows.values()),
                 "copies_refreshed": sum(sh.refreshes for sh in self.shadows.values()),
-                "chunks_per_step": round(self.chunks / n, 2), "interleaved_steps": self.interleaved}
+                "chunks_per_step": round(self.chunks / n, 2), "interleaved_steps": self.interleaved,
+                "grad_bytes_shared_per_step": self.shared_bytes // n}

@@ -140,31 +140,44 @@ class CopyEvent:
 
     Attributes:
         seq: issue order on its stream (copies on one stream complete in this order).
+        stream: the :class:`CopyStream` it was issued on (None: a lone event).
         error: the exception a query raised (a device error), else None.
     """
 
-    __slots__ = ("ops", "event", "seq", "error", "_done", "_keep")
+    __slots__ = ("ops", "event", "seq", "stream", "error", "_done", "_keep")
 
-    def __init__(self, ops: StreamOps, event: Any, seq: int, keep: tuple = ()):
+    def __init__(self, ops: StreamOps, event: Any, seq: int, keep: tuple = (), stream: "CopyStream | None" = None):
         self.ops = ops
         self.event = event
         self.seq = seq
+        self.stream = stream
         self.error: BaseException | None = None
         self._done = False
         self._keep = keep
 
     def done(self) -> bool:
-        """Whether the copy has completed (non-blocking ``query``; a query that raised counts as
-        complete, with the error kept in :attr:`error`)."""
+        """Whether the copy has completed: known without asking the device when a later copy on
+        its stream was seen complete (:attr:`CopyStream.completed`), else a non-blocking
+        ``query`` (a query that raised counts as complete, with the error kept in :attr:`error`)."""
         if self._done:
+            return True
+        st = self.stream
+        if st is not None and st.completed >= self.seq:
+            self._done, self._keep = True, ()
             return True
         try:
             ok = self.ops.query(self.event)
         except Exception as err:  # noqa: BLE001 - a device error: reported by the future
             self.error, ok = err, True
         if ok:
-            self._done, self._keep = True, ()
+            self._complete()
         return ok
+
+    def _complete(self) -> None:
+        self._done, self._keep = True, ()
+        st = self.stream
+        if st is not None and self.error is None and self.seq > st.completed:
+            st.completed = self.seq  # a lost race between threads only costs later queries
 
     def wait(self, timeout: float | None) -> bool:
         """Block the host until the copy completed, at most ``timeout`` seconds (None: no limit,
@@ -177,7 +190,7 @@ class CopyEvent:
                 self.ops.synchronize_event(self.event)
             except Exception as err:  # noqa: BLE001 - reported like a failed query
                 self.error = err
-            self._done, self._keep = True, ()
+            self._complete()
             return True
         deadline = time.monotonic() + timeout
         delay = _POLL_FIRST_S
@@ -238,6 +251,8 @@ class CopyStream:
     Attributes:
         stream: the side stream (never the device's default stream).
         issued: copies enqueued so far.
+        completed: the highest ``seq`` seen complete: copies on one stream complete in issue order,
+            so every copy up to it has (:meth:`CopyEvent.done` then asks the device nothing).
     """
 
     def __init__(self, ops: StreamOps):
@@ -245,6 +260,7 @@ class CopyStream:
         self.device = ops.device
         self.stream = ops.new_stream()
         self.issued = 0
+        self.completed = 0
 
     def mark(self) -> Any:
         """An event recorded now on the calling thread's current stream: where compute is. A copy
@@ -268,7 +284,7 @@ class CopyStream:
         done = ops.new_event()
         ops.record(done, self.stream)
         self.issued += 1
-        return CopyEvent(ops, done, self.issued, keep=(dst, src, *keep))
+        return CopyEvent(ops, done, self.issued, keep=(dst, src, *keep), stream=self)
 
     def join(self, event: CopyEvent) -> None:
         """Make work queued on the calling thread's current stream from now on wait for ``event``

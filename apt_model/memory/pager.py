@@ -186,6 +186,7 @@ class Pager:
         self._tick = 0
         self._resident = 0
         self._writing = 0  # bytes of resident pages whose copies below are being written
+        self._writing_pages: dict[int, Page] = {}  # id(page) -> page, WRITING, in the order their writes began
         self._freed_since_trim = 0
         self.rss = None  # a host.RSSWatch sampled before each trim (set by the paging session)
         self._deferred: deque[Page] = deque()  # releases asked for by finalizers, applied by the next call
@@ -222,9 +223,11 @@ class Pager:
         before = page.occupies
         if page.state is State.WRITING:
             self._writing -= page.nbytes
+            self._writing_pages.pop(id(page), None)
         page.state = state
         if state is State.WRITING:
             self._writing += page.nbytes
+            self._writing_pages[id(page)] = page
         self._resident += page.occupies - before
 
     def _touch(self, page: Page) -> None:
@@ -653,14 +656,19 @@ class Pager:
     def reap(self) -> None:
         """Free the pages whose background writes have completed (and apply deferred releases).
 
+        Only the pages being written are looked at, oldest write first; where the store's writes
+        complete in the order they began (one copy stream: ``store.writes_in_order``), the first
+        write still running ends the look — every later one is running too.
+
         Raises:
             SwapFullError / SwapError: a write failed (the page stays resident, nothing is lost).
         """
         with self._lock:
             self._drain_deferred()
-            for page in list(self.pages.values()):
-                if page.state is State.WRITING:
-                    self._finish_write(page, wait=False)
+            in_order = getattr(self.store, "writes_in_order", False)
+            for page in list(self._writing_pages.values()):
+                if page.state is State.WRITING and not self._finish_write(page, wait=False) and in_order:
+                    break
 
     # ------------------------------------------------------------------ policy
     def make_room(self, nbytes: int, protect: Iterable[Page] = (), wait: bool = True) -> None:
@@ -691,7 +699,8 @@ class Pager:
             if not wait:
                 return
             # evicted dirty pages still hold memory until their writes land: wait for enough of them
-            for page in sorted((p for p in self.pages.values() if p.state is State.WRITING), key=lambda p: p.last_use):
+            for page in sorted((p for p in self._writing_pages.values() if p.state is State.WRITING),
+                               key=lambda p: p.last_use):
                 if self.resident_bytes + nbytes <= self.budget:
                     break
                 self._finish_write(page, wait=True)
@@ -1076,6 +1085,7 @@ class Pager:
             self.by_tensor.clear()
             self._resident = 0
             self._writing = 0
+            self._writing_pages.clear()
         return lost
 
     def close(self) -> None:

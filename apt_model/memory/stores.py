@@ -58,6 +58,7 @@ class DiskStore:
     """Pages in swap files, moved by the background I/O threads (CPU storages only)."""
 
     level_kind = "nvme"
+    writes_in_order = False  # the I/O threads complete writes in any order (the pager's reap)
 
     def __init__(self, swap: SwapSpace, io: IOEngine):
         self.swap = swap
@@ -279,6 +280,9 @@ class HostStore:
         self._from_disk: set[str] = set()  # of those, the ones read from disk into the host (misses)
         #: the side stream of the copies (None: synchronous copies, the CPU)
         self.copies: device_streams.CopyStream | None = device_streams.copy_stream(self.device)
+        #: page writes complete in the order they began: all are copies on the one copy stream
+        #: (asynchronous) or done at once (the CPU), never on the I/O threads (the pager's reap)
+        self.writes_in_order = True
         # segments with a copy in flight, in issue order: id(segment) -> (segment, its latest copy)
         self._copying: dict[int, tuple[Segment, device_streams.CopyEvent]] = {}
         self._orphans: dict[int, Segment] = {}  # released while a copy was in flight: freed when it completes
@@ -305,13 +309,16 @@ class HostStore:
         self._copying[id(seg)] = (seg, event)
 
     def _reclaim(self) -> None:
-        """Forget the copies that completed; give their released segments back to the pool."""
+        """Forget the copies that completed; give their released segments back to the pool.
+        ``_copying`` is in issue order (:meth:`_track` re-inserts), and copies on the one copy
+        stream complete in that order: the first still running ends the look."""
         for sid, (seg, event) in list(self._copying.items()):
-            if event.done():
-                del self._copying[sid]
-                orphan = self._orphans.pop(sid, None)
-                if orphan is not None:
-                    self.pool.release(orphan)
+            if not event.done():
+                break
+            del self._copying[sid]
+            orphan = self._orphans.pop(sid, None)
+            if orphan is not None:
+                self.pool.release(orphan)
 
     def _release(self, seg: Segment) -> None:
         """Give ``seg`` back to the pool — once its copy in flight, if any, completed."""

@@ -136,26 +136,19 @@ def test_the_host_step_reads_gradients_where_they_lie_and_leaves_them_unchanged(
     """No clipping, every gradient's host copy in memory: the step reads the copies themselves (no
     host-to-host copy) — bitwise plain training, and the gradients after the last step are still
     plain training's (the step only read them)."""
-    ref_m = model()
-    ref_opt = make_opt(ref_m, kind)
-    ref = train(ref_m, ref_opt, 4)
-    m = model()
-    opt = make_opt(m, kind)
-    session, patches = _session(tmp_path)
-    try:
-        session.page_model(m, page_params=False, page_grads=True)
-        session.step_on_host(m, exact=True)
-        got = train(m, opt, 4)
-        state = snapshot(m, opt)
-        grads = {n: p.grad.detach().clone() for n, p in m.named_parameters()}
-        rep = session.report()["host_step"]
-    finally:
-        patches.restore_all()
+    grads = []
+
+    def run(m, opt):
+        losses = train(m, opt, 4)
+        grads.append({n: p.grad.detach().clone() for n, p in m.named_parameters()})  # paged: read back
+        return losses
+
+    ref, ref_state, got, state, rep = _against_plain(tmp_path, run, kind)
     assert got == ref
-    assert_same(state, snapshot(ref_m, ref_opt))
-    for n, p in ref_m.named_parameters():
-        assert torch.equal(grads[n], p.grad), n
-    p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert_same(state, ref_state)
+    plain, paged = grads
+    assert plain.keys() == paged.keys() and all(torch.equal(paged[n], plain[n]) for n in plain)
+    p_bytes = sum(p.numel() * p.element_size() for p in model().parameters())
     assert rep["grad_bytes_shared_per_step"] == rep["grad_bytes_down_per_step"] == p_bytes, rep
 
 

@@ -355,6 +355,53 @@ def test_training_through_async_host_copies_is_bitwise_identical(tmp_path, monke
 
 
 # ------------------------------------------------------------------ (c) device memory and the D2H event
+@pytest.mark.parametrize("late", [True, False], ids=["late-copies", "synchronous"])
+@pytest.mark.parametrize("host_budget", [64 << 20, 256 << 10], ids=["host-holds-all", "host-spills"])
+def test_accumulation_with_a_host_level_holds_the_budget_and_trains_exactly(tmp_path, request, late, host_budget):
+    """The CPU standing in for the accelerator test of tests/test_paging.py (two accumulated
+    backwards per step, a 300,000-byte level 0, 64 KiB pages), which failed on an H200 with its
+    assertion not captured; here it failed two ways, whatever the copies' timing:
+    - after each backward the step's first chunk is prefetched; with accumulation another
+      forward and backward come first, and those prefetches stayed LOADING, room make_room could
+      not take back — level 0 peaked at 393,216 bytes, over the budget plus one page. make_room now
+      finishes and frees unused prefetches;
+    - with a 256 KiB host level full of pages read from disk and not yet copied up, an eviction
+      raised HostLevelFullError (and the tensors were lost at close): writes now finish this
+      pager's loads and retry, as reads already did.
+    Bitwise plain training in both, with copies late (fake stream layer) or synchronous."""
+    from apt_model.base.patches import PatchSet
+    from apt_model.memory.paging.session import PagingSession
+    from test_paging import assert_same, make_opt, model, snapshot
+    from test_paging import train as train_lm
+
+    if late:
+        request.getfixturevalue("fake")
+    clip = 0.5 if host_budget < (1 << 20) else None
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = train_lm(ref_m, ref_opt, 6, accum=2, clip=clip)
+    m = model()
+    opt = make_opt(m, "adamw")
+    budget = 300_000
+    patches = PatchSet()
+    session = PagingSession(budget, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget,
+                            host_level=True)
+    try:
+        session.page_model(m, page_params=True, page_grads=True)
+        got = train_lm(m, opt, 6, accum=2, clip=clip)
+        state = snapshot(m, opt)
+        stats = session.pager.stats.to_dict()
+        host = session.pager.store.stats()
+        largest = session.pager.largest_page
+    finally:
+        patches.restore_all()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    assert largest == 65536
+    assert stats["peak_resident"] <= budget + largest, stats
+    assert (host["spills_to_disk"] > 0) == (host_budget < (1 << 20)), host
+
+
 def test_a_page_is_freed_only_after_its_device_to_host_copy_completed(tmp_path, fake, short_waits):
     """(c) An evicted page stays WRITING, its device bytes allocated, while its copy's event has
     not completed — reaping does not free it and a wait for its room times out naming it — and is

@@ -187,6 +187,7 @@ class Pager:
         self._resident = 0
         self._writing = 0  # bytes of resident pages whose copies below are being written
         self._writing_pages: dict[int, Page] = {}  # id(page) -> page, WRITING, in the order their writes began
+        self._acquiring: list[set[int]] = []  # id(page) of the pages each acquire() under way brings in
         self._freed_since_trim = 0
         self.rss = None  # a host.RSSWatch sampled before each trim (set by the paging session)
         self._deferred: deque[Page] = deque()  # releases asked for by finalizers, applied by the next call
@@ -501,23 +502,33 @@ class Pager:
             page.dirty, page.zero_on_load, page.future = True, False, None
             return
         try:
-            try:
-                page.future = self.store.start_read(page, storage)
-            except HostLevelFullError as err:
-                # the host level is full of this pager's own loads (prefetches) whose host-to-device
-                # copies only this thread makes: finish them — that frees their room — and retry
-                loading = [p for p in self.pages.values() if p.state is State.LOADING and p is not page]
-                if not err.in_flight or not loading:
-                    raise
-                for p in loading:
-                    self._finish_load(p)
-                page.future = self.store.start_read(page, storage)
+            page.future = self._host_room(lambda: self.store.start_read(page, storage), page)
         except BaseException:
             free_storage(storage)  # nothing was loaded: the page stays below
             raise
         self._set(page, State.LOADING)
         self.stats.loads += 1
         self.stats.bytes_in += page.nbytes
+
+    def _host_room(self, start, page: Page):
+        """``start()`` (a store call that needs a host segment for ``page``); when the host level is
+        full of this pager's own loads — pages read from disk into it, whose host-to-device copies
+        only this thread makes — finish those loads, which frees their room, and call it again.
+        Reads and writes alike: a write behind (an eviction, a pre-step copy) meets a host level
+        full of prefetches as a load does.
+
+        Raises:
+            HostLevelFullError: still full with no load of this pager's in flight.
+        """
+        try:
+            return start()
+        except HostLevelFullError as err:
+            loading = [p for p in self.pages.values() if p.state is State.LOADING and p is not page]
+            if not err.in_flight or not loading:
+                raise
+            for p in loading:
+                self._finish_load(p)
+            return start()
 
     def _finish_load(self, page: Page) -> None:
         fut = page.future
@@ -608,7 +619,7 @@ class Pager:
             storage = page.storage()
             page.dirty = True
         if page.dirty or not self.store.has(page):
-            page.future = self.store.start_write(page, storage)
+            page.future = self._host_room(lambda: self.store.start_write(page, storage), page)
             self._set(page, State.WRITING)
             if page.future.done():  # a synchronous copy (CPU host level): free the bytes now; an
                 self._finish_write(page, wait=False)  # async one is freed by reap() once its event completed
@@ -672,8 +683,10 @@ class Pager:
 
     # ------------------------------------------------------------------ policy
     def make_room(self, nbytes: int, protect: Iterable[Page] = (), wait: bool = True) -> None:
-        """Evict until ``nbytes`` more fit in the budget (as far as unpinned pages allow). With
-        ``wait=False`` the writes of evicted dirty pages are started but not waited for.
+        """Evict until ``nbytes`` more fit in the budget (as far as unpinned pages allow): least
+        recently used resident pages first, then (``wait``) waiting for their writes, then
+        finishing and freeing unused prefetches. With ``wait=False`` the writes of evicted dirty
+        pages are started but not waited for.
 
         Raises:
             SwapFullError / SwapError: a write failed (the page stays resident, nothing is lost).
@@ -704,6 +717,21 @@ class Pager:
                 if self.resident_bytes + nbytes <= self.budget:
                     break
                 self._finish_write(page, wait=True)
+            if self.resident_bytes + nbytes <= self.budget:
+                return
+            # prefetches nobody has used hold room too (the step's first chunk, prefetched after a
+            # backward that gradient accumulation follows with another backward): finish them, oldest
+            # first, and free them — clean, they cost no write
+            acquiring = set().union(*self._acquiring)  # loads an acquire() under way finishes and pins
+            for page in sorted((p for p in self.pages.values() if p.state is State.LOADING and p.pins == 0
+                                and p.future is not None and not p.keep and id(p) not in protected
+                                and id(p) not in acquiring),
+                               key=lambda p: p.last_use):  # (no future: its load is being finished)
+                if self.resident_bytes + nbytes <= self.budget:
+                    break
+                self._finish_load(page)
+                if page.state is State.RESIDENT and page.pins == 0:
+                    self._evict(page)
 
     def acquire(self, pages: Iterable[Page], for_write: bool = False) -> None:
         """Make ``pages`` resident and pin them (waits for their loads and in-flight writes).
@@ -721,38 +749,46 @@ class Pager:
         with self._lock:
             self._drain_deferred()
             pages = [p for p in pages if self._live(p) is not None]
-            missing = sum(p.nbytes for p in pages if p.state is State.LOWER)
-            if missing:
-                self.make_room(missing, protect=pages)
-            pinned: list[Page] = []
+            self._acquiring.append({id(p) for p in pages})  # not reclaimed by a make_room meanwhile
             try:
-                for p in pages:
-                    if p.state is State.WRITING:
-                        p.pins += 1  # keeps _finish_write from freeing it
-                        try:
-                            self._finish_write(p, wait=True)  # a failed write raises; the page stays in memory
-                        finally:
-                            p.pins -= 1
-                    if p.state is State.LOWER:
-                        self._start_load(p)
-                    elif p.state is State.RESIDENT:
-                        self.stats.hits += 1
-                for p in pages:
-                    if p.state is State.LOADING:
-                        self._finish_load(p)
-                    if p.state is not State.RESIDENT:
-                        continue  # dropped meanwhile
-                    p.pins += 1
-                    pinned.append(p)
-                    if for_write:
-                        p.dirty = True
-                        p.cached_norm = None
-                    self._touch(p)
-            except BaseException:
-                for p in pinned:
-                    p.pins = max(0, p.pins - 1)
-                raise
-            self._note_resident()
+                self._acquire(pages, for_write)
+            finally:
+                self._acquiring.pop()
+
+    def _acquire(self, pages: list[Page], for_write: bool) -> None:
+        """:meth:`acquire`'s work (under the lock)."""
+        missing = sum(p.nbytes for p in pages if p.state is State.LOWER)
+        if missing:
+            self.make_room(missing, protect=pages)
+        pinned: list[Page] = []
+        try:
+            for p in pages:
+                if p.state is State.WRITING:
+                    p.pins += 1  # keeps _finish_write from freeing it
+                    try:
+                        self._finish_write(p, wait=True)  # a failed write raises; the page stays in memory
+                    finally:
+                        p.pins -= 1
+                if p.state is State.LOWER:
+                    self._start_load(p)
+                elif p.state is State.RESIDENT:
+                    self.stats.hits += 1
+            for p in pages:
+                if p.state is State.LOADING:
+                    self._finish_load(p)
+                if p.state is not State.RESIDENT:
+                    continue  # dropped meanwhile
+                p.pins += 1
+                pinned.append(p)
+                if for_write:
+                    p.dirty = True
+                    p.cached_norm = None
+                self._touch(p)
+        except BaseException:
+            for p in pinned:
+                p.pins = max(0, p.pins - 1)
+            raise
+        self._note_resident()
 
     def release(self, pages: Iterable[Page], evict: bool = False) -> None:
         """Unpin ``pages``; with ``evict``, start writing them out now (write-behind)."""
@@ -925,7 +961,7 @@ class Pager:
                 if page.dirty and not page.zero_on_load:
                     page.pins += 1
                     try:
-                        page.future = self.store.start_write(page, page.storage())
+                        page.future = self._host_room(lambda: self.store.start_write(page, page.storage()), page)
                         self._set(page, State.WRITING)
                         self._finish_write(page, wait=True)
                     finally:
@@ -991,7 +1027,7 @@ class Pager:
         copy = Page(Category.STATE, (lambda t=t: t), int(t.untyped_storage().nbytes()), f"{label} (pre-step copy)")
         copy.bind(t)
         with self._lock:
-            copy.future = self.store.start_write(copy, t.untyped_storage())
+            copy.future = self._host_room(lambda: self.store.start_write(copy, t.untyped_storage()), copy)
         return copy
 
     def copy_wait(self, copy: Page) -> None:

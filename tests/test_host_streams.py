@@ -402,6 +402,41 @@ def test_accumulation_with_a_host_level_holds_the_budget_and_trains_exactly(tmp_
     assert (host["spills_to_disk"] > 0) == (host_budget < (1 << 20)), host
 
 
+@pytest.mark.parametrize("accum", [1, 2, 3])
+def test_the_steps_first_chunk_is_prefetched_after_the_last_backward_before_the_step(tmp_path, accum):
+    """The optimizer's first chunk is prefetched at the end of a backward for the step that
+    follows; with gradient accumulation only after the last backward of each step (the count the
+    previous step followed), not after every one — those prefetches were let go unused."""
+    from apt_model.base.patches import PatchSet
+    from apt_model.memory.paging.session import PagingSession
+    from test_paging import make_opt, model
+    from test_paging import train as train_lm
+
+    m = model()
+    opt = make_opt(m, "adamw")
+    patches = PatchSet()
+    session = PagingSession(300_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=64 << 20,
+                            host_level=True)
+    calls = []
+    real = session.pager.prefetch
+
+    def spy(pages, reserve=0):
+        if list(pages) == list(session.optimizers.first_chunk):
+            calls.append(session.optimizers.steps)
+        return real(pages, reserve)
+
+    session.pager.prefetch = spy
+    try:
+        session.page_model(m, page_params=True, page_grads=True)
+        train_lm(m, opt, 4, accum=accum, clip=1.0)  # clipping: the step never runs inside backward
+    finally:
+        patches.restore_all()
+    # no first chunk before the first step; then once per step (the learned count), except a first
+    # step with accumulation, which guesses one backward per step until a step has been seen
+    after_first = [c for c in calls if c >= 1]
+    assert after_first == [1, 2, 3], calls
+
+
 def test_a_page_is_freed_only_after_its_device_to_host_copy_completed(tmp_path, fake, short_waits):
     """(c) An evicted page stays WRITING, its device bytes allocated, while its copy's event has
     not completed — reaping does not free it and a wait for its room times out naming it — and is

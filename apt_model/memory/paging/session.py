@@ -107,6 +107,9 @@ class PagingSession:
         self.backward_step = BackwardStep(self, step_in_backward)
         self._traffic_marks: dict[int, tuple] = {}  # step -> counters after it (the first and the last)
         self.optimizers.after_step.append(self._mark_traffic)
+        self._backwards = 0  # backward passes since the last optimizer step
+        self._backwards_per_step = 1  # as many as the last step followed (gradient accumulation)
+        self.optimizers.after_step.append(self._count_backwards)
         self.optimizers.after_step.append(lambda step: self.host_rss.sample())
         self._bw_pinned: dict[int, Page] = {}  # pinned by units' backward hooks (let go by the next forward)
         self._saved_pinned: dict[int, Page] = {}  # saved by a graph where saved-tensor hooks are off: to the end of a backward
@@ -357,8 +360,16 @@ class PagingSession:
         self.pager.phase = "other"
         self.release_backward_pins()
         self.release_saved_pins()
-        if self.optimizers.first_chunk and self.backward_step.pending is None:  # the step usually comes next
+        self._backwards += 1
+        # the step's first chunk is prefetched where the step comes next: after as many backwards as
+        # the last step had (gradient accumulation: the last of them), never for a step taken inside it
+        if (self.optimizers.first_chunk and self.backward_step.pending is None
+                and self._backwards >= self._backwards_per_step):
             self.pager.prefetch(self.optimizers.first_chunk)
+
+    def _count_backwards(self, step: int) -> None:
+        """After a step: the backwards it followed are the loop's count per step from now on."""
+        self._backwards_per_step, self._backwards = max(1, self._backwards), 0
 
     # ------------------------------------------------------------------ gradients
     def grad_only(self) -> bool:

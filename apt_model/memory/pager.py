@@ -510,6 +510,21 @@ class Pager:
         self.stats.loads += 1
         self.stats.bytes_in += page.nbytes
 
+    def _let_go_of_prefetch(self, page: Page) -> None:
+        """Finish the load of ``page`` (a prefetch nobody has used) and free it — clean, no write.
+        Its errors are not the caller's: a failed read leaves the page below (its room freed
+        anyway; whoever uses it later meets the error), a timed-out one leaves it loading. A page
+        whose tensor was dropped meanwhile is settled, not loaded."""
+        if self._live(page) is None or page.state is not State.LOADING:
+            return
+        try:
+            self._finish_load(page)
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.debug("prefetch of %s not finished (%s: %s)", page.label, type(err).__name__, err)
+            return
+        if page.state is State.RESIDENT and page.pins == 0:
+            self._evict(page)
+
     def _host_room(self, start, page: Page):
         """``start()`` (a store call that needs a host segment for ``page``); when the host level is
         full of this pager's own loads — pages read from disk into it, whose host-to-device copies
@@ -527,7 +542,12 @@ class Pager:
             if not err.in_flight or not loading:
                 raise
             for p in loading:
-                self._finish_load(p)
+                if self._live(p) is None or p.state is not State.LOADING:
+                    continue  # its tensor was dropped meanwhile: settled, nothing to finish
+                try:
+                    self._finish_load(p)
+                except Exception as load_err:  # noqa: BLE001 - that page's user meets it; retry regardless
+                    log.debug("load of %s not finished (%s: %s)", p.label, type(load_err).__name__, load_err)
             return start()
 
     def _finish_load(self, page: Page) -> None:
@@ -729,9 +749,7 @@ class Pager:
                                key=lambda p: p.last_use):  # (no future: its load is being finished)
                 if self.resident_bytes + nbytes <= self.budget:
                     break
-                self._finish_load(page)
-                if page.state is State.RESIDENT and page.pins == 0:
-                    self._evict(page)
+                self._let_go_of_prefetch(page)
 
     def acquire(self, pages: Iterable[Page], for_write: bool = False) -> None:
         """Make ``pages`` resident and pin them (waits for their loads and in-flight writes).
@@ -873,9 +891,11 @@ class Pager:
         release_free_memory()
         self._freed_since_trim = 0
 
-    def materialize(self, page: Page, out: torch.Tensor | None = None) -> torch.Tensor:
+    def materialize(self, page: Page, out: torch.Tensor | None = None, settle: bool = True) -> torch.Tensor:
         """A CPU tensor with the page's current data (the page stays where it is): a new one, or
-        ``out`` (a CPU tensor of the page's shape and dtype) filled in place.
+        ``out`` (a CPU tensor of the page's shape and dtype) filled in place. A page whose write
+        to the host level is under way is read from that host copy once the copy's event completed
+        (``settle``; see :meth:`_settle_write`), else from memory.
 
         Raises:
             SwapCorruptionError / SwapError: the page is only below and its copy cannot be read;
@@ -886,10 +906,8 @@ class Pager:
             t = self._live(page)
             if t is None:
                 raise RuntimeError(f"page {page.label} has no tensor (it was set to None)")
-            if page.state is State.WRITING and page.future is not None:
-                # wait for that copy's event only and read the host copy: a copy from the device
-                # would wait for everything queued on the compute stream before it
-                self._finish_write(page, wait=True)
+            if settle:
+                self._settle_write(page)
             if page.state in (State.RESIDENT, State.WRITING, State.LOADING):
                 if page.state is State.LOADING:
                     self._finish_load(page)
@@ -914,21 +932,30 @@ class Pager:
         """The page's current data as a CPU tensor sharing its lower copy in host memory (no copy),
         for reading at once; None where that is not the current data as is — the page is resident,
         owes deferred scalings or zeroing, or its copy is not in host memory (use
-        :meth:`materialize`). A write still running is waited for (that copy's event only).
-
-        Raises:
-            SwapError and its kinds / SwapTimeoutError: the write being waited for failed or did
-                not finish in time (the page stays resident, nothing is lost).
+        :meth:`materialize`, with ``settle=False``: this already waited). A write to the host level
+        still running is waited for (:meth:`_settle_write`; never raises).
         """
         with self._lock:
             t = self._live(page)
             if t is None:
                 return None
-            if page.state is State.WRITING and page.future is not None:
-                self._finish_write(page, wait=True)
+            self._settle_write(page)
             if page.state is not State.LOWER or page.scales or page.zero_on_load:
                 return None
             return self.store.host_tensor(page, t)
+
+    def _settle_write(self, page: Page) -> None:
+        """Where ``page`` is being written to the host level, wait for that copy's event (only it)
+        so that the page can be read from its host copy: a copy from the device would wait for all
+        the work queued on the compute stream. Never raises: a write that failed or did not finish
+        in time leaves the bytes in memory, where the caller reads them (and the write's error
+        reaches whoever waits for it next). On a CPU-only run (no host level) nothing is waited for."""
+        if page.state is not State.WRITING or page.future is None or self.store.level_kind != "host":
+            return
+        try:
+            self._finish_write(page, wait=True)
+        except Exception as err:  # noqa: BLE001 - see the docstring
+            log.debug("write of %s not settled (%s: %s); read from memory", page.label, type(err).__name__, err)
 
     # ------------------------------------------------------------------ step transactions
     def begin_step(self) -> None:

@@ -8,10 +8,12 @@ and hyperparameters steps host copies of those parameters:
    rate scheduler changes the user's ``lr``; the shadow follows).
 2. **Gradients down.** Each gradient is paged down as it is produced (the gradient pages of
    :mod:`~apt_model.memory.paging.model`, written behind into the host level during backward).
-   For torch's per-parameter optimizers (which never write a gradient) the step reads the host
-   copy where it lies in pinned memory, no copy made; otherwise — a deferred ``clip_grad_norm_``
-   scaling still owed, a copy spilled to disk, another optimizer class — the current value is
-   read into a reused host buffer. A gradient the plan keeps on the device is copied down here.
+   For Adam and AdamW (:data:`SHARES_GRADIENTS`: their steps only read a gradient) the step reads
+   the host copy where it lies in pinned memory, no copy made; otherwise — a deferred
+   ``clip_grad_norm_`` scaling still owed, a copy spilled to disk, another optimizer class — the
+   current value is read into a reused host buffer. A gradient whose copy down is still under way
+   is waited for by that copy's event; if the wait fails, it is read from device memory. A
+   gradient the plan keeps on the device is copied down here.
 3. **The step** runs on the host copies (in the parameter's own dtype): the states (Adam's m and v...) are created there and
    never reach the device. With ``exact=False`` the shadow uses the CPU's fused kernel where the
    class has one (probed), else the per-tensor loop.
@@ -45,10 +47,12 @@ loads here and vice versa. Parameters added to the optimizer after its first hos
 (``add_param_group``) are refused with an error naming them.
 
 A step is all or nothing up to the upload where a read can fail: when some gradient's host copy
-was spilled to disk, every gradient is read (and every copy refreshed) before anything is
-modified, so a read error (a corrupt swap file) leaves parameters and states as they were. A read
-from host memory cannot fail that way; the shadow's own step raising leaves the chunks before it
-stepped (and uploaded) and the rest as they were.
+was spilled to disk (or is being loaded), every gradient is read (and every copy refreshed) before
+anything is modified, so a read error (a corrupt swap file) leaves parameters and states as they
+were. A read from host memory, or from device memory where a copy down failed, cannot fail that
+way; the shadow's own step raising in a later chunk leaves the chunks before it stepped (and
+uploaded) — plain PyTorch would have raised before any update — and the rest as they were.
+Optimizer step hooks registered globally see the shadow's step once per chunk.
 """
 from __future__ import annotations
 
@@ -66,6 +70,11 @@ log = get_logger(__name__)
 #: Group keys not copied from the user's groups to the shadow's: the kernel choice is the shadow's
 #: own (host tensors), and ``params`` are the host copies.
 _OWN_KEYS = ("params", "foreach", "fused", "capturable")
+
+#: Optimizer classes (exact types) whose steps — single-tensor, foreach and fused — only read a
+#: gradient, so the shadow may read a gradient page's host copy in place. Not SGD: its foreach
+#: path with Nesterov momentum adds into the gradients.
+SHARES_GRADIENTS = (torch.optim.Adam, torch.optim.AdamW)
 
 #: Bytes of parameters per chunk of the host step (64 MiB: a few tens of chunks for a model of
 #: gigabytes, each long enough that the optimizer's per-call cost stays small beside it).
@@ -207,7 +216,7 @@ class HostStep:
                         self.shared_bytes += view.numel() * view.element_size()
                         return view
                 buf = sh.grad_buffer(p, g)
-            session.pager.materialize(page, out=buf)
+            session.pager.materialize(page, out=buf, settle=not share)  # host_copy settled it already
             return buf
         with torch._C.DisableTorchFunction():
             g = p.grad
@@ -243,7 +252,7 @@ class HostStep:
                                    "first host step; create the optimizer with all its parameters")
         chunks = self._chunks(opt, hosted)
         interleave = len(chunks) > 1 and self._all_in_memory(hosted)
-        share = type(opt) in PER_PARAMETER  # torch's own steps never write a gradient: its host copy is read as is
+        share = type(opt) in SHARES_GRADIENTS
         grads = {} if interleave else self._read(sh, hosted, share)  # all first: a disk read error modifies nothing
         stepped = []
         try:
@@ -295,8 +304,10 @@ class HostStep:
         store = self.session.pager.store
         for p in hosted:
             page = self.session.grad_page(p)
-            if page is not None and page.state is State.LOWER and not store.in_memory(page):
-                return False
+            if page is None:
+                continue
+            if page.state is State.LOADING or (page.state is State.LOWER and not store.in_memory(page)):
+                return False  # a read from disk (or a load under way, which may be one) can fail
         return True
 
     def _read(self, sh: _Shadow, params: list[torch.Tensor], share: bool) -> dict[int, torch.Tensor | None]:

@@ -510,18 +510,21 @@ class Pager:
         self.stats.loads += 1
         self.stats.bytes_in += page.nbytes
 
-    def _let_go_of_prefetch(self, page: Page) -> None:
-        """Finish the load of ``page`` (a prefetch nobody has used) and free it — clean, no write.
-        Its errors are not the caller's: a failed read leaves the page below (its room freed
-        anyway; whoever uses it later meets the error), a timed-out one leaves it loading. A page
-        whose tensor was dropped meanwhile is settled, not loaded."""
+    def _finish_unused_load(self, page: Page) -> None:
+        """Finish the load of ``page``, which nobody waits for (a prefetch). Its errors are not the
+        caller's: a failed read leaves the page below (its room freed anyway; whoever uses it later
+        meets the error), a timed-out one leaves it loading. A page whose tensor was dropped
+        meanwhile is settled, not loaded."""
         if self._live(page) is None or page.state is not State.LOADING:
             return
         try:
             self._finish_load(page)
         except Exception as err:  # noqa: BLE001 - see the docstring
-            log.debug("prefetch of %s not finished (%s: %s)", page.label, type(err).__name__, err)
-            return
+            log.debug("load of %s not finished (%s: %s)", page.label, type(err).__name__, err)
+
+    def _let_go_of_prefetch(self, page: Page) -> None:
+        """Finish the load of ``page`` (a prefetch nobody has used) and free it — clean, no write."""
+        self._finish_unused_load(page)
         if page.state is State.RESIDENT and page.pins == 0:
             self._evict(page)
 
@@ -542,12 +545,7 @@ class Pager:
             if not err.in_flight or not loading:
                 raise
             for p in loading:
-                if self._live(p) is None or p.state is not State.LOADING:
-                    continue  # its tensor was dropped meanwhile: settled, nothing to finish
-                try:
-                    self._finish_load(p)
-                except Exception as load_err:  # noqa: BLE001 - that page's user meets it; retry regardless
-                    log.debug("load of %s not finished (%s: %s)", p.label, type(load_err).__name__, load_err)
+                self._finish_unused_load(p)  # its user meets a read error; retry regardless
             return start()
 
     def _finish_load(self, page: Page) -> None:
@@ -696,9 +694,9 @@ class Pager:
         """
         with self._lock:
             self._drain_deferred()
-            in_order = getattr(self.store, "writes_in_order", False)
-            for page in list(self._writing_pages.values()):
-                if page.state is State.WRITING and not self._finish_write(page, wait=False) and in_order:
+            in_order = self.store.writes_in_order
+            for page in list(self._writing_pages.values()):  # all WRITING (kept by _set)
+                if not self._finish_write(page, wait=False) and in_order:
                     break
 
     # ------------------------------------------------------------------ policy
@@ -732,8 +730,7 @@ class Pager:
             if not wait:
                 return
             # evicted dirty pages still hold memory until their writes land: wait for enough of them
-            for page in sorted((p for p in self._writing_pages.values() if p.state is State.WRITING),
-                               key=lambda p: p.last_use):
+            for page in sorted(self._writing_pages.values(), key=lambda p: p.last_use):
                 if self.resident_bytes + nbytes <= self.budget:
                     break
                 self._finish_write(page, wait=True)

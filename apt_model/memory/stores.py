@@ -263,6 +263,9 @@ class HostStore:
     """
 
     level_kind = "host"
+    #: page writes complete in the order they began: all are copies on the one copy stream
+    #: (asynchronous) or done at once (the CPU), never on the I/O threads (the pager's reap)
+    writes_in_order = True
 
     def __init__(self, device: torch.device, budget: int, disk: DiskStore, pin: bool | None = None):
         self.device = torch.device(device)
@@ -280,9 +283,6 @@ class HostStore:
         self._from_disk: set[str] = set()  # of those, the ones read from disk into the host (misses)
         #: the side stream of the copies (None: synchronous copies, the CPU)
         self.copies: device_streams.CopyStream | None = device_streams.copy_stream(self.device)
-        #: page writes complete in the order they began: all are copies on the one copy stream
-        #: (asynchronous) or done at once (the CPU), never on the I/O threads (the pager's reap)
-        self.writes_in_order = True
         # segments with a copy in flight, in issue order: id(segment) -> (segment, its latest copy)
         self._copying: dict[int, tuple[Segment, device_streams.CopyEvent]] = {}
         self._orphans: dict[int, Segment] = {}  # released while a copy was in flight: freed when it completes

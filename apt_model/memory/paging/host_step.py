@@ -260,10 +260,10 @@ class HostStep:
                 if interleave:
                     grads = self._read(sh, chunk, share)
                 done = [p for p in chunk if grads.get(id(p)) is not None]
-                for p in done:
-                    sh.masters[id(p)].grad = grads[id(p)]
                 t1 = time.perf_counter()
                 try:
+                    for p in done:
+                        sh.masters[id(p)].grad = grads[id(p)]
                     if done:
                         sh.host.step()
                         self.chunks += 1
@@ -274,8 +274,6 @@ class HostStep:
                 self._upload(sh, done)
                 stepped.extend(done)
         finally:
-            for p in hosted:
-                sh.masters[id(p)].grad = None
             if sh.pin and stepped:
                 sh.event = torch.Event(device=stepped[0].device)
                 sh.event.record()

@@ -557,8 +557,9 @@ def test_main_job_with_more_ranks_than_devices_is_a_clear_error(tmp_path):
     PrivateUse1 ``npu`` with one device; a real CUDA device hidden): every rank stops at
     ``vb.enable()`` with a DeviceSelectionError that names the ranks, the device, the visible-devices
     variable and the fixes — before any process group exists, so no collective can fail or hang.
-    The main job reports it as one line per rank and exits with status 2; VB_LOG_LEVEL=DEBUG (set
-    here) adds the traceback, which shows where it was raised."""
+    The main job reports it as one line per rank and exits with status 2 (torchrun may stop the
+    second rank before it prints); VB_LOG_LEVEL=DEBUG (set here) adds the traceback, which shows
+    where it was raised."""
     out = tmp_path / "train"
     proc = torchrun([str(ROOT / "tests" / "dist_worker.py"), "--fake-npu=1", "--script", str(ROOT / "training" / "train.py"),
                      "--steps", "2", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "20000", "--quiet",
@@ -566,7 +567,9 @@ def test_main_job_with_more_ranks_than_devices_is_a_clear_error(tmp_path):
     assert proc.returncode != 0
     err = proc.stderr
     assert "apt_model.errors.DeviceSelectionError: LOCAL_RANK=" in err, err[-4000:]
-    assert err.count("train.py: error: LOCAL_RANK=") == 2 and re.search(r"exitcode\s*:\s*2", err), err[-4000:]
+    # one line per rank that got to print it: torchrun stops the other rank (SIGTERM) as soon as the
+    # first one exits, which can be before that rank printed its own line
+    assert 1 <= err.count("train.py: error: LOCAL_RANK=") <= 2 and re.search(r"exitcode\s*:\s*2", err), err[-4000:]
     for needle in ("2 processes on this node (LOCAL_WORLD_SIZE=2, local ranks 0..1)",
                    "only 1 npu device(s) visible to them: npu:0 (FakeAscend-910B#0) (ASCEND_RT_VISIBLE_DEVICES unset)",
                    "local rank 1 would have no npu device of its own", "hccl refuses",

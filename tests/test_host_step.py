@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import apt_model.optimization.vb_global as vb
 from apt_model.base.patches import PatchSet
@@ -174,6 +175,59 @@ def test_an_optimizer_subclass_is_stepped_whole_on_the_host(tmp_path, monkeypatc
         patches.restore_all()
     assert got == ref
     assert rep["chunks_per_step"] == 1 and rep["interleaved_steps"] == 0, rep
+
+
+class _TwoOptimizers:
+    """Two AdamW optimizers over disjoint halves of a model's parameters, stepped one after the
+    other as one (``zero_grad``/``step`` for :func:`test_paging.train`)."""
+
+    def __init__(self, m):
+        params = list(m.parameters())
+        half = len(params) // 2
+        self.opts = [torch.optim.AdamW(params[:half], lr=1e-3, weight_decay=0.1),
+                     torch.optim.AdamW(params[half:], lr=2e-3)]
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self):
+        for o in self.opts:
+            o.step()
+
+
+def test_chunked_host_steps_are_invisible_to_global_hooks_and_every_optimizer_follows_the_landing_order(
+        tmp_path, monkeypatch):
+    """A global optimizer step hook sees each user ``step()`` once (plain PyTorch), never the
+    shadow's chunks; with two host-stepped optimizers both step their chunks in the order the
+    gradients landed, and the result is bitwise plain training's."""
+    monkeypatch.setattr(host_step_mod, "CHUNK_BYTES", 4096)
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append(opt))
+    try:
+        ref_m = model()
+        ref_opt = _TwoOptimizers(ref_m)
+        ref = train(ref_m, ref_opt, 3, clip=0.5)
+        ref_seen, seen[:] = list(seen), []
+        m = model()
+        opt = _TwoOptimizers(m)
+        session, patches = _session(tmp_path)
+        try:
+            session.page_model(m, page_params=False, page_grads=True)
+            session.step_on_host(m, exact=True)
+            got = train(m, opt, 3, clip=0.5)
+            rep = session.report()["host_step"]
+        finally:
+            patches.restore_all()
+    finally:
+        handle.remove()
+    assert got == ref
+    for a, b in zip(m.parameters(), ref_m.parameters()):
+        assert torch.equal(a, b)
+    assert len(ref_seen) == 6
+    assert seen == [o for _ in range(3) for o in opt.opts]  # the user's steps only, once each
+    assert rep["steps"] == 6 and rep["chunks_per_step"] > 2, rep
+    assert rep["landing_ordered_steps"] == 6, rep  # the second optimizer too
 
 
 def test_the_host_steps_state_dict_round_trips_with_plain_training(tmp_path):

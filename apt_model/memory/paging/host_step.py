@@ -52,7 +52,10 @@ anything is modified, so a read error (a corrupt swap file) leaves parameters an
 were. A read from host memory, or from device memory where a copy down failed, cannot fail that
 way; the shadow's own step raising in a later chunk leaves the chunks before it stepped (and
 uploaded) — plain PyTorch would have raised before any update — and the rest as they were.
-Optimizer step hooks registered globally see the shadow's step once per chunk.
+
+The shadow optimizer is stepped through its class's own ``step`` beneath torch's hook wrapper, so
+optimizer step hooks registered globally (``register_optimizer_step_pre_hook``) see the user's
+``optimizer.step()`` once per step, as in plain PyTorch, and never the shadow's chunks.
 """
 from __future__ import annotations
 
@@ -165,7 +168,9 @@ class HostStep:
         self.param_bytes = 0  # parameters copied up
         self.chunks = 0  # shadow-optimizer steps, over all steps (one per chunk)
         self.interleaved = 0  # steps whose chunks read their own gradients (all host copies in memory)
-        self._landed: dict[int, None] = {}  # id(p), in the order the gradients landed in this backward
+        self._landed: dict[int, None] = {}  # id(p), in the order the gradients landed in the last backward
+        self._stepped = False  # a step ran since the last gradient landed: the next landing starts a new order
+        self.ordered = 0  # optimizer steps whose chunks followed a landing order
 
     def add(self, params) -> None:
         """Step these parameters (resident on the compute device) on the host from now on."""
@@ -174,6 +179,9 @@ class HostStep:
     def landed(self, p: torch.Tensor) -> None:
         """``p``'s gradient is complete (called by the session as each one lands in backward)."""
         if id(p) in self.params:
+            if self._stepped:  # the first gradient after a step: every optimizer stepped from the old order
+                self._landed.clear()
+                self._stepped = False
             self._landed.pop(id(p), None)
             self._landed[id(p)] = None
 
@@ -244,8 +252,11 @@ class HostStep:
             for k, v in ug.items():
                 if k not in _OWN_KEYS:
                     hg[k] = v
-        hosted = self._order(self.hosts(opt))
-        self._landed.clear()
+        hosted = self.hosts(opt)
+        if any(id(p) in self._landed for p in hosted):
+            hosted = self._order(hosted)
+            self.ordered += 1
+        self._stepped = True  # kept for this step's other optimizers; a new backward starts afresh
         for p in hosted:
             if id(p) not in sh.masters:  # added to the group after the shadow was built
                 raise RuntimeError(f"{self.session.param_label(p)} was added to {type(opt).__name__} after its "
@@ -253,6 +264,7 @@ class HostStep:
         chunks = self._chunks(opt, hosted)
         interleave = len(chunks) > 1 and self._all_in_memory(hosted)
         share = type(opt) in SHARES_GRADIENTS
+        raw = getattr(type(sh.host).step, "__wrapped__", type(sh.host).step)  # beneath the hook wrapper
         grads = {} if interleave else self._read(sh, hosted, share)  # all first: a disk read error modifies nothing
         stepped = []
         try:
@@ -265,7 +277,7 @@ class HostStep:
                     for p in done:
                         sh.masters[id(p)].grad = grads[id(p)]
                     if done:
-                        sh.host.step()
+                        raw(sh.host)
                         self.chunks += 1
                 finally:
                     self.step_seconds += time.perf_counter() - t1
@@ -379,4 +391,5 @@ class HostStep:
                 "host_bytes": self.host_bytes(), "fused": any(sh.fused for sh in self.shadows.values()),
                 "copies_refreshed": sum(sh.refreshes for sh in self.shadows.values()),
                 "chunks_per_step": round(self.chunks / n, 2), "interleaved_steps": self.interleaved,
+                "landing_ordered_steps": self.ordered,
                 "grad_bytes_shared_per_step": self.shared_bytes // n}

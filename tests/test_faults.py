@@ -450,6 +450,69 @@ def test_the_three_level_path_rolls_a_failed_step_back(host_budget, tmp_path):
     assert_same(snapshot(m, opt), snaps[3])
 
 
+@pytest.mark.parametrize("edit", [False, True], ids=["weights-unchanged", "weight-edited-after-backward"])
+def test_resident_parameters_are_copied_for_the_step_during_backward_and_still_rolled_back(edit, tmp_path):
+    """Parameters kept on the (stand-in) device, gradients and states paged to the host level: from
+    the second step on, the parameters' pre-step copies are written while backward runs, so the step
+    itself writes only the states. A step failing in its third chunk is still rolled back bitwise —
+    also when a weight was edited between backward and ``step()``, after its copy began (it is
+    copied again) — and training goes on bitwise like plain PyTorch."""
+    from apt_model.memory.paging.session import PagingSession
+    from apt_model.base.patches import PatchSet
+
+    def edit_weight(m):
+        if edit:
+            with torch.no_grad():
+                m[2].weight.mul_(0.5)
+
+    data = batches(4)
+    ref_m = mlp()
+    ref_opt = adamw(ref_m)
+    for i in range(2):
+        one_step(ref_m, ref_opt, data[i])
+    ref_opt.zero_grad()
+    backward(ref_m, data[2])
+    edit_weight(ref_m)
+    before = snapshot(ref_m, ref_opt)
+    ref_opt.step()
+    one_step(ref_m, ref_opt, data[3])
+    after = snapshot(ref_m, ref_opt)
+
+    m = mlp()
+    opt = adamw(m, FailingAdamW)
+    p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    patches = PatchSet()
+    s = PagingSession(16_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=8 * 2**20, host_level=True,
+                      step_in_backward="off")
+    try:
+        s.page_model(m, page_params=False, page_grads=True)
+        for i in range(2):
+            one_step(m, opt, data[i])
+        opt.zero_grad()
+        written = s.pager.store.stats()["bytes_in"]
+        backward(m, data[2])
+        in_backward = s.pager.store.stats()["bytes_in"] - written
+        edit_weight(m)
+        opt.fail_on, opt.after = opt.calls + 3, True
+        with pytest.raises(RuntimeError, match="injected failure"):
+            opt.step()
+        assert_same(snapshot(m, opt), before)
+        opt.fail_on = None
+        opt.step()
+        opt.zero_grad()
+        written = s.pager.store.stats()["bytes_in"]
+        backward(m, data[3])
+        mid = s.pager.store.stats()["bytes_in"]
+        opt.step()
+        in_step = s.pager.store.stats()["bytes_in"] - mid
+        in_backward_again = mid - written
+    finally:
+        patches.restore_all()
+    assert_same(snapshot(m, opt), after)
+    assert in_backward == in_backward_again == 2 * p_bytes  # each gradient, and each parameter's pre-step copy
+    assert in_step == 2 * p_bytes  # AdamW's m and v written back; no parameter copy left for the step
+
+
 @pytest.mark.parametrize("plan", ["all-paged", "parameters-kept"])
 def test_a_read_error_inside_the_step_rolls_it_back(plan, tmp_path, monkeypatch):
     """An EIO on the fourth swap read of a step (a later chunk's state): SwapError naming the

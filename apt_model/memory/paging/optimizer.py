@@ -30,7 +30,10 @@ chunk runs, what it will modify is kept (:class:`_StepUndo`): paged parameters a
 their pre-step copy below (the pager's step transaction: a rename, no I/O), tensors the plan keeps
 resident get a pre-step copy that is itself a page (evicted first, so it costs I/O only when the
 level is short of room), scalars (Adam's ``step``) a clone, and each parameter's state dict its
-entries. A step that fails is rolled back completely — states it created are removed — and the
+entries. A resident parameter the last step copied is copied again as soon as its gradient lands in
+backward (:meth:`OptimizerPaging.grad_landed`), so on an accelerator that copy down shares the link
+with backward's, not with the step's write-backs; its ``_version`` is checked when its chunk runs,
+and a parameter modified after the copy began is copied again there. A step that fails is rolled back completely — states it created are removed — and the
 error is raised; a retry steps from the same state as plain PyTorch would. A step that completes
 drops the copies. Costs: the swap files hold two versions of the paged parameters and states
 during a step (the old ones are then reused for the next step's writes).
@@ -143,6 +146,9 @@ class OptimizerPaging:
         self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
         self._last_stepped = None  # weakref to the optimizer whose step ran last (see last_stepped)
+        # pre-step copies started in backward, for the next step transaction: id(t) -> (t, label, copy)
+        self.early: dict[int, tuple[torch.Tensor, str, Page]] = {}
+        self._copied: dict[int, str] = {}  # id(p) -> label: resident parameters the last step copied
         self.capturable = CapturableFlags()
 
     def install(self, patches) -> None:
@@ -225,6 +231,27 @@ class OptimizerPaging:
         return new
 
     # ------------------------------------------------------------------ the step
+    def grad_landed(self, p: torch.Tensor) -> None:
+        """``p``'s gradient landed in backward: start the pre-step copy of ``p`` now if the last
+        step copied it (a resident parameter of a streamed step), outside any step transaction.
+        A copy that cannot start is left to the step, which copies (and raises) then."""
+        label = self._copied.get(id(p))
+        if label is None or id(p) in self.early or self._in_step or self.session.pager.in_step:
+            return
+        try:
+            copy = self.session.pager.copy_out(p, label)
+        except Exception as err:  # noqa: BLE001 - the step makes the copy itself and reports the error
+            log.debug("the pre-step copy of %s could not start in backward: %s", label, err)
+            return
+        copy.version = p._version
+        self.early[id(p)] = (p, label, copy)
+
+    def drop_early(self) -> None:
+        """Forget the pre-step copies started in backward that no step took (teardown)."""
+        early, self.early = self.early, {}
+        for _, _, copy in early.values():
+            self.session.pager.copy_drop(copy)
+
     def _pre(self, opt, args, kwargs):
         if self._in_step or not self._involves_paging(opt):
             return None
@@ -426,6 +453,7 @@ class OptimizerPaging:
                     nxt = chunks[ci + 1] if ci + 1 < len(chunks) else None
                     self.run_chunk(opt, gi, chunk, undo, originals, raw, nxt, first=gi == 0 and ci == 0)
             pager.commit()
+            self._copied.update(undo.copied_params())
             undo.commit()
             pager.trim()  # the step's temporaries and freed chunks go back to the OS
         except BaseException as err:
@@ -500,6 +528,23 @@ class _StepUndo:
         self.created: list[tuple[torch.Tensor, Page]] = []  # (param, state page the step created)
         self.confirmed: set[int] = set()  # id() of copied tensors whose chunk was about to run
         self.cloned: set[int] = set()  # id() of the tensors in ``clones``
+        self._take_early()
+
+    def _take_early(self) -> None:
+        """Take over the pre-step copies started in backward of the parameters ``opt`` steps."""
+        early = self.paging.early
+        if not early:
+            return
+        for g in self.opt.param_groups:
+            for p in g["params"]:
+                entry = early.pop(id(p), None)
+                if entry is not None:
+                    self.copies[id(p)] = entry
+
+    def copied_params(self) -> dict[int, str]:
+        """``{id(p): label}`` of the resident parameters this step copied (worth copying in the
+        next backward)."""
+        return {key: label for key, (_, label, _) in self.copies.items() if key in self.entries}
 
     def resident_tensors(self, p: torch.Tensor):
         """(tensor, label) of what the step modifies for ``p`` that is not paged."""

@@ -398,6 +398,8 @@ class PagingSession:
         self._accumulating.discard(id(p))
         if self.host_step is not None and g is not None:
             self.host_step.landed(p)  # the host step takes the gradients in the order they land
+        if g is not None:
+            self.optimizers.grad_landed(p)  # a resident parameter's pre-step copy starts now
         page = self.grad_pages.get(id(p))
         if g is None:
             if pinned and page is not None:
@@ -609,6 +611,7 @@ class PagingSession:
         self._bw_pinned.clear()
         self._saved_pinned.clear()
         try:
+            self.optimizers.drop_early()
             self.backward_step.close()
         finally:
             self.pager.close()

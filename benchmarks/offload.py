@@ -142,6 +142,9 @@ def main(argv=None) -> dict:
     g.add_argument("--variants", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS))
     g.add_argument("--budget-kept", default=None,
                    help="vb_params_kept's device budget (default: the parameters / 0.75 + one block)")
+    g.add_argument("--budget-host-step", default=None,
+                   help="vb_host_step's device budget (default: twice the parameters + one block, the parameters "
+                        "and gradients that torchao's CPUOffloadOptimizer keeps on the device)")
     g.add_argument("--budget-paged", default=None,
                    help="vb_all_paged's device budget (default: a quarter of the parameters, at least the working set)")
     g.add_argument("--keep-cuda-cache", action="store_true",

@@ -143,6 +143,12 @@ def test_compare_applies_each_target_where_it_holds():
     assert by["vb_params_kept vs torchao_offload_grads"]["met"] is False
     assert by["vb_all_paged vs in_memory"]["applicable"] is True and by["vb_all_paged vs in_memory"]["met"] is False
 
+    rows["vb_host_step"] = _row(1.1, 4.5e9, link_floor_s=0.6)  # faster with the parameters kept: it is compared
+    by = {c["what"].split(" (")[0]: c for c in gpu.compare(rows)}
+    assert by["vb_host_step vs torchao_offload_grads"]["value"] == pytest.approx(1.2 / 1.1)
+    assert by["vb_host_step vs torchao_offload_grads"]["met"] is True and "vb_host_step vs the link floor" in by
+    del rows["vb_host_step"]
+
     skipped = {"status": "skipped", "reason": "torchao is not installed"}
     rows["torchao_offload"] = rows["torchao_offload_grads"] = skipped
     rows["fsdp2_cpu_offload"] = {"status": "failed", "reason": "OutOfMemoryError: ..."}
@@ -171,6 +177,9 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     assert v["in_memory"]["ratio_vs_in_memory"] == pytest.approx(1.0)
     assert v["vb_all_paged"]["up_bytes_per_step"] > 0 and v["vb_all_paged"]["down_bytes_per_step"] > 0
     assert v["vb_all_paged"]["info"]["plan"]["plan"]["page_params"] is True
+    # timed only once the step inside backward was decided (learned, then its trial), and said so
+    assert v["vb_all_paged"]["info"]["step_in_backward"]["state"] in ("armed", "off"), v["vb_all_paged"]["info"]
+    assert "vb_all_paged: optimizer step on the device; step inside backward" in res.stdout
     assert len(r["comparison"]) == 5
     assert "SKIPPED: torchao" in res.stdout and "FAILED" in res.stdout and "against the issue's targets" in res.stdout
     for name in ("in_memory", "vb_all_paged"):  # --profile: one more step per worker, its op table

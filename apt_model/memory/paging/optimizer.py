@@ -45,6 +45,7 @@ import weakref
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from apt_model.base.errors import VBError
 from apt_model.base.log import get_logger
@@ -146,9 +147,9 @@ class OptimizerPaging:
         self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
         self._last_stepped = None  # weakref to the optimizer whose step ran last (see last_stepped)
-        # pre-step copies started in backward, for the next step transaction: id(t) -> (t, label, copy)
-        self.early: dict[int, tuple[torch.Tensor, str, Page]] = {}
-        self._copied: dict[int, str] = {}  # id(p) -> label: resident parameters the last step copied
+        # pre-step copies started in backward, for the next step transaction: id(p) -> (weakref(p), label, copy)
+        self.early: dict[int, tuple[weakref.ref, str, Page]] = {}
+        self._copied = WeakIdKeyDictionary()  # resident parameter -> label: those the last steps copied
         self.capturable = CapturableFlags()
 
     def install(self, patches) -> None:
@@ -235,7 +236,7 @@ class OptimizerPaging:
         """``p``'s gradient landed in backward: start the pre-step copy of ``p`` now if the last
         step copied it (a resident parameter of a streamed step), outside any step transaction.
         A copy that cannot start is left to the step, which copies (and raises) then."""
-        label = self._copied.get(id(p))
+        label = self._copied.get(p)
         if label is None or id(p) in self.early or self._in_step or self.session.pager.in_step:
             return
         try:
@@ -244,7 +245,23 @@ class OptimizerPaging:
             log.debug("the pre-step copy of %s could not start in backward: %s", label, err)
             return
         copy.version = p._version
-        self.early[id(p)] = (p, label, copy)
+        self.early[id(p)] = (weakref.ref(p), label, copy)
+
+    def take_early(self, params) -> dict[int, tuple[torch.Tensor, str, Page]]:
+        """The pre-step copies started in backward of ``params`` (``{id(p): (p, label, copy)}``, for a
+        step transaction); copies whose parameter is gone are dropped."""
+        taken = {}
+        for p in params:
+            entry = self.early.pop(id(p), None)
+            if entry is not None:
+                ref, label, copy = entry
+                if ref() is p:
+                    taken[id(p)] = (p, label, copy)
+                else:  # another tensor took the id of one that died after its copy began
+                    self.session.pager.copy_drop(copy)
+        for key in [k for k, (ref, _, _) in self.early.items() if ref() is None]:
+            self.session.pager.copy_drop(self.early.pop(key)[2])
+        return taken
 
     def drop_early(self) -> None:
         """Forget the pre-step copies started in backward that no step took (teardown)."""
@@ -453,7 +470,8 @@ class OptimizerPaging:
                     nxt = chunks[ci + 1] if ci + 1 < len(chunks) else None
                     self.run_chunk(opt, gi, chunk, undo, originals, raw, nxt, first=gi == 0 and ci == 0)
             pager.commit()
-            self._copied.update(undo.copied_params())
+            for p, label in undo.copied_params():
+                self._copied[p] = label
             undo.commit()
             pager.trim()  # the step's temporaries and freed chunks go back to the OS
         except BaseException as err:
@@ -532,19 +550,13 @@ class _StepUndo:
 
     def _take_early(self) -> None:
         """Take over the pre-step copies started in backward of the parameters ``opt`` steps."""
-        early = self.paging.early
-        if not early:
-            return
-        for g in self.opt.param_groups:
-            for p in g["params"]:
-                entry = early.pop(id(p), None)
-                if entry is not None:
-                    self.copies[id(p)] = entry
+        if self.paging.early:
+            self.copies.update(self.paging.take_early(p for g in self.opt.param_groups for p in g["params"]))
 
-    def copied_params(self) -> dict[int, str]:
-        """``{id(p): label}`` of the resident parameters this step copied (worth copying in the
-        next backward)."""
-        return {key: label for key, (_, label, _) in self.copies.items() if key in self.entries}
+    def copied_params(self) -> list[tuple[torch.Tensor, str]]:
+        """(parameter, label) of the resident parameters this step copied (worth copying in the next
+        backward)."""
+        return [(t, label) for key, (t, label, _) in self.copies.items() if key in self.entries]
 
     def resident_tensors(self, p: torch.Tensor):
         """(tensor, label) of what the step modifies for ``p`` that is not paged."""

@@ -7,7 +7,8 @@
 #
 #   BUDGET=420 bash benchmarks/gpu_check.sh        # seconds for the whole check
 #
-# Optional: BENCH_S (seconds for the benchmark, default 170), BENCH_ARGS (extra offload.py flags,
+# Optional: BENCH_S (seconds for the benchmark, default 200: the vb variants add up to 10 untimed steps
+# each, until the step inside backward is decided), BENCH_ARGS (extra offload.py flags,
 # e.g. "--variants in_memory,vb_host_step"), GPU_TEST_S (seconds per test file, default 60),
 # SKIP_BENCH=1, SKIP_SUITE=1. Wheels in .whl/ (carried to a machine without a registry) are
 # installed into /tmp/site first. The data folder is $APT_DATA_DIR, else .devrun/data if present.
@@ -26,9 +27,9 @@ fi
 
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   mkdir -p /tmp/gpu-check-prof
-  timeout -k 15 "${BENCH_S:-170}" python3 benchmarks/offload.py --device cuda --rounds 3 --steps-per-round 2 --warmup 2 \
+  timeout -k 15 "${BENCH_S:-200}" python3 benchmarks/offload.py --device cuda --rounds 3 --steps-per-round 2 --warmup 2 \
     --worker-timeout 150 --profile /tmp/gpu-check-prof --json "$OUT/offload-gpu.json" ${BENCH_ARGS:-} > "$OUT/offload.log" 2>&1
-  echo "== benchmark rc=$? at $(( $(date +%s) - T0 ))s"; grep -A30 "^offload (GPU mode)" "$OUT/offload.log"
+  echo "== benchmark rc=$? at $(( $(date +%s) - T0 ))s"; grep -A40 "^offload (GPU mode)" "$OUT/offload.log"
   for f in /tmp/gpu-check-prof/*.txt; do [ -e "$f" ] && { echo "######## $f"; cat "$f"; }; done > "$OUT/profiles.txt"
 fi
 

@@ -392,14 +392,19 @@ class PagingSession:
     def after_grad_accumulate(self, p: nn.Parameter, label: str, page_grad: bool = True) -> None:
         """``p.grad`` is complete for this backward: bind the page to it (autograd may have made a
         new tensor), step ``p`` now where the step runs inside backward, and write the gradient
-        behind (``page_grad=False``: the plan keeps gradients resident, only the step runs)."""
+        behind (``page_grad=False``: the plan keeps gradients resident, only the step runs). Then
+        a resident ``p``'s pre-step copy starts (queued after its gradient's copy down, which is
+        what frees device memory)."""
+        self._grad_complete(p, label, page_grad)
+        if p.grad is not None:
+            self.optimizers.grad_landed(p)
+
+    def _grad_complete(self, p: nn.Parameter, label: str, page_grad: bool) -> None:
         g = p.grad
         pinned = id(p) in self._accumulating
         self._accumulating.discard(id(p))
         if self.host_step is not None and g is not None:
             self.host_step.landed(p)  # the host step takes the gradients in the order they land
-        if g is not None:
-            self.optimizers.grad_landed(p)  # a resident parameter's pre-step copy starts now
         page = self.grad_pages.get(id(p))
         if g is None:
             if pinned and page is not None:

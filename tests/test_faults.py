@@ -414,21 +414,29 @@ def test_a_failure_inside_optimizer_step_applies_nothing_and_a_retry_steps_once(
     assert_same(snapshot(m, opt), snaps[k + 2])
 
 
+def three_level_session(tmp_path, host_budget):
+    """A paging session below a stand-in accelerator (the CPU): a 16 KB device budget, a pinned
+    host level of ``host_budget`` bytes, the disk below it, the step after backward."""
+    from apt_model.memory.paging.session import PagingSession
+    from apt_model.base.patches import PatchSet
+
+    patches = PatchSet()
+    s = PagingSession(16_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget, host_level=True,
+                      step_in_backward="off")
+    return s, patches
+
+
 @pytest.mark.parametrize("host_budget", [8 * 2**20, 20 * 1024], ids=["host-holds-all", "host-spills-to-disk"])
 def test_the_three_level_path_rolls_a_failed_step_back(host_budget, tmp_path):
     """Below an accelerator (the CPU standing in for the device) the pre-step copies live in the
     pinned host level, or on disk once it spills: a step failing in its third chunk is rolled back
     there too, and the retry steps once."""
-    from apt_model.memory.paging.session import PagingSession
-    from apt_model.base.patches import PatchSet
 
     snaps = plain_snapshots(3)
     data = batches(3)
     m = mlp()
     opt = adamw(m, FailingAdamW)
-    patches = PatchSet()
-    s = PagingSession(16_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget, host_level=True,
-                      step_in_backward="off")
+    s, patches = three_level_session(tmp_path, host_budget)
     try:
         s.page_model(m, page_params=True, page_grads=True)
         for i in range(2):
@@ -457,8 +465,6 @@ def test_resident_parameters_are_copied_for_the_step_during_backward_and_still_r
     itself writes only the states. A step failing in its third chunk is still rolled back bitwise —
     also when a weight was edited between backward and ``step()``, after its copy began (it is
     copied again) — and training goes on bitwise like plain PyTorch."""
-    from apt_model.memory.paging.session import PagingSession
-    from apt_model.base.patches import PatchSet
 
     def edit_weight(m):
         if edit:
@@ -481,9 +487,7 @@ def test_resident_parameters_are_copied_for_the_step_during_backward_and_still_r
     m = mlp()
     opt = adamw(m, FailingAdamW)
     p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
-    patches = PatchSet()
-    s = PagingSession(16_000, SwapSpace(tmp_path), patches, device="cpu", host_budget=8 * 2**20, host_level=True,
-                      step_in_backward="off")
+    s, patches = three_level_session(tmp_path, 8 * 2**20)
     try:
         s.page_model(m, page_params=False, page_grads=True)
         for i in range(2):

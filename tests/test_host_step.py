@@ -34,24 +34,29 @@ def _state_pages(session):
     return [pg for pg in session.pager.pages.values() if pg.category is Category.STATE]
 
 
+def _host_stepped(tmp_path, m, opt, run, exact=True, state=True):
+    """``run(m, opt) -> losses`` with the host step (the CPU standing in for the device): (losses,
+    the state snapshot taken before the session closes or None, the host step's report)."""
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=exact)
+        got = run(m, opt)
+        snap = snapshot(m, opt) if state else None
+        rep = session.report()["host_step"]
+    finally:
+        patches.restore_all()
+    return got, snap, rep
+
+
 def _against_plain(tmp_path, run, kind="adamw"):
-    """``run(model, optimizer) -> losses`` in plain training and with the host step (the CPU
-    standing in for the device, exact kernels): (plain losses, plain state, host losses, host
-    state, the host step's report)."""
+    """``run(model, optimizer) -> losses`` in plain training and with the host step (exact
+    kernels): (plain losses, plain state, host losses, host state, the host step's report)."""
     ref_m = model()
     ref_opt = make_opt(ref_m, kind)
     ref = run(ref_m, ref_opt)
     m = model()
-    opt = make_opt(m, kind)
-    session, patches = _session(tmp_path)
-    try:
-        session.page_model(m, page_params=False, page_grads=True)
-        session.step_on_host(m, exact=True)
-        got = run(m, opt)
-        state = snapshot(m, opt)
-        rep = session.report()["host_step"]
-    finally:
-        patches.restore_all()
+    got, state, rep = _host_stepped(tmp_path, m, make_opt(m, kind), run)
     return ref, snapshot(ref_m, ref_opt), got, state, rep
 
 
@@ -211,14 +216,7 @@ def test_chunked_host_steps_are_invisible_to_global_hooks_and_every_optimizer_fo
         ref_seen, seen[:] = list(seen), []
         m = model()
         opt = _TwoOptimizers(m)
-        session, patches = _session(tmp_path)
-        try:
-            session.page_model(m, page_params=False, page_grads=True)
-            session.step_on_host(m, exact=True)
-            got = train(m, opt, 3, clip=0.5)
-            rep = session.report()["host_step"]
-        finally:
-            patches.restore_all()
+        got, _, rep = _host_stepped(tmp_path, m, opt, lambda m, o: train(m, o, 3, clip=0.5), state=False)
     finally:
         handle.remove()
     assert got == ref
@@ -299,15 +297,8 @@ def test_the_fused_host_kernel_trains_the_same_model_within_rounding(tmp_path):
     ref_opt = make_opt(ref_m, "adamw")
     ref = train(ref_m, ref_opt, 4, clip=0.5)
     m = model(dropout=0.0)
-    opt = make_opt(m, "adamw")
-    session, patches = _session(tmp_path)
-    try:
-        session.page_model(m, page_params=False, page_grads=True)
-        session.step_on_host(m, exact=False)
-        got = train(m, opt, 4, clip=0.5)
-        rep = session.report()["host_step"]
-    finally:
-        patches.restore_all()
+    got, _, rep = _host_stepped(tmp_path, m, make_opt(m, "adamw"), lambda m, o: train(m, o, 4, clip=0.5),
+                                exact=False, state=False)
     assert rep["fused"] is True
     assert got == pytest.approx(ref, rel=1e-4)
     for a, b in zip(m.parameters(), ref_m.parameters()):

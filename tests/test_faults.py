@@ -458,18 +458,24 @@ def test_the_three_level_path_rolls_a_failed_step_back(host_budget, tmp_path):
     assert_same(snapshot(m, opt), snaps[3])
 
 
-@pytest.mark.parametrize("edit", [False, True], ids=["weights-unchanged", "weight-edited-after-backward"])
+@pytest.mark.parametrize("edit", [None, "in-place", "data-in-place", "data-set"])
 def test_resident_parameters_are_copied_for_the_step_during_backward_and_still_rolled_back(edit, tmp_path):
     """Parameters kept on the (stand-in) device, gradients and states paged to the host level: from
     the second step on, the parameters' pre-step copies are written while backward runs, so the step
     itself writes only the states. A step failing in its third chunk is still rolled back bitwise —
-    also when a weight was edited between backward and ``step()``, after its copy began (it is
-    copied again) — and training goes on bitwise like plain PyTorch."""
+    also when a weight was edited between backward and ``step()``, after its copy began, in ways
+    that bump its version counter (``mul_`` under ``no_grad``) or not (``p.data.mul_``,
+    ``p.data = x``) — and training goes on bitwise like plain PyTorch."""
 
     def edit_weight(m):
-        if edit:
+        w = m[2].weight
+        if edit == "in-place":
             with torch.no_grad():
-                m[2].weight.mul_(0.5)
+                w.mul_(0.5)
+        elif edit == "data-in-place":
+            w.data.mul_(0.5)
+        elif edit == "data-set":
+            w.data = w.data * 0.5
 
     data = batches(4)
     ref_m = mlp()
@@ -515,6 +521,46 @@ def test_resident_parameters_are_copied_for_the_step_during_backward_and_still_r
     assert_same(snapshot(m, opt), after)
     assert in_backward == in_backward_again == 2 * p_bytes  # each gradient, and each parameter's pre-step copy
     assert in_step == 2 * p_bytes  # AdamW's m and v written back; no parameter copy left for the step
+
+
+def test_early_copies_no_step_takes_are_let_go(tmp_path):
+    """An optimizer over every parameter steps twice, then one over the last layer only takes over
+    while every parameter still gets a gradient: the other parameters' pre-step copies, begun in
+    backward, are let go at the next backward and not begun again — the host level ends as it
+    does when the last layer's optimizer is used from the start — and training is plain PyTorch's."""
+    def run(switch, folder):
+        data = batches(8)
+        m = mlp()
+        folder.mkdir()
+        s, patches = three_level_session(folder, 8 * 2**20)
+        try:
+            s.page_model(m, page_params=False, page_grads=True)
+            if switch:
+                opt = adamw(m)
+                for i in range(2):
+                    one_step(m, opt, data[i])
+                del opt
+            head = torch.optim.AdamW(m[6].parameters(), lr=1e-2)
+            for i in range(2 if switch else 0, 8):
+                one_step(m, head, data[i])
+            resident = s.pager.store.stats()["resident_bytes"]
+        finally:
+            patches.restore_all()
+        return m, resident
+
+    ref = mlp()
+    opt = adamw(ref)
+    data = batches(8)
+    for i in range(2):
+        one_step(ref, opt, data[i])
+    head = torch.optim.AdamW(ref[6].parameters(), lr=1e-2)
+    for i in range(2, 8):
+        one_step(ref, head, data[i])
+    m, resident = run(True, tmp_path / "a")
+    _, resident_head_only = run(False, tmp_path / "b")
+    for a, b in zip(m.parameters(), ref.parameters()):
+        assert torch.equal(a, b)
+    assert resident == resident_head_only
 
 
 @pytest.mark.parametrize("plan", ["all-paged", "parameters-kept"])

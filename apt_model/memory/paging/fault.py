@@ -28,7 +28,9 @@ It also serves the optimizer step taken inside backward (``paging/backward_step.
 tells the handler whether it may write its arguments (:func:`may_write`), and tensors that are no
 pages but must not be used or written before the pending step is committed (resident parameters
 and states the step changed, resident gradients, aliases of gradients) are ``watched``: an op on
-one is reported (``handler.watched_access``).
+one is reported (``handler.watched_access``). Resident parameters whose pre-step copy began in
+backward are watched too (``"early"``): a write to one before the step drops those copies
+(``paging/optimizer.py``).
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ class PageFaultMode(TorchFunctionMode):
         self.lookup = lookup  # id(tensor) -> page (the pager's live map)
         self.handler = handler
         self.active = True
-        self.watched: dict[int, str] = {}  # id(tensor) -> "grad" | "value" (see the module docstring)
+        self.watched: dict[int, str] = {}  # id(tensor) -> "grad" | "value" | "early" (see the module docstring)
         self.passthrough: set = set()  # functions that read no page themselves (backward, grad): not faulted
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

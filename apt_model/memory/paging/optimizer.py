@@ -32,8 +32,12 @@ resident get a pre-step copy that is itself a page (evicted first, so it costs I
 level is short of room), scalars (Adam's ``step``) a clone, and each parameter's state dict its
 entries. A resident parameter the last step copied is copied again as soon as its gradient lands in
 backward (:meth:`OptimizerPaging.grad_landed`), so on an accelerator that copy down shares the link
-with backward's, not with the step's write-backs; its ``_version`` is checked when its chunk runs,
-and a parameter modified after the copy began is copied again there. A step that fails is rolled back completely — states it created are removed — and the
+with backward's, not with the step's write-backs. A write to such a parameter before the step (seen
+by the fault handler: in place, through ``.data``, ``p.data = x``) drops the early copies, and the
+version counter, data pointer and storage size are checked again when its chunk runs: a parameter
+changed after its copy began is copied again there. Early copies the next step does not take are
+let go at the next backward, and their parameters are not copied early again until a step copies
+them. A step that fails is rolled back completely — states it created are removed — and the
 error is raised; a retry steps from the same state as plain PyTorch would. A step that completes
 drops the copies. Costs: the swap files hold two versions of the paged parameters and states
 during a step (the old ones are then reused for the next step's writes).
@@ -125,6 +129,13 @@ def expected_state_bytes(opt: torch.optim.Optimizer, group: dict, p: torch.Tenso
     return _state_copies(opt, group) * p.numel() * p.element_size()
 
 
+def version_mark(t: torch.Tensor) -> tuple[int, int, int]:
+    """What says ``t`` changed since a copy of it began: its version counter (in-place ops), its
+    data pointer and its storage's size (``t.data = x``, which leaves the version alone)."""
+    with torch._C.DisableTorchFunction():
+        return t._version, t.data_ptr(), t.untyped_storage().nbytes()
+
+
 def _state_of(opt_ref, p, key):
     """The optimizer's live state tensor ``key`` of ``p`` (None once the optimizer is gone)."""
     opt = opt_ref()
@@ -147,9 +158,11 @@ class OptimizerPaging:
         self.after_step: list = []  # callables run after each completed step, given the step count
         self.first_chunk: list[Page] = []  # pages of the last step's first chunk, prefetched after backward
         self._last_stepped = None  # weakref to the optimizer whose step ran last (see last_stepped)
-        # pre-step copies started in backward, for the next step transaction: id(p) -> (weakref(p), label, copy)
-        self.early: dict[int, tuple[weakref.ref, str, Page]] = {}
+        # pre-step copies started in backward, for the next step transaction:
+        # id(p) -> (p, label, copy, self.steps when it began)
+        self.early: dict[int, tuple[torch.Tensor, str, Page, int]] = {}
         self._copied = WeakIdKeyDictionary()  # resident parameter -> label: those the last steps copied
+        self._swept = 0  # self.steps when the early copies were last swept
         self.capturable = CapturableFlags()
 
     def install(self, patches) -> None:
@@ -235,7 +248,20 @@ class OptimizerPaging:
     def grad_landed(self, p: torch.Tensor) -> None:
         """``p``'s gradient landed in backward: start the pre-step copy of ``p`` now if the last
         step copied it (a resident parameter of a streamed step), outside any step transaction.
-        A copy that cannot start is left to the step, which copies (and raises) then."""
+
+        The copy is for the next step. The first gradient after a step first drops the copies
+        that step did not take: their parameters are no longer copied early (until a step copies
+        them again). While a copy waits, the fault handler watches its parameter: a write to it
+        (an in-place op, ``.data``, ``p.data = x``) drops every early copy (:meth:`early_written`),
+        and the step copies afresh. A copy that cannot start is left to the step, which copies
+        (and raises) then."""
+        if self._swept != self.steps:
+            self._swept = self.steps
+            stale = [k for k, e in self.early.items() if e[3] != self.steps]
+            for key in stale:
+                t, _, copy, _ = self.early.pop(key)
+                self._copied.pop(t, None)
+                self._forget(t, copy)
         label = self._copied.get(p)
         if label is None or id(p) in self.early or self._in_step or self.session.pager.in_step:
             return
@@ -244,30 +270,47 @@ class OptimizerPaging:
         except Exception as err:  # noqa: BLE001 - the step makes the copy itself and reports the error
             log.debug("the pre-step copy of %s could not start in backward: %s", label, err)
             return
-        copy.version = p._version
-        self.early[id(p)] = (weakref.ref(p), label, copy)
+        copy.version = version_mark(p)
+        self.early[id(p)] = (p, label, copy, self.steps)
+        self.session.mode.watched.setdefault(id(p), "early")
+
+    def early_written(self) -> None:
+        """The fault handler saw a write to a parameter with an early copy (between backward and
+        the step): drop them all (the step copies afresh; not every write shows in ``_version``)."""
+        if self.early:
+            log.debug("a parameter was written after its pre-step copy began: %d early copies dropped",
+                      len(self.early))
+            self.drop_early()
 
     def take_early(self, params) -> dict[int, tuple[torch.Tensor, str, Page]]:
-        """The pre-step copies started in backward of ``params`` (``{id(p): (p, label, copy)}``, for a
-        step transaction); copies whose parameter is gone are dropped."""
+        """The pre-step copies started in backward of ``params`` (``{id(p): (p, label, copy)}``), for
+        a step transaction."""
         taken = {}
         for p in params:
             entry = self.early.pop(id(p), None)
             if entry is not None:
-                ref, label, copy = entry
-                if ref() is p:
-                    taken[id(p)] = (p, label, copy)
-                else:  # another tensor took the id of one that died after its copy began
-                    self.session.pager.copy_drop(copy)
-        for key in [k for k, (ref, _, _) in self.early.items() if ref() is None]:
-            self.session.pager.copy_drop(self.early.pop(key)[2])
+                self._unwatch(p)
+                taken[id(p)] = entry[:3]
         return taken
 
     def drop_early(self) -> None:
-        """Forget the pre-step copies started in backward that no step took (teardown)."""
+        """Forget the pre-step copies started in backward that no step took."""
         early, self.early = self.early, {}
-        for _, _, copy in early.values():
+        for t, _, copy, _ in early.values():
+            self._forget(t, copy)
+
+    def _unwatch(self, t: torch.Tensor) -> None:
+        watched = self.session.mode.watched
+        if watched.get(id(t)) == "early":
+            del watched[id(t)]
+
+    def _forget(self, t: torch.Tensor, copy: Page) -> None:
+        """Drop an early copy; never raises (an error is logged: the copy's room is lost at worst)."""
+        self._unwatch(t)
+        try:
             self.session.pager.copy_drop(copy)
+        except Exception as err:  # noqa: BLE001 - a failed drop must not fail the step or the teardown
+            log.warning("the pre-step copy %s could not be dropped: %s", copy.label, err)
 
     def _pre(self, opt, args, kwargs):
         if self._in_step or not self._involves_paging(opt):
@@ -546,12 +589,8 @@ class _StepUndo:
         self.created: list[tuple[torch.Tensor, Page]] = []  # (param, state page the step created)
         self.confirmed: set[int] = set()  # id() of copied tensors whose chunk was about to run
         self.cloned: set[int] = set()  # id() of the tensors in ``clones``
-        self._take_early()
-
-    def _take_early(self) -> None:
-        """Take over the pre-step copies started in backward of the parameters ``opt`` steps."""
-        if self.paging.early:
-            self.copies.update(self.paging.take_early(p for g in self.opt.param_groups for p in g["params"]))
+        if paging.early:  # take over the pre-step copies started in backward of the parameters opt steps
+            self.copies.update(paging.take_early(p for g in opt.param_groups for p in g["params"]))
 
     def copied_params(self) -> list[tuple[torch.Tensor, str]]:
         """(parameter, label) of the resident parameters this step copied (worth copying in the next
@@ -580,7 +619,7 @@ class _StepUndo:
             for t, label in self.resident_tensors(p):
                 if self._copied_below(t) and id(t) not in self.copies:
                     copy = self.pager.copy_out(t, label)
-                    copy.version = t._version
+                    copy.version = version_mark(t)
                     self.copies[id(t)] = (t, label, copy)
 
     def keep(self, chunk: list[torch.Tensor], write_pages: list[Page]) -> None:
@@ -601,10 +640,10 @@ class _StepUndo:
                 if id(t) in self.copies:
                     copy = self.copies[id(t)][2]
                     self.pager.copy_wait(copy)
-                    if copy.version != t._version:  # changed since the copy started: copy it again
+                    if copy.version != version_mark(t):  # changed since the copy started: copy it again
                         self.pager.copy_drop(copy)
                         copy = self.pager.copy_out(t, label)
-                        copy.version = t._version
+                        copy.version = version_mark(t)
                         self.copies[id(t)] = (t, label, copy)
                         self.pager.copy_wait(copy)
                     self.confirmed.add(id(t))

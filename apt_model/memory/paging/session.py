@@ -504,6 +504,8 @@ class PagingSession:
 
     def watched_access(self, kinds: set, writes: bool) -> None:
         """Fault handler: an op on a watched tensor (see ``paging/fault.py``)."""
+        if writes and "early" in kinds:
+            self.optimizers.early_written()  # a parameter written after its pre-step copy began
         self.backward_step.watched_access(kinds, writes)
 
     def zero_lower(self, page: Page) -> bool:

@@ -32,15 +32,25 @@ fullgraph=True)`` of code that reaches a paged model raises Dynamo's ``Unsupport
 text gives the reason below (its hint to remove a ``torch.compiler.disable`` call means this one).
 A model compiled with ``model.compile()`` *before* paging started has its compiled call bound to
 torch's own ``_call_impl`` (Dynamo would trace the paging hooks): that call is taken off while the
-model is paged, and given back when paging closes (:func:`add_model`). Not covered: a compiled
-function that reads a paged parameter directly, outside any module call (an L2 term over
-``model.parameters()`` inside a compiled loss): Dynamo lifts the parameter as a graph input and
-the kernel reads it without a fault — with Inductor, the default backend, a crash. Compile the
-model (or the code around it), not code that reaches into a paged model's parameters.
+model is paged, and given back when paging closes (:func:`add_model`).
+
+**A compiled function that reads a paged parameter directly**, outside any module call (an L2 term
+over ``model.parameters()`` inside a compiled loss): Dynamo lifts the parameter as an input of the
+graph, and the compiled kernels read it without passing the fault handler — with Inductor, the
+default backend, that read a page's freed memory and the process crashed (SIGSEGV). So every graph
+compiled while paging is on is wrapped (:func:`install_graph_inputs`, a patch of Dynamo's
+``OutputGraph.call_user_compiler``, the one place every backend's compiled function passes): when
+it runs, the pages among its inputs are loaded and pinned for the call, exactly as the fault
+handler does for one eager op (``enter``/``exit``: pages the outputs alias stay pinned while the
+alias lives), and the call runs under the saved-tensor hooks that keep what its backward reads
+readable (:class:`~apt_model.memory.paging.saved.SavedPins`). The result is bitwise that of the same
+compiled function without paging. A graph compiled before paging started is not wrapped (its
+inputs were never paged then; one that later reads a paged parameter directly is the old case).
 """
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -94,6 +104,76 @@ def install(patches) -> None:
     patches.set_attr(nn.Module, "_call_impl", _call_impl, label="nn.Module._call_impl: paged modules run eagerly "
                                                                  "under torch.compile")
     patches.add_undo(_PAGED.clear, "paged modules under torch.compile")
+
+
+def install_graph_inputs(session, patches) -> bool:
+    """Wrap every graph Dynamo compiles from now on so that the pages among its inputs are loaded
+    and pinned while it runs (see the module docstring), for ``session`` (a
+    :class:`~apt_model.memory.paging.session.PagingSession`, held weakly) until ``patches`` are
+    undone. Returns False, with the reason logged, where this torch has no
+    ``OutputGraph.call_user_compiler`` to patch."""
+    try:
+        from torch._dynamo.output_graph import OutputGraph
+    except ImportError as err:
+        log.info("compiled graphs that read paged parameters directly are not covered: %s", err)
+        return False
+    real = getattr(OutputGraph, "call_user_compiler", None)
+    if real is None:
+        log.info("compiled graphs that read paged parameters directly are not covered: this torch's Dynamo has "
+                 "no OutputGraph.call_user_compiler")
+        return False
+    _SESSION[0] = weakref.ref(session)
+
+    @functools.wraps(real)
+    def call_user_compiler(self, *args, **kwargs):
+        return _PagedInputs(real(self, *args, **kwargs))
+
+    patches.set_attr(OutputGraph, "call_user_compiler", call_user_compiler,
+                     label="Dynamo's compiled graphs load the pages among their inputs")
+    patches.add_undo(functools.partial(_SESSION.__setitem__, 0, None), "the session compiled graphs page for")
+    return True
+
+
+#: [weakref to the paging session compiled graphs load pages for, or None when paging is off]
+_SESSION: list = [None]
+
+
+class _PagedInputs:
+    """A compiled graph's function, run with the pages among its inputs loaded and pinned (see the
+    module docstring). Once paging is off it calls the function as is."""
+
+    def __init__(self, fn):
+        functools.update_wrapper(self, fn)  # keeps the attributes callers read (``_boxed_call``...)
+        self._paged_inputs_fn = fn
+
+    def __call__(self, *args):
+        fn = self._paged_inputs_fn
+        ref = _SESSION[0]
+        session = ref() if ref is not None else None
+        if session is None or not session.mode.active:
+            return fn(*args)
+        lookup = session.pager.by_tensor
+        hit = []
+        for a in args:
+            for t in (a if isinstance(a, (list, tuple)) else (a,)):  # a boxed call passes one list
+                if isinstance(t, torch.Tensor):
+                    page = lookup.get(id(t))
+                    if page is not None:
+                        hit.append(page)
+        if not hit:
+            return fn(*args)
+        held = session.enter(hit, writes=True)  # a graph may mutate its inputs
+        out = None
+        try:
+            saving = session.graph_saves(hit, args, {})
+            if saving is None:
+                out = fn(*args)
+            else:
+                with saving:
+                    out = fn(*args)
+        finally:
+            session.exit(held, out, hit)
+        return out
 
 
 def add_model(model: nn.Module, patches) -> None:

@@ -140,6 +140,7 @@ class PagingSession:
         self._patch_backward()
         backward_hooks.install(self.mode, self.patches)  # user hooks in backward see the fault handler
         compiled.install(self.patches)  # torch.compile runs paged models eagerly
+        compiled.install_graph_inputs(self, self.patches)  # and loads pages a compiled graph reads directly
         from torch.amp import GradScaler
 
         unscale = GradScaler.unscale_

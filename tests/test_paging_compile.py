@@ -248,3 +248,75 @@ def test_a_compiled_function_reading_paged_parameters_directly_loads_them(tmp_pa
     vb.disable()
     assert got == ref
     assert_same(state, snapshot(ref_m, ref_opt))
+
+
+@pytest.mark.parametrize("scales", [False, True], ids=["reads-the-gradients", "scales-the-gradients"])
+def test_compiled_code_between_backward_and_step_counts_as_a_write_only_when_it_writes(tmp_path, scales):
+    """A compiled function run between backward and ``step()`` that only reads the (paged)
+    gradients — a logged gradient norm — leaves the optimizer step inside backward on; one that
+    scales them in place turns it off (the gradients changed after they landed). Both bitwise the
+    same compiled code without paging."""
+    def between(m):
+        if scales:
+            for p in m.parameters():
+                p.grad.mul_(0.5)
+            return None
+        return sum((p.grad * p.grad).sum() for p in m.parameters())
+
+    def loop(m, opt):
+        f = torch.compile(between, backend=_kernels_bypass_modes)
+        gen = torch.Generator().manual_seed(1)
+        torch.manual_seed(1)
+        losses = []
+        for _ in range(4):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            f(m)
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ref_m = model()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = loop(ref_m, ref_opt)
+    torch._dynamo.reset()
+    m = model()
+    opt = make_opt(m, "adamw")
+    vb.enable("balanced", swap_dir=str(tmp_path), paging_step_in_backward="on", **FORCE)
+    m.to("cpu")
+    got = loop(m, opt)
+    state = snapshot(m, opt)
+    sib = vb.get_report()["memory"]["paging"]["step_in_backward"]
+    vb.disable()
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    if scales:
+        assert sib["state"] == "off" and "in-place" in sib["reason"], sib
+    else:
+        assert sib["state"] == "armed" and sib["steps_in_backward"] == 3, sib
+
+
+def test_parameters_dynamo_installs_as_graph_attributes_are_loaded_too(tmp_path, monkeypatch):
+    """With ``torch._dynamo.config.install_free_tensors`` a parameter reached through a closure is
+    an attribute of the captured graph, not an input: it is loaded for the call as well (before:
+    a segmentation fault)."""
+    monkeypatch.setattr(torch._dynamo.config, "install_free_tensors", True)
+    m = model()
+    opt = make_opt(m, "adamw")
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    m.to("cpu")
+    x = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)).backward()
+    opt.step()
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append([n.op for n in gm.graph.nodes])
+        return _kernels_bypass_modes(gm, example_inputs)
+
+    got = torch.compile(lambda: (m.head.weight * 2).sum(), backend=backend)()
+    vb.disable()
+    assert "get_attr" in seen[0] and "placeholder" not in seen[0], seen  # the case this test is about
+    assert torch.equal(got, (m.head.weight * 2).sum())

@@ -40,16 +40,20 @@ graph, and the compiled kernels read it without passing the fault handler — wi
 default backend, that read a page's freed memory and the process crashed (SIGSEGV). So every graph
 compiled while paging is on is wrapped (:func:`install_graph_inputs`, a patch of Dynamo's
 ``OutputGraph.call_user_compiler``, the one place every backend's compiled function passes): when
-it runs, the pages among its inputs are loaded and pinned for the call, exactly as the fault
+it runs, the pages among its inputs (and among the tensors it reads as attributes, where Dynamo
+installs parameters that way: ``install_free_tensors``) are loaded and pinned for the call, exactly as the fault
 handler does for one eager op (``enter``/``exit``: pages the outputs alias stay pinned while the
 alias lives), and the call runs under the saved-tensor hooks that keep what its backward reads
-readable (:class:`~apt_model.memory.paging.saved.SavedPins`). The result is bitwise that of the same
-compiled function without paging. A graph compiled before paging started is not wrapped (its
-inputs were never paged then; one that later reads a paged parameter directly is the old case).
+readable (:class:`~apt_model.memory.paging.saved.SavedPins`). Whether the call may write its inputs
+is read from the captured graph (:func:`graph_may_write`), as the fault handler decides it for one
+eager op. The result is bitwise that of the same compiled function without paging. The call holds
+every page it reads at once. A graph compiled before paging started is wrapped only once Dynamo
+recompiles it (the fault handler's mode changes the torch-function mode stack Dynamo guards on).
 """
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 
 import torch
@@ -125,8 +129,8 @@ def install_graph_inputs(session, patches) -> bool:
     _SESSION[0] = weakref.ref(session)
 
     @functools.wraps(real)
-    def call_user_compiler(self, *args, **kwargs):
-        return _PagedInputs(real(self, *args, **kwargs))
+    def call_user_compiler(self, gm, *args, **kwargs):
+        return _PagedInputs(real(self, gm, *args, **kwargs), graph_may_write(gm), graph_attr_tensors(gm))
 
     patches.set_attr(OutputGraph, "call_user_compiler", call_user_compiler,
                      label="Dynamo's compiled graphs load the pages among their inputs")
@@ -137,14 +141,62 @@ def install_graph_inputs(session, patches) -> bool:
 #: [weakref to the paging session compiled graphs load pages for, or None when paging is off]
 _SESSION: list = [None]
 
+#: ``operator`` functions that write their first argument (``x += y``, ``x[i] = v`` in a graph).
+_OPERATOR_WRITES = frozenset([operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                              operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+                              operator.ilshift, operator.irshift, operator.imatmul, operator.setitem])
+
+
+def graph_attr_tensors(gm) -> list:
+    """Weak references to the tensors a captured graph reads as attributes of its module
+    (``get_attr`` nodes: what Dynamo does with parameters under
+    ``torch._dynamo.config.install_free_tensors``) rather than as inputs."""
+    out = []
+    graph = getattr(gm, "graph", None)
+    for node in graph.nodes if graph is not None else ():
+        if node.op != "get_attr":
+            continue
+        obj = gm
+        try:
+            for part in str(node.target).split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, torch.Tensor):
+            out.append(weakref.ref(obj))
+    return out
+
+
+def graph_may_write(gm) -> bool:
+    """Whether a graph Dynamo captured may write a tensor it was given: an in-place op by name
+    (``mul_``, ``_foreach_div_``), an ``out=`` argument, ``.data``, an in-place operator
+    (``x += y``, ``x[i] = v``) — as :func:`~apt_model.memory.paging.fault.may_write` decides for one
+    eager op. A graph that is not an ``fx.GraphModule`` may write (unknown)."""
+    from apt_model.memory.paging.fault import IN_PLACE_DUNDER, may_write  # fault imports this module
+
+    graph = getattr(gm, "graph", None)
+    if graph is None:
+        return True
+    for node in graph.nodes:
+        if node.op == "call_method":
+            name = str(node.target)
+            if (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_DUNDER or "out" in node.kwargs:
+                return True
+        elif node.op == "call_function":
+            if node.target in _OPERATOR_WRITES or may_write(node.target, node.kwargs):
+                return True
+    return False
+
 
 class _PagedInputs:
     """A compiled graph's function, run with the pages among its inputs loaded and pinned (see the
     module docstring). Once paging is off it calls the function as is."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, writes: bool = True, attrs: list | None = None):
         functools.update_wrapper(self, fn)  # keeps the attributes callers read (``_boxed_call``...)
         self._paged_inputs_fn = fn
+        self._paged_inputs_write = writes
+        self._paged_inputs_attrs = attrs or []  # weak references to tensors the graph reads as attributes
 
     def __call__(self, *args):
         fn = self._paged_inputs_fn
@@ -154,7 +206,8 @@ class _PagedInputs:
             return fn(*args)
         lookup = session.pager.by_tensor
         hit = []
-        for a in args:
+        attrs = [ref() for ref in self._paged_inputs_attrs]
+        for a in (*args, attrs):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):  # a boxed call passes one list
                 if isinstance(t, torch.Tensor):
                     page = lookup.get(id(t))
@@ -162,7 +215,7 @@ class _PagedInputs:
                         hit.append(page)
         if not hit:
             return fn(*args)
-        held = session.enter(hit, writes=True)  # a graph may mutate its inputs
+        held = session.enter(hit, writes=self._paged_inputs_write)  # as for one eager op
         out = None
         try:
             saving = session.graph_saves(hit, args, {})

@@ -64,9 +64,10 @@ ZEROING = frozenset([_TB.zero_, torch._foreach_zero_])
 
 _DATA_GET = _TB.data.__get__
 _DATA_SET = _TB.data.__set__
-_IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                              "__irshift__", "__imatmul__"])
+#: In-place operator methods (``x += y``, ``x[i] = v``): they write their first argument.
+IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                             "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                             "__irshift__", "__imatmul__"])
 
 
 def may_write(func, kwargs) -> bool:
@@ -77,7 +78,7 @@ def may_write(func, kwargs) -> bool:
     if func == _DATA_GET or func == _DATA_SET or (kwargs and "out" in kwargs):  # new method-wrappers: ==
         return True
     name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
+    return (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_DUNDER
 
 
 

@@ -207,21 +207,31 @@ def _l2(m):
     return sum((p * p).sum() for p in m.parameters())
 
 
+def _steps(m, opt, n, extra=None, between=None):
+    """``n`` training steps (dropout seeded) whose loss adds ``extra(m)`` and that call
+    ``between(m)`` between backward and ``step()``; returns the losses."""
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    losses = []
+    for _ in range(n):
+        opt.zero_grad()
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        if extra is not None:
+            loss = loss + extra(m)
+        loss.backward()
+        if between is not None:
+            between(m)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _l2_loop(m, opt, backend):
     """Three steps whose loss adds an L2 term computed by a compiled function over the model's
     parameters (read directly, not through a module call); returns the losses."""
     l2 = torch.compile(_l2, backend=backend)
-    gen = torch.Generator().manual_seed(1)
-    torch.manual_seed(1)  # dropout
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        x = torch.randint(0, 256, (4, 32), generator=gen)
-        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)) + 1e-4 * l2(m)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return _steps(m, opt, 3, extra=lambda m: 1e-4 * l2(m))
 
 
 @pytest.mark.parametrize("backend", ["kernels bypassing modes", "inductor"])
@@ -264,19 +274,7 @@ def test_compiled_code_between_backward_and_step_counts_as_a_write_only_when_it_
         return sum((p.grad * p.grad).sum() for p in m.parameters())
 
     def loop(m, opt):
-        f = torch.compile(between, backend=_kernels_bypass_modes)
-        gen = torch.Generator().manual_seed(1)
-        torch.manual_seed(1)
-        losses = []
-        for _ in range(4):
-            opt.zero_grad()
-            x = torch.randint(0, 256, (4, 32), generator=gen)
-            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
-            loss.backward()
-            f(m)
-            opt.step()
-            losses.append(loss.item())
-        return losses
+        return _steps(m, opt, 4, between=torch.compile(between, backend=_kernels_bypass_modes))
 
     ref_m = model()
     ref_opt = make_opt(ref_m, "adamw")

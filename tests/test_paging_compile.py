@@ -296,11 +296,11 @@ def test_compiled_code_between_backward_and_step_counts_as_a_write_only_when_it_
         assert sib["state"] == "armed" and sib["steps_in_backward"] == 3, sib
 
 
-def test_parameters_dynamo_installs_as_graph_attributes_are_loaded_too(tmp_path, monkeypatch):
+@torch._dynamo.config.patch(install_free_tensors=True)  # not monkeypatch: its undo deletes a config key
+def test_parameters_dynamo_installs_as_graph_attributes_are_loaded_too(tmp_path):
     """With ``torch._dynamo.config.install_free_tensors`` a parameter reached through a closure is
     an attribute of the captured graph, not an input: it is loaded for the call as well (before:
     a segmentation fault)."""
-    monkeypatch.setattr(torch._dynamo.config, "install_free_tensors", True)
     m = model()
     opt = make_opt(m, "adamw")
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)

@@ -172,15 +172,14 @@ def graph_may_write(gm) -> bool:
     (``mul_``, ``_foreach_div_``), an ``out=`` argument, ``.data``, an in-place operator
     (``x += y``, ``x[i] = v``) — as :func:`~apt_model.memory.paging.fault.may_write` decides for one
     eager op. A graph that is not an ``fx.GraphModule`` may write (unknown)."""
-    from apt_model.memory.paging.fault import IN_PLACE_DUNDER, may_write  # fault imports this module
+    from apt_model.memory.paging.fault import may_write, writes_by_name  # fault imports this module
 
     graph = getattr(gm, "graph", None)
     if graph is None:
         return True
     for node in graph.nodes:
         if node.op == "call_method":
-            name = str(node.target)
-            if (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_DUNDER or "out" in node.kwargs:
+            if writes_by_name(str(node.target)) or "out" in node.kwargs:
                 return True
         elif node.op == "call_function":
             if node.target in _OPERATOR_WRITES or may_write(node.target, node.kwargs):

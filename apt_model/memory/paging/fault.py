@@ -64,10 +64,15 @@ ZEROING = frozenset([_TB.zero_, torch._foreach_zero_])
 
 _DATA_GET = _TB.data.__get__
 _DATA_SET = _TB.data.__set__
-#: In-place operator methods (``x += y``, ``x[i] = v``): they write their first argument.
-IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
-                             "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
-                             "__irshift__", "__imatmul__"])
+_IN_PLACE_DUNDER = frozenset(["__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__",
+                              "__imod__", "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__",
+                              "__irshift__", "__imatmul__"])
+
+
+def writes_by_name(name: str) -> bool:
+    """Whether an op named ``name`` writes its first argument: in place by name (``mul_``,
+    ``_foreach_div_``) or an in-place operator method (``__iadd__``, ``__setitem__``)."""
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
 
 
 def may_write(func, kwargs) -> bool:
@@ -77,8 +82,7 @@ def may_write(func, kwargs) -> bool:
     set: new bytes under the same tensor)."""
     if func == _DATA_GET or func == _DATA_SET or (kwargs and "out" in kwargs):  # new method-wrappers: ==
         return True
-    name = getattr(func, "__name__", "")
-    return (name.endswith("_") and not name.endswith("__")) or name in IN_PLACE_DUNDER
+    return writes_by_name(getattr(func, "__name__", ""))
 
 
 

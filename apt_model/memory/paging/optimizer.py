@@ -136,6 +136,14 @@ def version_mark(t: torch.Tensor) -> tuple[int, int, int]:
         return t._version, t.data_ptr(), t.untyped_storage().nbytes()
 
 
+def marked_copy(pager, t: torch.Tensor, label: str) -> Page:
+    """Start ``t``'s pre-step copy below (:meth:`Pager.copy_out`, whose errors it raises), marked
+    with :func:`version_mark` so that a change made after it began is seen."""
+    copy = pager.copy_out(t, label)
+    copy.version = version_mark(t)
+    return copy
+
+
 def _state_of(opt_ref, p, key):
     """The optimizer's live state tensor ``key`` of ``p`` (None once the optimizer is gone)."""
     opt = opt_ref()
@@ -266,11 +274,10 @@ class OptimizerPaging:
         if label is None or id(p) in self.early or self._in_step or self.session.pager.in_step:
             return
         try:
-            copy = self.session.pager.copy_out(p, label)
+            copy = marked_copy(self.session.pager, p, label)
         except Exception as err:  # noqa: BLE001 - the step makes the copy itself and reports the error
             log.debug("the pre-step copy of %s could not start in backward: %s", label, err)
             return
-        copy.version = version_mark(p)
         self.early[id(p)] = (p, label, copy, self.steps)
         self.session.mode.watched.setdefault(id(p), "early")
 
@@ -618,9 +625,7 @@ class _StepUndo:
         for p in chunk:
             for t, label in self.resident_tensors(p):
                 if self._copied_below(t) and id(t) not in self.copies:
-                    copy = self.pager.copy_out(t, label)
-                    copy.version = version_mark(t)
-                    self.copies[id(t)] = (t, label, copy)
+                    self.copies[id(t)] = (t, label, marked_copy(self.pager, t, label))
 
     def keep(self, chunk: list[torch.Tensor], write_pages: list[Page]) -> None:
         """Keep the pre-step state of ``chunk`` (acquired: its pages are resident and pinned)
@@ -642,8 +647,7 @@ class _StepUndo:
                     self.pager.copy_wait(copy)
                     if copy.version != version_mark(t):  # changed since the copy started: copy it again
                         self.pager.copy_drop(copy)
-                        copy = self.pager.copy_out(t, label)
-                        copy.version = version_mark(t)
+                        copy = marked_copy(self.pager, t, label)
                         self.copies[id(t)] = (t, label, copy)
                         self.pager.copy_wait(copy)
                     self.confirmed.add(id(t))

@@ -21,6 +21,10 @@ in the same run (what ``auto``'s own trial compares, over more iterations).
 
     python benchmarks/offload.py --threads 2 --clip 0 --json bench-results/offload-noclip.json
 
+With ``--compare-reuse-memory`` another paged worker runs with ``paging_reuse_memory=off`` (evicted
+pages' memory freed at once rather than kept for the next load of the same size), taking turns with
+the others; every worker's minor page faults per step are reported.
+
 GPU mode (``--device cuda``, code in ``offload_gpu.py``): one run compares in-memory training with
 torchao's ``CPUOffloadOptimizer`` (with and without ``offload_gradients``), FSDP2's
 ``CPUOffloadPolicy`` on one rank, and this project's paging with the parameters kept on the device
@@ -49,7 +53,10 @@ from offload_gpu import VARIANTS, cuda_missing, run_gpu  # noqa: E402
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
-def worker(conn, paged: bool, args, step_in_backward: str = "auto") -> None:
+def worker(conn, paged: bool, args, step_in_backward: str = "auto", reuse_memory: bool = True) -> None:
+    import resource
+    import time
+
     import torch
 
     torch.set_num_threads(args.threads)
@@ -62,7 +69,8 @@ def worker(conn, paged: bool, args, step_in_backward: str = "auto") -> None:
     set_seed(0)
     if paged:
         vb.enable("balanced", paging=args.paging, device_budget=args.budget, swap_dir=args.swap_dir,
-                  mixed_precision="off", banner=False, paging_step_in_backward=step_in_backward)
+                  mixed_precision="off", banner=False, paging_step_in_backward=step_in_backward,
+                  paging_reuse_memory=reuse_memory)
     corpus = ByteCorpus(load_text_bytes(None, 2_000_000))
     model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
                           attn_implementation="sdpa")).to("cpu")
@@ -71,12 +79,14 @@ def worker(conn, paged: bool, args, step_in_backward: str = "auto") -> None:
     p_bytes, t_bytes = model_state_sizes(model)
 
     def io_counters():
+        # CPU seconds of every thread of the process, then minor page faults: the last two
+        faults = (time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
         if not paged:
-            return (0, 0, 0.0)
+            return (0, 0, 0.0, *(0.0 for _ in PHASES), *faults)
         lv = vb.get_stats()["levels"]
         phases = lv[0].get("stall_s_by_phase") or {}
         return (lv[-1]["bytes_out"], lv[-1]["bytes_in"], lv[0]["stall_s"],  # read, written, stall
-                *(phases.get(k, 0.0) for k in PHASES))
+                *(phases.get(k, 0.0) for k in PHASES), *faults)
 
     def step() -> float:
         return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len, clip=args.clip or None)
@@ -135,6 +145,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steps-per-round", type=int, default=3)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--json", default=None)
+    p.add_argument("--compare-reuse-memory", action="store_true",
+                   help="cpu: a third worker pages with paging_reuse_memory=off, side by side")
     p.add_argument("--clip", type=float, default=1.0,
                    help="cpu: clip_grad_norm_ max norm in the loop (0: no clipping; then the paged worker steps "
                         "inside backward, paging_step_in_backward=on, and a third worker after it, =off)")
@@ -173,14 +185,18 @@ def main(argv=None) -> dict:
     workers = [("in_memory", False, "auto"), ("paged", True, "auto")]
     if not args.clip:  # the step inside backward applies: measured against the step after backward
         workers = [("in_memory", False, "auto"), ("paged", True, "on"), ("paged_after_backward", True, "off")]
-    for name, paged, in_backward in workers:
+    if args.compare_reuse_memory:  # the same paged run with evicted pages' memory freed, not kept
+        workers.append(("paged_no_reuse", True, workers[1][2], False))
+    for name, paged, in_backward, *reuse in workers:
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, paged, args, in_backward), daemon=True)
+        proc = ctx.Process(target=worker, args=(child, paged, args, in_backward, *reuse), daemon=True)
         proc.start()
         tag, info = parent.recv()
         assert tag == "ready"
         sides[name], infos[name] = (parent, proc), info
     times = {n: [] for n in sides}
+    faults = {n: 0 for n in sides}
+    cpu = {n: 0.0 for n in sides}
     io, io_after = [], []
     order = list(sides)
     for r in range(args.rounds):
@@ -189,6 +205,8 @@ def main(argv=None) -> dict:
             parent.send(args.steps_per_round)
             t, delta = parent.recv()
             times[name].extend(t)
+            faults[name] += delta[-1]
+            cpu[name] += delta[-2]
             if name == "paged":
                 io.append(delta)
             elif name == "paged_after_backward":
@@ -229,7 +247,13 @@ def main(argv=None) -> dict:
         "ratio_to_bound": pag["median"] / max(mem["median"], floor),  # the floor is no bound when compute is longer
         "slowdown_vs_in_memory": pag["median"] / mem["median"],
         "step_in_backward": infos["paged"]["step_in_backward"],
+        "minor_faults_per_step": {n: f / steps for n, f in faults.items()},
+        "cpu_s_per_step": {n: c / steps for n, c in cpu.items()},  # all threads of the worker
     }
+    if "paged_no_reuse" in times:
+        nr = summarize(times["paged_no_reuse"])
+        result["paged_no_reuse"] = nr
+        result["reuse_over_no_reuse"] = pag["median"] / nr["median"]
     if "paged_after_backward" in times:
         aft = summarize(times["paged_after_backward"])
         result["paged_after_backward"] = aft
@@ -264,6 +288,13 @@ def main(argv=None) -> dict:
               f"wrote {result['paged_after_backward_write_bytes_per_step'] / 1e6:.1f}MB per step; stalled ("
               + ", ".join(f"{k} {1e3 * v:.0f}" for k, v in result["paged_after_backward_stall_s_per_step_by_phase"].items())
               + f"); in backward / after = {result['in_backward_over_after_backward']:.2f}")
+    print("  per step, all threads: minor page faults " + ", ".join(
+        f"{n} {f:,.0f}" for n, f in result["minor_faults_per_step"].items()) + "; CPU seconds " + ", ".join(
+        f"{n} {c:.2f}" for n, c in result["cpu_s_per_step"].items()))
+    if "paged_no_reuse" in result:
+        nr = result["paged_no_reuse"]
+        print(f"  paged, evicted pages' memory freed (paging_reuse_memory=off) {1e3 * nr['median']:8.1f} ms "
+              f"(p25 {1e3 * nr['p25']:.1f}, p75 {1e3 * nr['p75']:.1f}); paged / this = {result['reuse_over_no_reuse']:.3f}")
     write_json(result, args.json)
     return result
 

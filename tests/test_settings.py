@@ -173,7 +173,8 @@ def test_the_table_holds_every_packages_entries_once():
                            "activation_budget": "VB_ACTIVATION_BUDGET", "checkpoint_policy": "VB_CHECKPOINT_POLICY",
                            "distributed": "VB_DISTRIBUTED", "compile_warmup_budget": "VB_COMPILE_WARMUP_BUDGET",
                            "paging_step": "VB_PAGING_STEP", "paging_exact": "VB_PAGING_EXACT",
-                           "paging_step_in_backward": "VB_PAGING_STEP_IN_BACKWARD"}
+                           "paging_step_in_backward": "VB_PAGING_STEP_IN_BACKWARD",
+                           "paging_reuse_memory": "VB_PAGING_REUSE_MEMORY"}
     from apt_model.switch import vbrc
     from apt_model.switch.modes import FEATURES
 
@@ -301,6 +302,7 @@ SETTING_CASES = {
     "paging_step": ("Host", "host", "gpu", "valid values: auto, device, host"),
     "paging_exact": ("off", False, "maybe", "is not valid; use one of"),
     "paging_step_in_backward": ("OFF", "off", "always", "valid values: auto, on, off"),
+    "paging_reuse_memory": ("off", False, "sometimes", "is not valid; use one of"),
     "device_budget": ("4GiB", "4GiB", "lots", "is not a size"),
     "host_budget": (1 << 30, 1 << 30, 0, "must be a positive size"),
     "swap_dir": ("/tmp", "/tmp", 3, "must be a folder path"),
@@ -351,6 +353,7 @@ ENV_CASES = {
     "VB_PAGING_STEP": ("device", "device", "cpu"),
     "VB_PAGING_EXACT": ("0", False, "maybe"),
     "VB_PAGING_STEP_IN_BACKWARD": ("off", "off", "later"),
+    "VB_PAGING_REUSE_MEMORY": ("0", False, "maybe"),
     "VB_CHECKPOINTING": ("on", True, "maybe"),
     "VB_ACTIVATION_OFFLOAD": ("0", False, "sometimes"),
     "VB_PAGING": ("tight", "tight", "never"),

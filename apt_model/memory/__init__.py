@@ -3,6 +3,7 @@
 * :mod:`~apt_model.memory.levels` — the levels with real capacities and measured bandwidths.
 * :mod:`~apt_model.memory.swap` — the NVMe level: per-process swap folders, verified files.
 * :mod:`~apt_model.memory.pages` / :mod:`~apt_model.memory.pager` — pages and the LRU pager.
+* :mod:`~apt_model.memory.page_buffers` — evicted pages' host memory, reused by the next load.
 * :mod:`~apt_model.memory.io_engine` — background reader and writer threads.
 * :mod:`~apt_model.memory.placement` — what stays resident and what pages, and why.
 * :mod:`~apt_model.memory.bandwidth` — the bandwidth probes.

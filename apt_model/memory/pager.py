@@ -66,6 +66,7 @@ import torch
 from apt_model.base.log import get_logger
 from apt_model.memory.host import release_free_memory
 from apt_model.memory.io_engine import IOEngine
+from apt_model.memory.page_buffers import FreePageBuffers, supported as page_buffers_supported
 from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage
 from apt_model.memory.stores import DiskStore, HostLevelFullError, byte_view
 from apt_model.memory.swap import PagingRecoveryError, SwapError, SwapSpace
@@ -123,13 +124,16 @@ class LevelStats:
         self.stall_by_phase = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "other": 0.0}  # of which, when
         self.peak_resident = 0  # bytes: pages resident, loading or writing, plus kept state
         self.over_budget_bytes = 0  # largest excess of the above over the level's budget
+        #: bytes: the largest sum of pages resident, kept state and free page buffers held (CPU level;
+        #: at most the level's budget plus ``over_budget_bytes``: buffers only use room pages leave)
+        self.peak_with_free_buffers = 0
 
     def to_dict(self) -> dict:
         return {"hits": self.hits, "misses": self.loads, "faults": self.faults, "bytes_in": self.bytes_in,
                 "bytes_out": self.bytes_out, "stall_s": round(self.stall_s, 4),
                 "stall_s_by_phase": {k: round(v, 4) for k, v in self.stall_by_phase.items()},
                 "peak_resident": self.peak_resident,
-                "over_budget_bytes": self.over_budget_bytes}
+                "over_budget_bytes": self.over_budget_bytes, "peak_with_free_buffers": self.peak_with_free_buffers}
 
 
 class _Saved:
@@ -161,6 +165,9 @@ class Pager:
         store: the level right below (default: the swap files, for a CPU compute level); pass a
             :class:`~apt_model.memory.stores.HostStore` for an accelerator.
         device: the compute device (default: CPU).
+        reuse_memory: on a CPU compute level, keep evicted pages' memory for the next load of the
+            same size, within the budget (:mod:`~apt_model.memory.page_buffers`); the setting
+            ``paging_reuse_memory``.
 
     Attributes:
         kept_bytes: training state kept resident on this level outside the pages (set by the
@@ -168,7 +175,7 @@ class Pager:
     """
 
     def __init__(self, budget: int, swap: SwapSpace, io: IOEngine | None = None, store=None,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", reuse_memory: bool = True):
         self.budget = int(budget)
         self.kept_bytes = 0
         self.swap = swap
@@ -193,6 +200,10 @@ class Pager:
         self._deferred: deque[Page] = deque()  # releases asked for by finalizers, applied by the next call
         self._txn: dict[str, tuple[Page, _Saved]] | None = None  # protected pages of the step under way
         self._closed = False
+        #: on a CPU compute level, the memory of evicted pages kept for the next load of the same
+        #: size, within the budget (see apt_model.memory.page_buffers); None elsewhere
+        self.buffers = (FreePageBuffers() if reuse_memory and self.device.type == "cpu" and page_buffers_supported()
+                        else None)
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -230,10 +241,19 @@ class Pager:
             self._writing += page.nbytes
             self._writing_pages[id(page)] = page
         self._resident += page.occupies - before
+        if self.buffers is not None:
+            if self.buffers.held > self.budget - self._resident:
+                self.buffers.shrink(self.budget - self._resident)  # held + resident <= budget, always
+            self._note_buffers()
 
     def _touch(self, page: Page) -> None:
         self._tick += 1
         page.last_use = self._tick
+
+    def _note_buffers(self) -> None:
+        total = self._resident + self.kept_bytes + self.buffers.held
+        if total > self.stats.peak_with_free_buffers:
+            self.stats.peak_with_free_buffers = total
 
     def _note_resident(self) -> None:
         r = self.resident_bytes + self.kept_bytes
@@ -471,7 +491,7 @@ class Pager:
     def _load_into(self, page: Page, storage: torch.UntypedStorage) -> None:
         """Read ``page``'s lower copy into ``storage`` now (allocating it), scalings applied; the
         page's own state is not changed. On failure ``storage`` is left empty and the error raised."""
-        alloc_storage(storage, page.nbytes)
+        self._alloc(storage, page.nbytes)
         if page.zero_on_load:
             byte_view(storage).zero_()
             return
@@ -495,7 +515,7 @@ class Pager:
         storage = page.storage()
         if storage is None:
             raise RuntimeError(f"page {page.label} has no tensor to load into")
-        alloc_storage(storage, page.nbytes)
+        self._alloc(storage, page.nbytes)
         if page.zero_on_load:
             byte_view(storage).zero_()
             self._set(page, State.RESIDENT)
@@ -644,13 +664,22 @@ class Pager:
         else:
             self._free(page)
 
+    def _alloc(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give the page storage ``storage`` ``nbytes`` bytes: a kept buffer of that size if there
+        is one (CPU level), else fresh memory."""
+        if self.buffers is None or not self.buffers.take(storage, nbytes):
+            alloc_storage(storage, nbytes)
+
     def _free(self, page: Page) -> None:
         storage = page.storage()
-        if storage is not None:
-            free_storage(storage)
         self._set(page, State.LOWER)
         page.dirty = False
         self.stats.bytes_out += page.nbytes
+        if storage is not None:
+            if self.buffers is not None and self.buffers.keep(storage, self.budget - self._resident):
+                self._note_buffers()
+                return  # the memory waits for the next load of its size, within the budget
+            free_storage(storage)
         self._freed_since_trim += page.nbytes
         if self.device.type == "cpu" and self._freed_since_trim >= _TRIM_EVERY:
             self.trim()
@@ -1161,6 +1190,8 @@ class Pager:
             return
         lost = self.recover()
         self._closed = True
+        if self.buffers is not None:
+            self.buffers.clear()
         if lost:
             folder = self.swap.retain(lost)
             try:
@@ -1188,4 +1219,5 @@ class Pager:
             c["kept"] += p.nbytes if p.keep else 0
         return {"budget": self.budget + self.kept_bytes, "page_budget": self.budget, "kept_bytes": self.kept_bytes,
                 "largest_page": self.largest_page, "categories": by_cat, **self.stats.to_dict(),
+                "free_page_buffers": self.buffers.report() if self.buffers is not None else None,
                 "resident_bytes": self.resident_bytes + self.kept_bytes}

@@ -47,6 +47,12 @@ PAGING_STEP_IN_BACKWARD = Setting(
     "timed trial finds it faster; on: the same without the trial; off: the step always runs after backward",
     choice(("auto", "on", "off")), values="auto, on, off")
 
+PAGING_REUSE_MEMORY = Setting(
+    "paging_reuse_memory", True, "VB_PAGING_REUSE_MEMORY",
+    "on a CPU-only run, the memory of evicted pages is kept, within the budget, for the next page of "
+    "the same size (fewer page faults); off: freed at once and allocated afresh",
+    env_flag, values="1/0, true/false, on/off")
+
 #: The entries :mod:`apt_model.memory` owns.
 SETTINGS = (DEVICE_BUDGET, HOST_BUDGET, SWAP_DIR, SWAP_BUDGET, SWAP_TIMEOUT, PAGING_STEP, PAGING_EXACT,
-            PAGING_STEP_IN_BACKWARD)
+            PAGING_STEP_IN_BACKWARD, PAGING_REUSE_MEMORY)

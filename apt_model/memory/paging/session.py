@@ -74,11 +74,13 @@ class PagingSession:
             standing in for the device).
         step_in_backward: ``"auto"`` (step each parameter as its gradient lands where the loop
             allows it, see :mod:`~apt_model.memory.paging.backward_step`) or ``"off"``.
+        reuse_memory: on a CPU-only run, keep evicted pages' memory for the next load of the same
+            size, within the budget (the ``paging_reuse_memory`` setting; see the pager).
     """
 
     def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True,
                  device: torch.device | str = "cpu", host_budget: int | None = None, host_level: bool | None = None,
-                 step_in_backward: str = "auto"):
+                 step_in_backward: str = "auto", reuse_memory: bool = True):
         device = torch.device(device)
         self.level_budget = int(budget)
         store = None
@@ -90,7 +92,7 @@ class PagingSession:
             store = HostStore(device, host_budget or budget, DiskStore(swap, io))
             self.pager = Pager(budget, swap, io=io, store=store, device=device)
         else:
-            self.pager = Pager(budget, swap, device=device)
+            self.pager = Pager(budget, swap, device=device, reuse_memory=reuse_memory)
         self.swap = swap
         if device.type == "cpu":  # the compute level is host RAM: freed pages must leave the RSS at once
             return_big_blocks_to_os()
@@ -692,13 +694,19 @@ class PagingSession:
         resident bytes, peak, traffic (bytes), hits/misses/faults and stall seconds; for a host
         level below the device its resident bytes, traffic, hits/misses and spills; for the NVMe
         level the bytes on disk, bytes written/read, GB/s and operation counts. Level 0's stall is also
-        split by phase (``stall_s_by_phase``: forward, backward, optimizer, other). ``{}`` for a
-        level the session does not use.
+        split by phase (``stall_s_by_phase``: forward, backward, optimizer, other). On a CPU level 0 also
+        ``free_page_buffers`` (evicted pages' memory kept for reuse: held bytes, hits, misses; see
+        :mod:`~apt_model.memory.page_buffers`) and ``peak_with_free_buffers``. ``{}`` for a level the
+        session does not use.
         """
         if level.index == 0:
             pr = self.pager.report()
-            return {k: pr[k] for k in ("resident_bytes", "peak_resident", "bytes_in", "bytes_out", "hits", "misses",
-                                       "faults", "stall_s", "stall_s_by_phase", "over_budget_bytes")}
+            out = {k: pr[k] for k in ("resident_bytes", "peak_resident", "bytes_in", "bytes_out", "hits", "misses",
+                                      "faults", "stall_s", "stall_s_by_phase", "over_budget_bytes")}
+            if pr["free_page_buffers"] is not None:
+                out["free_page_buffers"] = pr["free_page_buffers"]
+                out["peak_with_free_buffers"] = pr["peak_with_free_buffers"]
+            return out
         if level.kind == "host":
             hs = self.pager.store.stats() if self.pager.store.level_kind == "host" else {}
             return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_out", "hits", "misses", "spills_to_disk")}

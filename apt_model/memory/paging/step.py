@@ -78,7 +78,8 @@ class PagingStep(FeatureStep):
             host = None if stack.shared_host else stack.levels[1].capacity
             session = self.session.services["paging"] = PagingSession(
                 stack.compute_budget, stack.swap, patches, page_states=plan.page_states, device=ctx.device,
-                host_budget=host, step_in_backward=getattr(ctx.config, "paging_step_in_backward", "auto"))
+                host_budget=host, step_in_backward=getattr(ctx.config, "paging_step_in_backward", "auto"),
+                reuse_memory=bool(getattr(ctx.config, "paging_reuse_memory", True)))
         session.optimizers.page_states |= plan.page_states
         session.page_model(model, plan.page_params, plan.page_grads)
         step = decision.details.get("optimizer_step") or {}

@@ -142,3 +142,106 @@ def test_the_setting_turns_reuse_off(tmp_path, monkeypatch):
     finally:
         vb.disable()
     assert level0["misses"] > 0 and "free_page_buffers" not in level0
+
+
+def _pager(tmp_path, budget):
+    from apt_model.memory.pager import Pager
+    from apt_model.memory.swap import SwapSpace
+
+    return Pager(budget, SwapSpace(str(tmp_path)))
+
+
+def _tensors(n, first=0):
+    return [torch.full((MiB // 4,), float(first + i)) for i in range(n)]
+
+
+def test_new_tensors_and_a_lower_budget_make_buffers_give_way(tmp_path):
+    """Gradients and states arrive by ``register`` (torch created them): buffers give way to them,
+    and to a budget lowered later (the session does when the plan keeps state resident)."""
+    from apt_model.memory.pages import Category
+
+    pager = _pager(tmp_path, 4 * MiB)
+    try:
+        ts = _tensors(4)
+        pages = [pager.register(Category.PARAM, (lambda t=t: t), f"p{i}") for i, t in enumerate(ts)]
+        pager.evict_now(pages[:3])
+        pager.flush()
+        assert pager.buffers.held == 3 * MiB and pager.resident_bytes == MiB
+        grads = _tensors(2, 10)
+        for i, g in enumerate(grads):
+            pager.register(Category.GRAD, (lambda g=g: g), f"g{i}")
+        assert pager.resident_bytes + pager.buffers.held <= pager.budget
+        assert pager.stats.peak_with_free_buffers <= 4 * MiB
+        pager.budget = 3 * MiB
+        assert pager.buffers.held == 0
+    finally:
+        pager.close()
+
+
+def test_a_page_of_a_size_not_held_gets_fresh_memory_only_after_buffers_gave_way(tmp_path, monkeypatch):
+    import apt_model.memory.pager as pager_mod
+    from apt_model.memory.pages import Category
+
+    pager = _pager(tmp_path, 4 * MiB)
+    big = torch.ones(3 * MiB // 4)
+    try:
+        page = pager.register(Category.PARAM, lambda: big, "big")
+        pager.evict_now([page])
+        pager.flush()
+        pager.buffers.clear()
+        for _ in range(2):  # two 1 MiB buffers: no 3 MiB one
+            assert pager.buffers.keep(torch.ones(MiB // 4).untyped_storage(), pager.budget - pager.resident_bytes)
+        seen = []
+        real = pager_mod.alloc_storage
+
+        def alloc(storage, nbytes):
+            seen.append(pager.buffers.held + pager.resident_bytes + nbytes)
+            real(storage, nbytes)
+
+        monkeypatch.setattr(pager_mod, "alloc_storage", alloc)
+        pager.acquire([page])
+        assert seen and max(seen) <= 4 * MiB, seen
+        assert torch.all(big == 1)
+        pager.release([page])
+    finally:
+        pager.close()
+
+
+def test_a_read_that_times_out_and_then_fails_leaves_nan_not_another_pages_bytes(tmp_path, monkeypatch):
+    import time
+
+    from apt_model.memory.pages import Category
+    from apt_model.memory.swap import PagingRecoveryError
+    from apt_model.memory.waits import set_wait_timeout
+
+    pager = _pager(tmp_path, 4 * MiB)
+    a, b = torch.full((MiB // 4,), 1.0), torch.full((MiB // 4,), 2.0)
+    pa = pager.register(Category.PARAM, lambda: a, "A")
+    pb = pager.register(Category.PARAM, lambda: b, "B")
+    pager.evict_now([pb])
+    pager.flush()
+    pager.evict_now([pa])
+    pager.flush()  # A's memory is now a buffer B's load will take
+    real = pager.swap.read_into
+    failed = []
+
+    def hanging_read(key, out):
+        if key == pb.key:
+            time.sleep(1.0)
+            failed.append(key)
+            raise OSError(5, "Input/output error")
+        return real(key, out)
+
+    monkeypatch.setattr(pager.swap, "read_into", hanging_read)
+    set_wait_timeout(0.3)
+    try:
+        pager.prefetch([pb])
+        with pytest.raises(PagingRecoveryError, match="B"):
+            pager.close()
+    finally:
+        set_wait_timeout(None)
+    deadline = time.monotonic() + 10
+    while not (failed and torch.isnan(b).all()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert torch.isnan(b).all()  # not A's 1.0 (nor garbage)
+    assert torch.all(a == 1)

@@ -21,7 +21,8 @@ Policy (the pager applies it; this class only holds buffers):
 * **Bounded by the budget.** The pager keeps ``held + resident pages <= page budget``: a freed
   page is kept only if it fits under that bound, and whenever the resident bytes grow by
   something other than a buffer taken from here (a gradient from backward, a state from the step,
-  a page of a size not held), buffers are dropped first (:meth:`shrink`). So the memory the pages
+  a page of a size not held — before its fresh memory is allocated) or the budget is lowered,
+  buffers are dropped first (:meth:`shrink`). They are all freed when the pager closes. So the memory the pages
   may take in the RSS is still the budget — the buffers hold part of what the budget allows and
   the pages do not use at the moment.
 * **Big blocks only**: ``min_bytes`` (default 1 MiB, the mmap threshold above); smaller blocks come
@@ -102,7 +103,7 @@ class FreePageBuffers:
         holder = torch.UntypedStorage(0, device="cpu")
         try:
             holder._swap_data_ptr_(storage)
-        except RuntimeError:  # a storage torch will not swap (another allocator's): free it instead
+        except RuntimeError:  # defensive: torch checks only sizes today; on refusal the caller frees it
             return False
         self._free.setdefault(n, []).append(holder)
         self.held += n

@@ -167,7 +167,7 @@ class Pager:
         device: the compute device (default: CPU).
         reuse_memory: on a CPU compute level, keep evicted pages' memory for the next load of the
             same size, within the budget (:mod:`~apt_model.memory.page_buffers`); the setting
-            ``paging_reuse_memory``.
+            ``paging_reuse_memory``. Default: only where the level below is the swap files.
 
     Attributes:
         kept_bytes: training state kept resident on this level outside the pages (set by the
@@ -175,7 +175,8 @@ class Pager:
     """
 
     def __init__(self, budget: int, swap: SwapSpace, io: IOEngine | None = None, store=None,
-                 device: torch.device | str = "cpu", reuse_memory: bool = True):
+                 device: torch.device | str = "cpu", reuse_memory: bool | None = None):
+        self.buffers = None  # set below; the budget's setter looks at it
         self.budget = int(budget)
         self.kept_bytes = 0
         self.swap = swap
@@ -202,10 +203,33 @@ class Pager:
         self._closed = False
         #: on a CPU compute level, the memory of evicted pages kept for the next load of the same
         #: size, within the budget (see apt_model.memory.page_buffers); None elsewhere
+        if reuse_memory is None:
+            reuse_memory = store is None  # a CPU standing in for an accelerator (a host level below) keeps none
         self.buffers = (FreePageBuffers() if reuse_memory and self.device.type == "cpu" and page_buffers_supported()
                         else None)
 
     # ------------------------------------------------------------------ bookkeeping
+    @property
+    def budget(self) -> int:
+        """Bytes the pages may take on this level (the level's budget minus the state kept
+        resident outside the pages). Lowering it gives free page buffers back first."""
+        return self._budget
+
+    @budget.setter
+    def budget(self, value: int) -> None:
+        self._budget = int(value)
+        if self.buffers is not None:
+            self._fit_buffers()
+
+    def _fit_buffers(self, arriving: int = 0) -> None:
+        """Give free page buffers back until they fit in the room the pages leave (with
+        ``arriving`` bytes about to be allocated), and record the peak: buffers held + pages
+        resident <= budget, always."""
+        room = self._budget - self._resident - arriving
+        if self.buffers.held > room:
+            self.buffers.shrink(room)
+        self._note_buffers()
+
     @property
     def resident_bytes(self) -> int:
         """Bytes the managed pages hold on this level now (kept as a running total)."""
@@ -242,9 +266,7 @@ class Pager:
             self._writing_pages[id(page)] = page
         self._resident += page.occupies - before
         if self.buffers is not None:
-            if self.buffers.held > self.budget - self._resident:
-                self.buffers.shrink(self.budget - self._resident)  # held + resident <= budget, always
-            self._note_buffers()
+            self._fit_buffers()
 
     def _touch(self, page: Page) -> None:
         self._tick += 1
@@ -278,6 +300,8 @@ class Pager:
             page = Page(category, tensor_of, int(t.untyped_storage().nbytes()), label, keep=keep)
             page.bind(t)
             self._resident += page.occupies
+            if self.buffers is not None:
+                self._fit_buffers()
             self.pages[page.key] = page
             self.by_tensor[id(t)] = page
             self._touch(page)
@@ -667,7 +691,10 @@ class Pager:
     def _alloc(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """Give the page storage ``storage`` ``nbytes`` bytes: a kept buffer of that size if there
         is one (CPU level), else fresh memory."""
-        if self.buffers is None or not self.buffers.take(storage, nbytes):
+        if self.buffers is None:
+            alloc_storage(storage, nbytes)
+        elif not self.buffers.take(storage, nbytes):
+            self._fit_buffers(arriving=nbytes)  # fresh memory: buffers give way before it is taken
             alloc_storage(storage, nbytes)
 
     def _free(self, page: Page) -> None:
@@ -1158,6 +1185,10 @@ class Pager:
                     self._settle(p)
                 except BaseException as err:  # noqa: BLE001 - a read that timed out is still running
                     lost[p.label] = f"its read did not finish: {err}"
+                    if p.future is not None:  # its memory is the read's until it ends; if it fails, NaN
+                        p.future.add_done_callback(
+                            lambda f, t=t, st=t.untyped_storage(), n=p.nbytes: f.exception() is not None
+                            and fill_lost(t, st, n))
                     continue
                 if p.state is State.LOWER:
                     storage = t.untyped_storage()
@@ -1175,6 +1206,8 @@ class Pager:
             self._resident = 0
             self._writing = 0
             self._writing_pages.clear()
+            if self.buffers is not None:
+                self.buffers.clear()
         return lost
 
     def close(self) -> None:
@@ -1188,10 +1221,12 @@ class Pager:
         """
         if self._closed:
             return
-        lost = self.recover()
+        try:
+            lost = self.recover()  # frees the free page buffers when it completes
+        except BaseException:
+            self._clear_buffers_after_failure()
+            raise
         self._closed = True
-        if self.buffers is not None:
-            self.buffers.clear()
         if lost:
             folder = self.swap.retain(lost)
             try:
@@ -1205,6 +1240,17 @@ class Pager:
                 f"(see RECOVERY.txt there): " + "; ".join(f"{k}: {v}" for k, v in lost.items()),
                 lost=lost, folder=folder)
         self.store.close()
+
+    def _clear_buffers_after_failure(self) -> None:
+        """Free the free page buffers after :meth:`recover` failed (the lock may be what failed:
+        then they are left to go with the pager, and a warning says so)."""
+        if self.buffers is None:
+            return
+        try:
+            with self._lock:
+                self.buffers.clear()
+        except Exception as err:  # noqa: BLE001 - the caller raises the first failure
+            log.warning("free page buffers (%d bytes) not freed at close: %s", self.buffers.held, err)
 
     def report(self) -> dict:
         """The level's figures in bytes: ``budget`` (the level's: pages plus kept state),

@@ -146,6 +146,29 @@ def test_a_paged_model_is_not_compiled(tmp_path):
     assert feature["chosen"] == "eager" and "the model is paged" in feature["reason"]
 
 
+@pytest.mark.parametrize("how", ["model.compile()", "torch.compile(model)"])
+def test_a_model_the_script_compiles_itself_gets_no_rung(how):
+    """The ladder leaves a model the script compiles itself alone (reason recorded): no rung on
+    trial beneath the script's compiled call, no timeline, and training matches plain training
+    compiled the same way (``aot_eager``: Dynamo's capture without Inductor's code generation)."""
+    def compiled(m):
+        if how == "model.compile()":
+            m.compile(backend="aot_eager")
+            return m
+        return torch.compile(m, backend="aot_eager")
+
+    reference = train(compiled(model()), 12)
+    torch._dynamo.reset()
+    vb.enable("balanced", **FAST_TRIAL)
+    m = compiled(model())
+    losses = train(m, 12)
+    (rec,) = vb.get_report()["models"]
+    feature = rec["features"]["compile"]
+    assert feature["chosen"] == "eager" and "the script compiles this model itself" in feature["reason"], feature
+    assert rec["timeline"] == []
+    assert losses == pytest.approx(reference, rel=1e-5)
+
+
 def test_disable_during_the_trial_restores_the_model_and_training_goes_on():
     vb.enable("balanced", **FAST_TRIAL)
     m = model()

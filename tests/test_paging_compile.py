@@ -126,6 +126,31 @@ def test_a_compiled_paged_model_runs_eagerly_and_stays_bitwise(tmp_path, how):
         assert "pages this module's parameters" in breaks, dict(torch._dynamo.utils.counters["graph_break"])
 
 
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_model_compiled_after_enable_and_never_moved_is_adopted_and_paged(tmp_path, how):
+    """A script that compiles its model after ``enable()`` and never calls ``model.to()``: its first
+    call runs inside compiled code, where the switch's global forward pre-hook cannot adopt it.
+    ``model.compile()`` adopts it (before, it was not adopted at all: no paging, no report entry);
+    ``torch.compile(model)`` is adopted through its wrapper's first call, outside the compiled
+    code. Either way it is paged and trains bitwise like plain eager PyTorch."""
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = _loop(ref_m, ref_opt, "eager")
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        got = _loop(m, opt, how)
+        got_state = snapshot(m, opt)
+        models = vb.get_report()["models"]
+        loads = vb.get_report()["memory"]["paging"]["pager"]["bytes_in"]
+    finally:
+        vb.disable()
+    assert len(models) == 1, models
+    assert models[0]["trigger"] == ("compile()" if how == "model.compile()" else "first forward"), models[0]
+    assert models[0]["features"]["paging"]["chosen"] == "paged" and loads > 0
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
 def test_the_patch_is_undone_when_paging_closes(tmp_path):
     """After ``disable()`` modules are called through torch's own ``_call_impl`` again and no
     module is left registered as paged."""
@@ -164,32 +189,39 @@ def test_a_compilation_under_way_leaves_faults_on(tmp_path, monkeypatch):
     assert got == want
 
 
-@pytest.mark.parametrize("when", ["before enable()", "after enable(), before adoption"])
+@pytest.mark.parametrize("when", ["before enable()", "after enable()"])
 def test_a_model_compiled_before_paging_started_is_paged_and_runs_eagerly(tmp_path, when):
     """``model.compile()`` before paging started (before ``enable()``, or after it but before the
     first model was paged, when ``_call_impl`` is still torch's) bound its compiled call to torch's
     own ``_call_impl``: Dynamo traced the paging hooks (a RecursionError). That call is taken off
-    while the model is paged (it trains bitwise like eager PyTorch) and given back after."""
+    while the model is paged (it trains bitwise like eager PyTorch) and given back after. After
+    ``enable()``, ``model.compile()`` itself adopts the model (compiled first, then paged)."""
     ref_m, m = model(dropout=0.0), model(dropout=0.0)
     ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
     ref = _loop(ref_m, ref_opt, "eager")
     if when == "before enable()":
         m.compile(backend="aot_eager")
+        compiled_call = m._compiled_call_impl
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     try:
-        if when != "before enable()":
-            m.compile(backend="aot_eager")
-        compiled_call = m._compiled_call_impl
-        m.to("cpu")
+        if when == "before enable()":
+            m.to("cpu")
+        else:
+            m.compile(backend="aot_eager")  # adopted here (trigger compile()); the call it set is off at once
+            compiled_call = None
         assert m._compiled_call_impl is None
         got = _loop(m, opt, "eager")
-        paging = vb.get_report()["models"][0]["features"]["paging"]
+        (rec,) = vb.get_report()["models"]
     finally:
         vb.disable()
-    assert paging["chosen"] == "paged", paging
+    assert rec["features"]["paging"]["chosen"] == "paged", rec["features"]["paging"]
+    assert rec["trigger"] == ("to()" if when == "before enable()" else "compile()")
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
-    assert m._compiled_call_impl is compiled_call
+    if compiled_call is not None:
+        assert m._compiled_call_impl is compiled_call
+    else:  # the compiled call model.compile() set is given back
+        assert callable(m._compiled_call_impl) and m._compiled_call_impl is not torch.nn.Module._call_impl
 
 
 # ------------------------------------------------------------------ graphs reading paged parameters

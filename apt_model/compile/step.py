@@ -9,6 +9,10 @@ memory) or ``off``:
   which a captured graph can follow;
 * the switch attaches DDP at the first training forward (fact ``ddp``): eager — compiling the
   switch's in-place DDP is not supported in this version;
+* the script compiles the model itself (``model.compile()``, which sets the module's compiled
+  call, or the ``OptimizedModule`` of ``torch.compile(model)``): eager — the ladder would compile
+  or capture beneath the script's own compiled call (a second Dynamo frame over the same code) and
+  time its trial through it; the script's compilation stays what runs;
 * otherwise the rungs this device kind offers, in order: ``compile`` (only with ``auto``; the
   kind's compiler from the device contract, e.g. TorchInductor, needing a C++ compiler on the
   CPU), ``override`` (the registered rewrites: hand-written attention → SDPA, plus the kind's
@@ -53,6 +57,16 @@ def softmax_callers(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
+def compiled_by_script(model: nn.Module) -> bool:
+    """Whether ``model`` is compiled by the script: ``model.compile()`` was called (the module's
+    ``_compiled_call_impl`` is set) or it is the ``OptimizedModule`` ``torch.compile(model)`` returns."""
+    if getattr(model, "_compiled_call_impl", None) is not None:
+        return True
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule)
+
+
 class CompileStep(FeatureStep):
     """Feature ``compile``; see the module docstring. ``session.services["overrides"]`` holds the
     built-in override rewrites (``tag -> fn``), wired by the switch."""
@@ -73,6 +87,9 @@ class CompileStep(FeatureStep):
         if ctx.facts.get("ddp"):
             return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
                             "the switch's in-place DDP is not supported in this version")
+        if compiled_by_script(model):
+            return Decision(self.name, req, "eager", "the script compiles this model itself (model.compile() or "
+                            "torch.compile(model)): its compiled call is left as it is, with no rung beneath it")
         backend, why, kind = compiler_for(ctx.device)
         overrides = dict(self.session.services.get("overrides", {}))
         if kind is not None:

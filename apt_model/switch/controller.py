@@ -556,6 +556,19 @@ def _install_patches(st: _State) -> None:
                       f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors go to {sel.device}")
     if cfg.adopt == "auto":
         st.patches.add_handle(register_module_forward_pre_hook(_global_pre_hook), "global forward pre-hook")
+        orig_module_compile = nn.Module.compile
+
+        def module_compile(self, *args, **kwargs):
+            # Compiled first, adopted after: the model's first call runs inside the compiled code,
+            # where the global pre-hook cannot adopt it; adoption then sees the compiled call (paging
+            # takes it off while the model is paged, apt_model/memory/paging/compiled.py).
+            out = orig_module_compile(self, *args, **kwargs)
+            if st.enabled and st.config.adopt == "auto":
+                _maybe_adopt(self, "compile()")
+            return out
+
+        module_compile.__doc__ = orig_module_compile.__doc__
+        st.patches.set_attr(nn.Module, "compile", module_compile, label="nn.Module.compile")
 
 
 def _global_pre_hook(module: nn.Module, args: tuple):

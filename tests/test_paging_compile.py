@@ -151,6 +151,29 @@ def test_a_model_compiled_after_enable_and_never_moved_is_adopted_and_paged(tmp_
     assert_same(snapshot(ref_m, ref_opt), got_state)
 
 
+def test_blocks_compiled_one_by_one_are_adopted_as_part_of_their_model(tmp_path):
+    """``for block in model.blocks: block.compile()`` after ``enable()``, the model itself eager and
+    never moved: the model's first forward adopts the whole model, so no block is adopted as a
+    model of its own (one entry in the report), and it is paged and trains bitwise like plain
+    eager PyTorch."""
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = _loop(ref_m, ref_opt, "eager")
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        for block in m.blocks:
+            block.compile(backend="aot_eager")
+        got = _loop(m, opt, "eager")
+        got_state = snapshot(m, opt)
+        models = vb.get_report()["models"]
+    finally:
+        vb.disable()
+    assert [(r["name"], r["trigger"]) for r in models] == [("GPT", "first forward")], models
+    assert models[0]["features"]["paging"]["chosen"] == "paged"
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
 def test_the_patch_is_undone_when_paging_closes(tmp_path):
     """After ``disable()`` modules are called through torch's own ``_call_impl`` again and no
     module is left registered as paged."""
@@ -206,11 +229,12 @@ def test_a_model_compiled_before_paging_started_is_paged_and_runs_eagerly(tmp_pa
     try:
         if when == "before enable()":
             m.to("cpu")
+            assert m._compiled_call_impl is None
         else:
-            m.compile(backend="aot_eager")  # adopted here (trigger compile()); the call it set is off at once
+            m.compile(backend="aot_eager")  # adopted at its first call (trigger compile()), which runs eagerly
             compiled_call = None
-        assert m._compiled_call_impl is None
         got = _loop(m, opt, "eager")
+        assert m._compiled_call_impl is None  # off while paged
         (rec,) = vb.get_report()["models"]
     finally:
         vb.disable()
@@ -220,8 +244,10 @@ def test_a_model_compiled_before_paging_started_is_paged_and_runs_eagerly(tmp_pa
     assert_same(snapshot(ref_m, ref_opt), snapshot(m, opt))
     if compiled_call is not None:
         assert m._compiled_call_impl is compiled_call
-    else:  # the compiled call model.compile() set is given back
-        assert callable(m._compiled_call_impl) and m._compiled_call_impl is not torch.nn.Module._call_impl
+    else:  # a compiled call is given back, and runs
+        assert m._compiled_call_impl is not None
+        x = torch.randint(0, 256, (2, 32))
+        assert torch.equal(m(x), ref_m(x))
 
 
 # ------------------------------------------------------------------ graphs reading paged parameters

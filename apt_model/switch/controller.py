@@ -559,12 +559,9 @@ def _install_patches(st: _State) -> None:
         orig_module_compile = nn.Module.compile
 
         def module_compile(self, *args, **kwargs):
-            # Compiled first, adopted after: the model's first call runs inside the compiled code,
-            # where the global pre-hook cannot adopt it; adoption then sees the compiled call (paging
-            # takes it off while the model is paged, apt_model/memory/paging/compiled.py).
             out = orig_module_compile(self, *args, **kwargs)
-            if st.enabled and st.config.adopt == "auto":
-                _maybe_adopt(self, "compile()")
+            if st.enabled and st.config.adopt == "auto" and self._compiled_call_impl is not None:
+                self._compiled_call_impl = _adopting_first_call(self, self._compiled_call_impl)
             return out
 
         module_compile.__doc__ = orig_module_compile.__doc__
@@ -582,6 +579,30 @@ def _global_pre_hook(module: nn.Module, args: tuple):
         for fn in ctx.first_call_hooks():
             fn(module, args, {})
     return None
+
+
+def _adopting_first_call(module: nn.Module, compiled):
+    """The call ``module.compile()`` leaves, wrapped so that the module's first call adopts it.
+
+    A compiled module's calls run inside the compiled code, where :func:`_global_pre_hook` cannot
+    adopt it (it must not change a model while Dynamo traces it). This wrapper runs eagerly, before
+    the compiled code: it puts ``compiled`` back (so it costs one call), then adopts the module
+    unless it was seen — a block compiled on its own inside a model that is not (``for b in
+    model.blocks: b.compile()``) is seen by then, as the model's own first forward adopted the
+    whole model. Adoption sees the compiled call (paging takes it off while the model is paged);
+    if it did, this call runs eagerly. Inside a compiled caller (Dynamo tracing), it only calls
+    ``compiled``."""
+    def first_call(*args, **kwargs):
+        if torch.compiler.is_dynamo_compiling():
+            return compiled(*args, **kwargs)
+        if module._compiled_call_impl is first_call:
+            module._compiled_call_impl = compiled
+        if _state.enabled and _state.config.adopt == "auto":
+            _maybe_adopt(module, "compile()")
+        call = module._compiled_call_impl
+        return call(*args, **kwargs) if call is not None else module._call_impl(*args, **kwargs)
+
+    return first_call
 
 
 def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):

@@ -146,16 +146,21 @@ def test_a_paged_model_is_not_compiled(tmp_path):
     assert feature["chosen"] == "eager" and "the model is paged" in feature["reason"]
 
 
-@pytest.mark.parametrize("how", ["model.compile()", "torch.compile(model)"])
+@pytest.mark.parametrize("how", ["model.compile()", "torch.compile(model)", "block.compile()"])
 def test_a_model_the_script_compiles_itself_gets_no_rung(how):
-    """The ladder leaves a model the script compiles itself alone (reason recorded): no rung on
-    trial beneath the script's compiled call, no timeline, and training matches plain training
-    compiled the same way (``aot_eager``: Dynamo's capture without Inductor's code generation)."""
+    """The ladder leaves a model the script compiles itself, whole or block by block, alone
+    (reason recorded): no rung on trial above or beneath the script's compiled calls, no timeline,
+    and training matches plain training compiled the same way (``aot_eager``: Dynamo's capture
+    without Inductor's code generation)."""
     def compiled(m):
         if how == "model.compile()":
             m.compile(backend="aot_eager")
-            return m
-        return torch.compile(m, backend="aot_eager")
+        elif how == "block.compile()":
+            for block in m.blocks:
+                block.compile(backend="aot_eager")
+        else:
+            return torch.compile(m, backend="aot_eager")
+        return m
 
     reference = train(compiled(model()), 12)
     torch._dynamo.reset()
@@ -164,9 +169,32 @@ def test_a_model_the_script_compiles_itself_gets_no_rung(how):
     losses = train(m, 12)
     (rec,) = vb.get_report()["models"]
     feature = rec["features"]["compile"]
-    assert feature["chosen"] == "eager" and "the script compiles this model itself" in feature["reason"], feature
+    assert feature["chosen"] == "eager" and "the script compiles this model (or modules in it) itself" in feature["reason"], feature
     assert rec["timeline"] == []
     assert losses == pytest.approx(reference, rel=1e-5)
+
+
+@pytest.mark.parametrize("what", ["model", "blocks"])
+def test_exporting_a_model_compiled_after_enable_adopts_nothing_during_the_trace(what):
+    """``torch.export`` (non-strict: no Dynamo) of a model compiled with ``model.compile()`` after
+    ``enable()``, before any eager call: the switch does not adopt the model (nor its blocks, one
+    by one) while export traces it — that failed with "Cannot access data pointer of Tensor"
+    where paging adopted it, and adopted each block as a model of its own. The exported graph
+    computes what the eager model does, and the first eager call adopts the model once."""
+    ref = model()
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(x)
+    vb.enable("balanced", **FAST_TRIAL)
+    m = model()
+    for mod in (m.blocks if what == "blocks" else [m]):
+        mod.compile(backend="eager")
+    exported = torch.export.export(m, (x,))
+    assert vb.get_report()["models"] == []
+    m(x)
+    assert [(r["name"], r["trigger"]) for r in vb.get_report()["models"]] == [
+        ("TinyLM", "compile()" if what == "model" else "first forward")]
+    assert torch.allclose(exported.module()(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_disable_during_the_trial_restores_the_model_and_training_goes_on():

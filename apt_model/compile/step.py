@@ -9,10 +9,10 @@ memory) or ``off``:
   which a captured graph can follow;
 * the switch attaches DDP at the first training forward (fact ``ddp``): eager — compiling the
   switch's in-place DDP is not supported in this version;
-* the script compiles the model itself (``model.compile()``, which sets the module's compiled
-  call, or the ``OptimizedModule`` of ``torch.compile(model)``): eager — the ladder would compile
-  or capture beneath the script's own compiled call (a second Dynamo frame over the same code) and
-  time its trial through it; the script's compilation stays what runs;
+* the script compiles the model, or modules in it, itself (``model.compile()``, which sets a
+  module's compiled call, or the ``OptimizedModule`` of ``torch.compile(model)``): eager — the
+  ladder would compile or capture above or beneath the script's own compiled calls and time its
+  trial through them; the script's compilation stays what runs;
 * otherwise the rungs this device kind offers, in order: ``compile`` (only with ``auto``; the
   kind's compiler from the device contract, e.g. TorchInductor, needing a C++ compiler on the
   CPU), ``override`` (the registered rewrites: hand-written attention → SDPA, plus the kind's
@@ -87,9 +87,10 @@ class CompileStep(FeatureStep):
         if ctx.facts.get("ddp"):
             return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
                             "the switch's in-place DDP is not supported in this version")
-        if compiled_by_script(model):
-            return Decision(self.name, req, "eager", "the script compiles this model itself (model.compile() or "
-                            "torch.compile(model)): its compiled call is left as it is, with no rung beneath it")
+        if any(compiled_by_script(m) for m in model.modules()):
+            return Decision(self.name, req, "eager", "the script compiles this model (or modules in it) itself "
+                            "(model.compile() or torch.compile(model)): its compiled calls are left as they are, "
+                            "with no rung above or beneath them")
         backend, why, kind = compiler_for(ctx.device)
         overrides = dict(self.session.services.get("overrides", {}))
         if kind is not None:

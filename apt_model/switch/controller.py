@@ -13,6 +13,7 @@ Adoption itself is in :mod:`apt_model.switch.adoption`; the decisions are in the
 """
 from __future__ import annotations
 
+import functools
 import threading
 import time
 import weakref
@@ -590,10 +591,14 @@ def _adopting_first_call(module: nn.Module, compiled):
     unless it was seen — a block compiled on its own inside a model that is not (``for b in
     model.blocks: b.compile()``) is seen by then, as the model's own first forward adopted the
     whole model. Adoption sees the compiled call (paging takes it off while the model is paged);
-    if it did, this call runs eagerly. Inside a compiled caller (Dynamo tracing), it only calls
-    ``compiled``."""
+    if it did, this call runs eagerly. While anything compiles or exports (Dynamo tracing a
+    compiled caller, ``torch.export`` tracing without Dynamo, another thread compiling:
+    ``torch.compiler.is_compiling()``) it only calls ``compiled`` and stays, to adopt at a later
+    call. It carries ``compiled``'s attributes (``functools.wraps``), so paging still sees what the
+    compiled call wraps."""
+    @functools.wraps(compiled)
     def first_call(*args, **kwargs):
-        if torch.compiler.is_dynamo_compiling():
+        if torch.compiler.is_compiling():
             return compiled(*args, **kwargs)
         if module._compiled_call_impl is first_call:
             module._compiled_call_impl = compiled

@@ -253,3 +253,41 @@ def test_adopting_a_parametrized_model_leaves_its_state_alone(tmp_path, paging):
         assert torch.equal(m(x), ref(x))
     finally:
         vb.disable()
+
+
+def test_an_optimizer_stepping_no_adopted_model_is_told_once(caplog, cpu_device):
+    """A model first called inside a compiled function (never moved with ``.to()``) is not adopted:
+    the switch does nothing for it. The optimizer's first step says so, once (a warning and a
+    report decision naming the workaround); an optimizer over an adopted model's parameters gets
+    no such entry."""
+    torch._dynamo.reset()
+    lonely, moved = tiny_gpt(), tiny_gpt(seed=1)
+    vb.enable("balanced", attention="off", mixed_precision="off", compile="off", banner=False)
+    try:
+        moved.to("cpu")
+        opt_lonely = torch.optim.SGD(lonely.parameters(), lr=0.1)
+        opt_moved = torch.optim.SGD(moved.parameters(), lr=0.1)
+
+        @torch.compile(backend="eager")
+        def loss_of(m, x):
+            return F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+
+        x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+        with caplog.at_level("WARNING", logger="apt_model.switch.controller"):
+            for _ in range(3):
+                for m, opt in ((lonely, opt_lonely), (moved, opt_moved)):
+                    opt.zero_grad()
+                    loss_of(m, x).backward()
+                    opt.step()
+        report = vb.get_report()
+    finally:
+        vb.disable()
+        torch._dynamo.reset()
+    told = [d for d in report["decisions"] if d["feature"] == "adoption"]
+    assert [m["name"] for m in report["models"]] == ["GPT"]  # the moved one only
+    assert len(told) == 1 and told[0]["chosen"] == "no model for this optimizer", told
+    n = len(list(lonely.parameters()))
+    assert f"SGD steps {n} parameter tensors of no adopted model" in told[0]["reason"]
+    assert "model.to(device) after enable()" in told[0]["reason"]
+    warned = [r for r in caplog.records if "of no adopted model" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].levelname == "WARNING"

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from apt_model.base.version import __version__
 from apt_model.devices.ranking import Selection, select_device
@@ -52,6 +53,7 @@ class _State:
         self.distributed = None  # apt_model.distributed.session.DistributedSession
         self.steps = None  # apt_model.switch.steps.StepRecorder: per-step time and memory for the report
         self.seen: weakref.WeakSet = weakref.WeakSet()
+        self.checked_optimizers: weakref.WeakSet = weakref.WeakSet()  # first step checked for adopted parameters
         self.suspended = 0
         self.redirect_target: torch.device | None = None
         self.counters = {"cuda_redirects": 0, "adoptions": 0}
@@ -123,6 +125,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         st.adopter = Adopter(StepSession(config, selection.device, st.patches, stack, services), st.log)
         st.distributed = distributed
         st.seen = weakref.WeakSet()
+        st.checked_optimizers = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at = time.time()
         st.log.record("switch", "mode", mode or config.mode, config.mode,
@@ -557,6 +560,7 @@ def _install_patches(st: _State) -> None:
                       f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors go to {sel.device}")
     if cfg.adopt == "auto":
         st.patches.add_handle(register_module_forward_pre_hook(_global_pre_hook), "global forward pre-hook")
+        st.patches.add_handle(register_optimizer_step_pre_hook(_check_first_step), "optimizer first-step adoption check")
         orig_module_compile = nn.Module.compile
 
         def module_compile(self, *args, **kwargs):
@@ -579,6 +583,35 @@ def _global_pre_hook(module: nn.Module, args: tuple):
     if ctx:  # PyTorch listed this call's pre-hooks before adoption added the steps' own: run them now
         for fn in ctx.first_call_hooks():
             fn(module, args, {})
+    return None
+
+
+def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
+    """At an optimizer's first step (``adopt="auto"``): if none of its parameters belongs to an
+    adopted model, say so (a warning, and an entry in the report's decisions). The switch then does
+    nothing for that training: its model was never moved with ``.to()`` and was first called
+    inside compiled code (a compiled function), where it cannot be adopted; or the parameters
+    belong to no module. Never raises; does nothing while anything compiles."""
+    st = _state
+    try:
+        if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling() or opt in st.checked_optimizers:
+            return None
+        st.checked_optimizers.add(opt)
+        params = {id(p) for g in opt.param_groups for p in g["params"]}
+        if not params:
+            return None
+        for rec in st.adopter.records if st.adopter is not None else ():
+            model = rec.ref() if rec.ref is not None else None
+            if model is not None and any(id(p) in params for p in model.parameters()):
+                return None
+        reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
+                  "nothing for them. A model first called inside a compiled function (and never moved with .to() "
+                  "or compiled with model.compile()) is not adopted: call model.to(device) after enable(), or "
+                  "vb.adopt(model)")
+        st.log.record("switch", "adoption", "auto", "no model for this optimizer", reason)
+        log.warning(reason)
+    except Exception as err:  # noqa: BLE001 - a diagnostic must never break training
+        log.debug("first-step adoption check: %s", err)
     return None
 
 

@@ -57,6 +57,14 @@ class StepClock:
         return self.wall
 
 
+def cpu_and_minor_faults() -> tuple[float, int]:
+    """CPU seconds of every thread of this process (``time.process_time``) and its minor page
+    faults so far (``getrusage``): take two readings and subtract."""
+    import resource
+
+    return time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def train_step(model, opt, corpus, gen, batch_size: int, seq_len: int, device="cpu", clip: float | None = 1.0,
                autocast_dtype: torch.dtype | None = None) -> float:
     """One full training step of a byte-level LM on ``corpus`` (batch, forward, loss, backward,

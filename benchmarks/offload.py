@@ -46,7 +46,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import machine_info, summarize, train_step, write_json  # noqa: E402
+from measure import cpu_and_minor_faults, machine_info, summarize, train_step, write_json  # noqa: E402
 from offload_gpu import VARIANTS, cuda_missing, run_gpu  # noqa: E402
 
 #: The phases level 0's stall is split into (``vb.get_stats()["levels"][0]["stall_s_by_phase"]``).
@@ -54,9 +54,6 @@ PHASES = ("forward", "backward", "optimizer", "other")
 
 
 def worker(conn, paged: bool, args, step_in_backward: str = "auto", reuse_memory: bool = True) -> None:
-    import resource
-    import time
-
     import torch
 
     torch.set_num_threads(args.threads)
@@ -79,14 +76,13 @@ def worker(conn, paged: bool, args, step_in_backward: str = "auto", reuse_memory
     p_bytes, t_bytes = model_state_sizes(model)
 
     def io_counters():
-        # CPU seconds of every thread of the process, then minor page faults: the last two
-        faults = (time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
+        usage = cpu_and_minor_faults()  # the last two: CPU seconds (all threads), minor page faults
         if not paged:
-            return (0, 0, 0.0, *(0.0 for _ in PHASES), *faults)
+            return (0, 0, 0.0, *(0.0 for _ in PHASES), *usage)
         lv = vb.get_stats()["levels"]
         phases = lv[0].get("stall_s_by_phase") or {}
         return (lv[-1]["bytes_out"], lv[-1]["bytes_in"], lv[0]["stall_s"],  # read, written, stall
-                *(phases.get(k, 0.0) for k in PHASES), *faults)
+                *(phases.get(k, 0.0) for k in PHASES), *usage)
 
     def step() -> float:
         return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len, clip=args.clip or None)

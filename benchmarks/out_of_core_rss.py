@@ -37,7 +37,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import machine_info, summarize, train_step, write_json  # noqa: E402
+from measure import cpu_and_minor_faults, machine_info, summarize, train_step, write_json  # noqa: E402
 
 MB = 1e6
 
@@ -58,7 +58,6 @@ def _rss_anon_file() -> tuple[int, int]:
 
 
 def worker(conn, paged: bool, args) -> None:
-    import resource
     import threading
     import time
 
@@ -119,10 +118,11 @@ def worker(conn, paged: bool, args) -> None:
     peak["rss"] = 0
     times, cpu, after_step, faults = [], [], [], []
     for _ in range(args.steps):
-        c0, f0 = time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c0, f0 = cpu_and_minor_faults()
         times.append(train_step(model, opt, corpus, gen, args.batch_size, args.seq_len))
-        cpu.append(time.process_time() - c0)
-        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+        c1, f1 = cpu_and_minor_faults()
+        cpu.append(c1 - c0)
+        faults.append(f1 - f0)
         after_step.append(rss_now() - before)
     stop.set()
     sampler.join()

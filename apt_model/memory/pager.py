@@ -265,7 +265,7 @@ class Pager:
             self._writing += page.nbytes
             self._writing_pages[id(page)] = page
         self._resident += page.occupies - before
-        if self.buffers is not None:
+        if self.buffers is not None and page.occupies > before:  # only growth can break the bound or raise the peak
             self._fit_buffers()
 
     def _touch(self, page: Page) -> None:

@@ -127,12 +127,13 @@ def test_a_compiled_paged_model_runs_eagerly_and_stays_bitwise(tmp_path, how):
 
 
 @pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
-def test_a_model_compiled_after_enable_and_never_moved_is_adopted_and_paged(tmp_path, how):
+def test_a_model_compiled_after_enable_and_never_moved_is_adopted_and_paged(tmp_path, how, cpu_device):
     """A script that compiles its model after ``enable()`` and never calls ``model.to()``: its first
     call runs inside compiled code, where the switch's global forward pre-hook cannot adopt it.
     ``model.compile()`` adopts it (before, it was not adopted at all: no paging, no report entry);
     ``torch.compile(model)`` is adopted through its wrapper's first call, outside the compiled
-    code. Either way it is paged and trains bitwise like plain eager PyTorch."""
+    code. Either way it is paged and trains bitwise like plain eager PyTorch. Pinned to the CPU: the
+    model is never moved, so adoption places it on the selected device."""
     ref_m, m = model(dropout=0.0), model(dropout=0.0)
     ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
     ref = _loop(ref_m, ref_opt, "eager")
@@ -151,7 +152,7 @@ def test_a_model_compiled_after_enable_and_never_moved_is_adopted_and_paged(tmp_
     assert_same(snapshot(ref_m, ref_opt), got_state)
 
 
-def test_blocks_compiled_one_by_one_are_adopted_as_part_of_their_model(tmp_path):
+def test_blocks_compiled_one_by_one_are_adopted_as_part_of_their_model(tmp_path, cpu_device):
     """``for block in model.blocks: block.compile()`` after ``enable()``, the model itself eager and
     never moved: the model's first forward adopts the whole model, so no block is adopted as a
     model of its own (one entry in the report), and it is paged and trains bitwise like plain
@@ -213,7 +214,7 @@ def test_a_compilation_under_way_leaves_faults_on(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("when", ["before enable()", "after enable()"])
-def test_a_model_compiled_before_paging_started_is_paged_and_runs_eagerly(tmp_path, when):
+def test_a_model_compiled_before_paging_started_is_paged_and_runs_eagerly(tmp_path, when, cpu_device):
     """``model.compile()`` before paging started (before ``enable()``, or after it but before the
     first model was paged, when ``_call_impl`` is still torch's) bound its compiled call to torch's
     own ``_call_impl``: Dynamo traced the paging hooks (a RecursionError). That call is taken off

@@ -110,7 +110,7 @@ def assert_same(a, b):
     ("adam", 1, 0.5, True, True),
 ])
 def test_every_tensor_through_nvme_is_bitwise_identical(kind, accum, clip, zero_to_none, opt_after, tmp_path):
-    steps = 20
+    steps = 12  # past the scheduler's decay (step 7) and the evaluation at step 9
     ref_m = model()
     ref_opt = make_opt(ref_m, kind)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, 7, 0.5)

@@ -7,6 +7,8 @@ and a paged model reached by compiled code runs eagerly (a graph break), so its 
 those of plain eager PyTorch. ``backend="aot_eager"`` keeps Dynamo's tracing (what failed) without
 Inductor's code generation (minutes on a 2-core CPU, and other rounding).
 """
+import functools
+
 import pytest
 import torch
 import torch._dynamo.testing
@@ -24,9 +26,11 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _loop(m, opt, how):
-    """Three training steps, the model called as ``how`` says; returns the losses."""
-    if how == "torch.compile(model)":
+def _loop(m, opt, how, call=None):
+    """Three training steps, the model called as ``how`` says (or through ``call``); returns the losses."""
+    if call is not None:
+        pass
+    elif how == "torch.compile(model)":
         call = torch.compile(m, backend="aot_eager")
     elif how == "model.compile()":
         m.compile(backend="aot_eager")
@@ -150,6 +154,87 @@ def test_a_model_compiled_after_enable_and_never_moved_is_adopted_and_paged(tmp_
     assert models[0]["features"]["paging"]["chosen"] == "paged" and loads > 0
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
+_GLOBAL_MODEL = None  # the "global" case below: a script's model at module level
+
+
+def _global_logits(x):
+    return _GLOBAL_MODEL(x)
+
+
+class _Trainer:
+    def __init__(self, m):
+        self.model = m
+
+    def logits(self, x):
+        return self.model(x)
+
+
+@pytest.mark.parametrize("reach", ["argument", "closure", "global", "bound method"])
+def test_a_model_first_called_inside_a_compiled_function_is_adopted_and_paged(tmp_path, reach, cpu_device):
+    """A script compiles its loss function (``torch.compile(fn)``) after ``enable()`` and never moves
+    its model: the model's first call runs inside the compiled code, where the global forward
+    pre-hook cannot adopt it (before, it was never adopted: no paging, a warning at the first
+    optimizer step). The models the function reaches — its arguments, closure, the globals it
+    names, its bound object — are adopted just before the compiled call (trigger
+    ``compiled function``); the model is paged and trains bitwise like plain eager PyTorch."""
+    global _GLOBAL_MODEL
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = _loop(ref_m, ref_opt, "eager")
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": "off"})
+    try:
+        if reach == "argument":
+            fn = torch.compile(lambda net, x: net(x), backend="aot_eager")
+            call = functools.partial(fn, m)  # the partial is the script's; the compiled call gets m
+        elif reach == "closure":
+            call = torch.compile(lambda x: m(x), backend="aot_eager")
+        elif reach == "global":
+            _GLOBAL_MODEL = m
+            call = torch.compile(_global_logits, backend="aot_eager")
+        else:
+            call = torch.compile(_Trainer(m).logits, backend="aot_eager")
+        got = _loop(m, opt, "eager", call=call)
+        got_state = snapshot(m, opt)
+        models = vb.get_report()["models"]
+        decisions = vb.get_report()["decisions"]
+        loads = vb.get_report()["memory"]["paging"]["pager"]["bytes_in"]
+    finally:
+        vb.disable()
+        _GLOBAL_MODEL = None
+    assert [(r["name"], r["trigger"]) for r in models] == [("GPT", "compiled function")], models
+    assert models[0]["features"]["paging"]["chosen"] == "paged" and loads > 0
+    assert not [d for d in decisions if d["feature"] == "adoption"], decisions  # no "no adopted model" warning
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
+def test_a_compiled_functions_first_call_is_compiled_and_the_patch_is_undone(cpu_device):
+    """The models are found without running the function: its first call is already the compiled
+    one (one frame compiled), its result that of the eager function. The compile ladder puts no
+    rung beneath the script's compiled function. ``disable()`` puts ``torch.compile`` back; a
+    function compiled while on keeps working after it."""
+    real = torch.compile
+    m = model(dropout=0.0)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    want = m(x)
+    counts = torch._dynamo.testing.CompileCounter()
+    vb.enable("balanced", paging="off", attention="off", mixed_precision="off", banner=False)
+    try:
+        assert torch.compile is not real
+        fn = torch.compile(lambda inp: m(inp), backend=counts)
+        got = fn(x)
+        frames = counts.frame_count
+        models = vb.get_report()["models"]
+    finally:
+        vb.disable()
+    assert torch.compile is real
+    assert frames == 1 and torch.equal(got, want)
+    assert [(r["name"], r["trigger"]) for r in models] == [("GPT", "compiled function")]
+    ladder = models[0]["features"]["compile"]
+    assert ladder["chosen"] == "eager" and "function it compiles itself" in ladder["reason"], ladder
+    assert torch.equal(fn(x), want)
 
 
 def test_blocks_compiled_one_by_one_are_adopted_as_part_of_their_model(tmp_path, cpu_device):

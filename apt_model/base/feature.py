@@ -142,7 +142,7 @@ class AdoptionContext:
         session: the :class:`StepSession`.
         record: the model's :class:`ModelRecord`.
         device: the model's device (its first parameter's).
-        trigger: what caused adoption (``to()``, ``first forward``, ``adopt()``).
+        trigger: what caused adoption (``to()``, ``compile()``, ``compiled function``, ``first forward``, ``adopt()``).
         moved_note: extra words about the script's move (``" (redirected from cuda: ...)"``).
         facts: what earlier steps said for later ones (``paging_blocked``...).
     """

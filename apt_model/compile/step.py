@@ -13,6 +13,8 @@ memory) or ``off``:
   module's compiled call, or the ``OptimizedModule`` of ``torch.compile(model)``): eager — the
   ladder would compile or capture above or beneath the script's own compiled calls and time its
   trial through them; the script's compilation stays what runs;
+* the model was adopted as one a compiled function reaches (trigger ``compiled function``,
+  ``torch.compile(fn)``): eager, for the same reason;
 * otherwise the rungs this device kind offers, in order: ``compile`` (only with ``auto``; the
   kind's compiler from the device contract, e.g. TorchInductor, needing a C++ compiler on the
   CPU), ``override`` (the registered rewrites: hand-written attention → SDPA, plus the kind's
@@ -87,6 +89,9 @@ class CompileStep(FeatureStep):
         if ctx.facts.get("ddp"):
             return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
                             "the switch's in-place DDP is not supported in this version")
+        if ctx.trigger == "compiled function":
+            return Decision(self.name, req, "eager", "the script calls this model from a function it compiles itself "
+                            "(torch.compile(fn)): the compiled function is left as it is, with no rung beneath it")
         if any(compiled_by_script(m) for m in model.modules()):
             return Decision(self.name, req, "eager", "the script compiles this model (or modules in it) itself "
                             "(model.compile() or torch.compile(model)): its compiled calls are left as they are, "

@@ -571,6 +571,17 @@ def _install_patches(st: _State) -> None:
 
         module_compile.__doc__ = orig_module_compile.__doc__
         st.patches.set_attr(nn.Module, "compile", module_compile, label="nn.Module.compile")
+        orig_torch_compile = torch.compile
+
+        def torch_compile(*args, **kwargs):
+            out = orig_torch_compile(*args, **kwargs)
+            target = args[0] if args else kwargs.get("model")
+            if target is None or isinstance(target, nn.Module) or not callable(out):
+                return out  # a decorator (it calls torch.compile again), or a module (adopted at its first call)
+            return _adopting_reachable(target, out)
+
+        functools.update_wrapper(torch_compile, orig_torch_compile)
+        st.patches.set_attr(torch, "compile", torch_compile, label="torch.compile")
 
 
 def _global_pre_hook(module: nn.Module, args: tuple):
@@ -590,8 +601,9 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     """At an optimizer's first step (``adopt="auto"``): if none of its parameters belongs to an
     adopted model, say so (a warning, and an entry in the report's decisions). The switch then does
     nothing for that training: its model was never moved with ``.to()`` and was first called
-    inside compiled code (a compiled function), where it cannot be adopted; or the parameters
-    belong to no module. Never raises; does nothing while anything compiles."""
+    inside a compiled function that does not name it where :mod:`~apt_model.switch.reachable`
+    looks (its arguments, closure, globals, bound object), or the parameters belong to no module.
+    Never raises; does nothing while anything compiles."""
     st = _state
     try:
         if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling() or opt in st.checked_optimizers:
@@ -605,8 +617,9 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
             if model is not None and any(id(p) in params for p in model.parameters()):
                 return None
         reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
-                  "nothing for them. A model first called inside a compiled function (and never moved with .to() "
-                  "or compiled with model.compile()) is not adopted: call model.to(device) after enable(), or "
+                  "nothing for them. A model first called inside a compiled function that reaches it other than "
+                  "through its arguments, closure, globals or bound object (and never moved with .to() or "
+                  "compiled with model.compile()) is not adopted: call model.to(device) after enable(), or "
                   "vb.adopt(model)")
         st.log.record("switch", "adoption", "auto", "no model for this optimizer", reason)
         log.warning(reason)
@@ -641,6 +654,34 @@ def _adopting_first_call(module: nn.Module, compiled):
         return call(*args, **kwargs) if call is not None else module._call_impl(*args, **kwargs)
 
     return first_call
+
+
+def _adopting_reachable(fn, compiled):
+    """The call ``torch.compile(fn)`` returns for a function (not a module), wrapped so that the
+    models it can reach are adopted before the compiled code runs (trigger ``compiled function``).
+
+    A model first called inside the compiled code would never be adopted: the global forward
+    pre-hook must not change a model while Dynamo traces it. So before each call, eagerly, the
+    models among the call's arguments are adopted, and at the first call also those of ``fn``'s
+    closure, the globals its code names and its bound object (:func:`~apt_model.switch.reachable.reachable_modules`,
+    which says where it does not look). Nothing is adopted while anything compiles (a compiled
+    caller tracing this call inlines it), while the switch is off, or with ``adopt`` not ``auto``.
+    Carries ``compiled``'s attributes (``functools.wraps``); after ``disable()`` it only calls
+    ``compiled``. Adoption itself is the same as at a model's first forward."""
+    from apt_model.switch.reachable import reachable_modules
+
+    first = [True]
+
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        st = _state
+        if st.enabled and st.config.adopt == "auto" and not st.suspended and not torch.compiler.is_compiling():
+            whole, first[0] = first[0], False
+            for m in reachable_modules(fn, args, kwargs, through_function=whole, exclude=st.seen):
+                _maybe_adopt(m, "compiled function")  # a block of a model adopted just before is seen by now
+        return compiled(*args, **kwargs)
+
+    return call
 
 
 def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):

@@ -1,0 +1,130 @@
+"""The modules a compiled function can reach, found without running it.
+
+A model first called inside a function compiled with ``torch.compile(fn)`` runs inside TorchDynamo's
+trace, where the switch's global forward pre-hook must not change it, so it is never adopted there.
+The switch instead looks, just before the compiled call, at what the function can reach
+(:func:`reachable_modules`) and adopts those models first, eagerly: the compiled code then traces
+the adopted model, as it does for ``model.compile()``.
+
+Where it looks (the places a training step finds its model):
+
+* the call's arguments, and the items of a list, tuple or dict among them (``step(model, batch)``,
+  ``step(models=[a, b])``);
+* the function's closure cells (a model defined in an enclosing function);
+* the module-level globals its code names, nested functions' code included (``model`` at the top
+  of a script);
+* for a bound method (``trainer.step``) or a callable object, the object itself when it is a module,
+  else its attributes (``self.model``);
+* for a ``functools.partial``, its bound arguments and its function, looked at the same way.
+
+It does not follow attributes of arguments (``step(trainer)`` with ``trainer.model``), nor modules
+reached through function calls; those models stay unadopted, and the optimizer's first step says
+so (``switch/controller.py``). Modules are returned largest first (parameter count), so a model
+is adopted whole before any of its blocks is looked at (its blocks are then already seen).
+"""
+from __future__ import annotations
+
+import functools
+import types
+from typing import Any, Callable, Container, Iterable
+
+import torch.nn as nn
+
+
+def _code_names(code: types.CodeType, out: set[str]) -> None:
+    out.update(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            _code_names(const, out)
+
+
+def _from_values(values: Iterable[Any], out: dict[int, nn.Module]) -> None:
+    """Modules among ``values`` and one level into lists, tuples and dicts among them."""
+    for v in values:
+        if isinstance(v, nn.Module):
+            out[id(v)] = v
+        elif isinstance(v, (list, tuple)):
+            for w in v:
+                if isinstance(w, nn.Module):
+                    out[id(w)] = w
+        elif isinstance(v, dict):
+            for w in v.values():
+                if isinstance(w, nn.Module):
+                    out[id(w)] = w
+
+
+def _from_object(obj: Any, out: dict[int, nn.Module]) -> None:
+    """``obj`` itself when it is a module, else the modules among its attributes."""
+    if isinstance(obj, nn.Module):
+        out[id(obj)] = obj
+        return
+    attrs = getattr(obj, "__dict__", None)
+    if isinstance(attrs, dict):
+        _from_values(list(attrs.values()), out)
+
+
+def _from_function(fn: Callable, out: dict[int, nn.Module], depth: int = 0) -> None:
+    """Modules ``fn``'s closure, the globals its code names, its bound object or partial's
+    arguments hold (see the module docstring)."""
+    if depth > 4:
+        return
+    if isinstance(fn, functools.partial):
+        _from_values(fn.args, out)
+        _from_values(fn.keywords.values(), out)
+        _from_function(fn.func, out, depth + 1)
+        return
+    if isinstance(fn, types.MethodType):
+        _from_object(fn.__self__, out)
+        _from_function(fn.__func__, out, depth + 1)
+        return
+    code = getattr(fn, "__code__", None)
+    if not isinstance(code, types.CodeType):  # a callable object: its __call__ and its attributes
+        if not isinstance(fn, (type, types.BuiltinFunctionType)) and callable(fn):
+            _from_object(fn, out)
+            call = getattr(type(fn), "__call__", None)
+            if call is not None and not isinstance(fn, nn.Module):
+                _from_function(call, out, depth + 1)
+        return
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            _from_values([cell.cell_contents], out)
+        except ValueError:  # an empty cell (a name bound later in the enclosing function)
+            pass
+    names: set[str] = set()
+    _code_names(code, names)
+    glob = getattr(fn, "__globals__", None) or {}
+    _from_values([glob[n] for n in names if n in glob], out)
+
+
+def reachable_modules(fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
+                      through_function: bool = True, exclude: Container = ()) -> list[nn.Module]:
+    """The modules ``fn`` can reach when called with ``args`` and ``kwargs``, largest first.
+
+    Args:
+        fn: the function ``torch.compile`` was given (a function, bound method, ``functools.partial``
+            or callable object).
+        args, kwargs: the call's arguments.
+        through_function: also look at ``fn``'s closure, globals and bound object (once per function
+            is enough: they are found at its first call); False looks at the arguments only.
+        exclude: modules not to return (those already seen; checked before any is sized).
+
+    Returns:
+        Distinct modules, ordered by parameter count (most first; ties keep the order found).
+        Never raises: whatever cannot be inspected is skipped.
+    """
+    found: dict[int, nn.Module] = {}
+    try:
+        _from_values(args, found)
+        _from_values((kwargs or {}).values(), found)
+        if through_function:
+            _from_function(fn, found)
+    except Exception:  # noqa: BLE001 - an exotic object that resists inspection: use what was found
+        pass
+    mods = [m for m in found.values() if m not in exclude]
+    sizes = {}
+    for m in mods:
+        try:
+            sizes[id(m)] = sum(p.numel() for p in m.parameters())
+        except Exception:  # noqa: BLE001
+            sizes[id(m)] = 0
+    return sorted(mods, key=lambda m: -sizes[id(m)])

@@ -237,6 +237,39 @@ def test_a_compiled_functions_first_call_is_compiled_and_the_patch_is_undone(cpu
     assert torch.equal(fn(x), want)
 
 
+def test_dynamo_still_sees_through_a_compiled_function_and_classes_come_back_as_classes(cpu_device):
+    """The wrapper around a compiled function names the function Dynamo compiled
+    (``innermost_fn``): compiling it again, ``torch.compiler.disable`` of it and ``__wrapped__``
+    behave as without the switch (they raised or compiled before the fix). A class given to
+    ``torch.compile`` comes back a class, and ``disable=True`` gives back the function itself."""
+    counts = torch._dynamo.testing.CompileCounter()
+
+    def f(x):
+        return torch.sin(x) + 1
+
+    x = torch.randn(4)
+    vb.enable("balanced", paging="off", attention="off", mixed_precision="off", banner=False)
+    try:
+        cf = torch.compile(f, backend="eager")
+        assert cf.__wrapped__ is f and torch._dynamo.eval_frame.innermost_fn(cf) is f
+        assert torch.equal(torch.compile(cf, backend="eager")(x), f(x))  # AssertionError before
+        torch.compiler.disable(cf)(x)
+        torch._dynamo.reset()
+        disabled = torch.compiler.disable(torch.compile(f, backend=counts))
+        disabled(x)
+        assert counts.frame_count == 0
+
+        @torch.compile(backend="eager")
+        class Net(torch.nn.Module):
+            def forward(self, x):
+                return x * 2
+
+        assert isinstance(Net, type) and isinstance(Net(), Net) and torch.equal(Net()(x), x * 2)
+        assert torch.compile(f, disable=True) is f
+    finally:
+        vb.disable()
+
+
 def test_blocks_compiled_one_by_one_are_adopted_as_part_of_their_model(tmp_path, cpu_device):
     """``for block in model.blocks: block.compile()`` after ``enable()``, the model itself eager and
     never moved: the model's first forward adopts the whole model, so no block is adopted as a

@@ -27,23 +27,44 @@ class _Holder:
         return self.model(x)
 
 
-def test_arguments_containers_closure_globals_bound_objects_and_partials_are_found_largest_first():
+def test_arguments_containers_closure_globals_bound_objects_and_partials_are_found():
     small, medium, in_list, in_dict = nn.Linear(2, 2), nn.Linear(8, 8), nn.Linear(5, 5), nn.Linear(6, 6)
 
     def closure(x):
         return medium(x)
 
+    def method(self, x):  # compiled in a class body: self arrives as the first argument
+        return self.model(x)
+
     assert reachable_modules(lambda *a, **k: None, (small, [in_list], "x"), {"d": {"m": in_dict}}) == \
-        [in_dict, in_list, small]  # parameter count: 42, 30, 6
-    assert reachable_modules(closure, (small,)) == [medium, small]
+        [small, in_list, in_dict]
+    assert reachable_modules(closure, (small,)) == [small, medium]
     assert reachable_modules(closure, (small,), through_function=False) == [small]
     assert reachable_modules(_uses_big) == [BIG] and UNNAMED not in reachable_modules(_uses_big)
     holder = _Holder()
     assert reachable_modules(holder.step) == [holder.model]
     assert reachable_modules(holder) == [holder.model]  # a callable object
-    assert reachable_modules(functools.partial(closure, small)) == [medium, small]
+    assert reachable_modules(functools.partial(closure, small)) == [small, medium]
     assert reachable_modules(BIG.forward) == [BIG]  # a module's bound method: the module itself
     assert reachable_modules(closure, (small,), exclude={medium}) == [small]
+    assert reachable_modules(method, (holder, 1), through_function=False) == [holder.model]
+
+
+def test_only_the_outermost_modules_are_returned_whatever_the_order_found():
+    """A model and a wrapper around it with no parameters of its own (same parameter count), or a
+    block and its model: one set of parameters is adopted once, through the outer module."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+
+    class WithLoss(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+    wrapped = WithLoss(net)
+    for args in ((net, wrapped), (wrapped, net), (net[0], net)):
+        assert reachable_modules(lambda *a: None, args) == [args[1] if args[0] in args[1].modules() else args[0]]
+    assert reachable_modules(lambda *a: None, (net[0], nn.Linear(1, 1))) != []  # unrelated ones both stay
+    assert len(reachable_modules(lambda *a: None, (net[0], nn.Linear(1, 1)))) == 2
 
 
 def test_what_is_not_looked_at_and_what_cannot_be_inspected_is_skipped():
@@ -55,4 +76,6 @@ def test_what_is_not_looked_at_and_what_cannot_be_inspected_is_skipped():
     assert reachable_modules(late) == []
     later = nn.Linear(1, 1)  # noqa: F841 - fills the cell after the look
     assert reachable_modules(lambda h: h.model, (holder,)) == []  # attributes of arguments: not followed
+    many = [nn.Linear(1, 1)] + [1] * 40  # a long list is data: not walked on every call
+    assert reachable_modules(lambda xs: None, (many,)) == []
     assert reachable_modules(len, (1,)) == [] and reachable_modules(print) == []

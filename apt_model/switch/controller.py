@@ -576,8 +576,10 @@ def _install_patches(st: _State) -> None:
         def torch_compile(*args, **kwargs):
             out = orig_torch_compile(*args, **kwargs)
             target = args[0] if args else kwargs.get("model")
-            if target is None or isinstance(target, nn.Module) or not callable(out):
-                return out  # a decorator (it calls torch.compile again), or a module (adopted at its first call)
+            if target is None or isinstance(target, (nn.Module, type)) or out is target or not callable(out):
+                # a decorator (it calls torch.compile again), a module (adopted at its first call),
+                # a class (torch.compile gives it back, compiled), or nothing compiled (disable=True)
+                return out
             return _adopting_reachable(target, out)
 
         functools.update_wrapper(torch_compile, orig_torch_compile)
@@ -681,6 +683,12 @@ def _adopting_reachable(fn, compiled):
                 _maybe_adopt(m, "compiled function")  # a block of a model adopted just before is seen by now
         return compiled(*args, **kwargs)
 
+    # TorchDynamo finds the function it compiled through these (torch._dynamo.eval_frame.innermost_fn,
+    # for torch.compile / torch.compiler.disable / export of this call): the copies wraps() made
+    # would name the compiled call with another object's id, and Dynamo would stop at this wrapper
+    call.__wrapped__ = getattr(compiled, "__wrapped__", fn)
+    call._torchdynamo_orig_callable = getattr(compiled, "_torchdynamo_orig_callable", fn)
+    call._torchdynamo_wrapper_id = id(call)
     return call
 
 

@@ -8,8 +8,11 @@ the adopted model, as it does for ``model.compile()``.
 
 Where it looks (the places a training step finds its model):
 
-* the call's arguments, and the items of a list, tuple or dict among them (``step(model, batch)``,
-  ``step(models=[a, b])``);
+* the call's arguments, and the items of a list, tuple or dict of up to :data:`MAX_ITEMS` items
+  among them (``step(model, batch)``, ``step(models=[a, b])``; a long list is data, not models,
+  and is not walked on every call);
+* for a function whose first parameter is ``self`` (a method compiled in its class body,
+  ``@torch.compile def step(self, x)``), the attributes of that first argument (``self.model``);
 * the function's closure cells (a model defined in an enclosing function);
 * the module-level globals its code names, nested functions' code included (``model`` at the top
   of a script);
@@ -19,8 +22,9 @@ Where it looks (the places a training step finds its model):
 
 It does not follow attributes of arguments (``step(trainer)`` with ``trainer.model``), nor modules
 reached through function calls; those models stay unadopted, and the optimizer's first step says
-so (``switch/controller.py``). Modules are returned largest first (parameter count), so a model
-is adopted whole before any of its blocks is looked at (its blocks are then already seen).
+so (``switch/controller.py``). Only the outermost modules are returned: a module inside another
+one found (a model and its loss wrapper ``WithLoss(model)``, a block and its model) is dropped, so
+one set of parameters is adopted once, as by a model's first forward, whatever the order found.
 """
 from __future__ import annotations
 
@@ -38,16 +42,20 @@ def _code_names(code: types.CodeType, out: set[str]) -> None:
             _code_names(const, out)
 
 
+#: Lists, tuples and dicts longer than this are not walked (a batch of tensors, not models).
+MAX_ITEMS = 32
+
+
 def _from_values(values: Iterable[Any], out: dict[int, nn.Module]) -> None:
-    """Modules among ``values`` and one level into lists, tuples and dicts among them."""
+    """Modules among ``values`` and one level into short lists, tuples and dicts among them."""
     for v in values:
         if isinstance(v, nn.Module):
             out[id(v)] = v
-        elif isinstance(v, (list, tuple)):
+        elif isinstance(v, (list, tuple)) and len(v) <= MAX_ITEMS:
             for w in v:
                 if isinstance(w, nn.Module):
                     out[id(w)] = w
-        elif isinstance(v, dict):
+        elif isinstance(v, dict) and len(v) <= MAX_ITEMS:
             for w in v.values():
                 if isinstance(w, nn.Module):
                     out[id(w)] = w
@@ -61,6 +69,25 @@ def _from_object(obj: Any, out: dict[int, nn.Module]) -> None:
     attrs = getattr(obj, "__dict__", None)
     if isinstance(attrs, dict):
         _from_values(list(attrs.values()), out)
+
+
+def _takes_self(fn: Callable) -> bool:
+    """Whether ``fn`` is a plain function whose first parameter is named ``self``."""
+    code = getattr(fn, "__code__", None)
+    return (isinstance(code, types.CodeType) and not isinstance(fn, types.MethodType)
+            and code.co_argcount > 0 and code.co_varnames[0] == "self")
+
+
+def _outermost(mods: list[nn.Module]) -> list[nn.Module]:
+    """``mods`` without those inside another of them (order kept)."""
+    if len(mods) < 2:
+        return mods
+    inner: set[int] = set()
+    for m in mods:
+        for sub in m.modules():
+            if sub is not m:
+                inner.add(id(sub))
+    return [m for m in mods if id(m) not in inner]
 
 
 def _from_function(fn: Callable, out: dict[int, nn.Module], depth: int = 0) -> None:
@@ -98,7 +125,7 @@ def _from_function(fn: Callable, out: dict[int, nn.Module], depth: int = 0) -> N
 
 def reachable_modules(fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
                       through_function: bool = True, exclude: Container = ()) -> list[nn.Module]:
-    """The modules ``fn`` can reach when called with ``args`` and ``kwargs``, largest first.
+    """The outermost modules ``fn`` can reach when called with ``args`` and ``kwargs``.
 
     Args:
         fn: the function ``torch.compile`` was given (a function, bound method, ``functools.partial``
@@ -106,25 +133,24 @@ def reachable_modules(fn: Callable, args: tuple = (), kwargs: dict | None = None
         args, kwargs: the call's arguments.
         through_function: also look at ``fn``'s closure, globals and bound object (once per function
             is enough: they are found at its first call); False looks at the arguments only.
-        exclude: modules not to return (those already seen; checked before any is sized).
+        exclude: modules not to return (those already seen; dropped before the containment check).
 
     Returns:
-        Distinct modules, ordered by parameter count (most first; ties keep the order found).
-        Never raises: whatever cannot be inspected is skipped.
+        Distinct modules, none inside another (in the order found: arguments, then the function's
+        own). Never raises: whatever cannot be inspected is skipped.
     """
     found: dict[int, nn.Module] = {}
     try:
         _from_values(args, found)
         _from_values((kwargs or {}).values(), found)
+        if args and _takes_self(fn):
+            _from_object(args[0], found)
         if through_function:
             _from_function(fn, found)
     except Exception:  # noqa: BLE001 - an exotic object that resists inspection: use what was found
         pass
     mods = [m for m in found.values() if m not in exclude]
-    sizes = {}
-    for m in mods:
-        try:
-            sizes[id(m)] = sum(p.numel() for p in m.parameters())
-        except Exception:  # noqa: BLE001
-            sizes[id(m)] = 0
-    return sorted(mods, key=lambda m: -sizes[id(m)])
+    try:
+        return _outermost(mods)
+    except Exception:  # noqa: BLE001
+        return mods

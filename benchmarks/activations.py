@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import machine_info, write_json  # noqa: E402
+from measure import from_worker, machine_info, write_json  # noqa: E402
 
 VARIANTS = {
     "off": {},
@@ -111,21 +111,22 @@ def main(argv=None) -> dict:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(child, name, args), daemon=True)
         proc.start()
-        assert parent.recv() == "ready"
+        child.close()  # the worker holds the only other end: its death ends the pipe
+        assert from_worker(parent, proc, f"{name}: starting") == "ready"
         workers[name] = (parent, proc)
     results = {}
     names = list(VARIANTS)
     for seq in args.seq:
         for name in names:  # warm-up at this length (allocator, kernels)
             workers[name][0].send(seq)
-            workers[name][0].recv()
+            from_worker(*workers[name], f"{name}: warming up at {seq} tokens")
         times = {n: [] for n in names}
         peaks = {n: [] for n in names}
         heaps = {n: [] for n in names}
         for r in range(args.rounds):
             for name in (names if r % 2 == 0 else names[::-1]):
                 workers[name][0].send(seq)
-                dt, peak, heap = workers[name][0].recv()
+                dt, peak, heap = from_worker(*workers[name], f"{name}: round {r + 1} at {seq} tokens")
                 times[name].append(dt)
                 peaks[name].append(peak)
                 heaps[name].append(heap)
@@ -135,7 +136,7 @@ def main(argv=None) -> dict:
     finals = {}
     for name, (parent, proc) in workers.items():
         parent.send("stop")
-        finals[name] = parent.recv()
+        finals[name] = from_worker(parent, proc, f"{name}: stopping")
         proc.join(timeout=60)
 
     print(f"activation memory — GPT d={args.d_model} x{args.layers} (SDPA), batch {args.batch_size}, {args.threads} threads, "

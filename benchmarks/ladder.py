@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import StepClock, machine_info, summarize, write_json  # noqa: E402
+from measure import StepClock, WorkerDied, from_worker, machine_info, summarize, write_json  # noqa: E402
 from switch_overhead import EncoderLM  # noqa: E402
 
 from apt_model.bench.measure import load_average  # noqa: E402
@@ -379,15 +379,10 @@ def _worker(conn, arch: str, variant: str, shape: dict, args) -> None:
 
 def _recv(parent, proc, what: str):
     """The worker's next message, or ``{"error": ...}`` if it died without one."""
-    while not parent.poll(2.0):
-        if not proc.is_alive():
-            if parent.poll(0):
-                break
-            return {"error": f"worker died while {what} (exit code {proc.exitcode})"}
     try:
-        return parent.recv()
-    except EOFError:
-        return {"error": f"worker closed its pipe while {what} (exit code {proc.exitcode})"}
+        return from_worker(parent, proc, what)
+    except WorkerDied as err:
+        return {"error": str(err)}
 
 
 def run_arch(arch: str, shape: dict, args) -> dict:

@@ -57,6 +57,34 @@ class StepClock:
         return self.wall
 
 
+class WorkerDied(RuntimeError):
+    """A benchmark's worker process ended (or went silent) before it answered."""
+
+
+def from_worker(conn, proc, what: str, timeout: float | None = None):
+    """The next message of the worker process ``proc`` on ``conn`` (a ``multiprocessing`` pipe end
+    whose other end the parent has closed after ``proc.start()``).
+
+    Raises:
+        WorkerDied: ``proc`` ended without a message (its own traceback is on stderr; the message
+            says ``what`` it was doing and its exit code), or sent none in ``timeout`` seconds
+            (then it is terminated). Without this a parent waited forever on a dead worker.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not conn.poll(1.0):
+        if not proc.is_alive() and not conn.poll(0):
+            proc.join(5)
+            raise WorkerDied(f"the worker died while {what} (exit code {proc.exitcode})")
+        if deadline is not None and time.monotonic() > deadline:
+            proc.terminate()
+            raise WorkerDied(f"no answer from the worker in {timeout:g} s while {what}")
+    try:
+        return conn.recv()
+    except EOFError:
+        proc.join(5)
+        raise WorkerDied(f"the worker died while {what} (exit code {proc.exitcode})") from None
+
+
 def cpu_and_minor_faults() -> tuple[float, int]:
     """CPU seconds of every thread of this process (``time.process_time``) and its minor page
     faults so far (``getrusage``): take two readings and subtract."""

@@ -46,7 +46,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import cpu_and_minor_faults, machine_info, summarize, train_step, write_json  # noqa: E402
+from measure import WorkerDied, cpu_and_minor_faults, from_worker, machine_info, summarize, train_step, write_json  # noqa: E402
 from offload_gpu import VARIANTS, cuda_missing, run_gpu  # noqa: E402
 
 #: The phases level 0's stall is split into (``vb.get_stats()["levels"][0]["stall_s_by_phase"]``).
@@ -176,6 +176,19 @@ def main(argv=None) -> dict:
             raise SystemExit(2)
         return run_gpu(args)
 
+    procs = []
+    try:
+        return run_cpu(args, procs)
+    except WorkerDied as err:  # the worker's own traceback is above, on stderr
+        for proc in procs:  # the others would wait for their next turn forever
+            proc.terminate()
+        print(f"offload.py: {err}", file=sys.stderr)
+        raise SystemExit(1) from None
+
+
+def run_cpu(args, procs: list) -> dict:
+    """CPU mode (see the module docstring); each worker process started is appended to ``procs``.
+    Raises WorkerDied when a worker ends before answering."""
     ctx = mp.get_context("spawn")
     sides, infos = {}, {}
     workers = [("in_memory", False, "auto"), ("paged", True, "auto")]
@@ -187,7 +200,9 @@ def main(argv=None) -> dict:
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=worker, args=(child, paged, args, in_backward, *reuse), daemon=True)
         proc.start()
-        tag, info = parent.recv()
+        procs.append(proc)
+        child.close()  # the worker holds the only other end: its death ends the pipe
+        tag, info = from_worker(parent, proc, f"{name}: starting and warming up")
         assert tag == "ready"
         sides[name], infos[name] = (parent, proc), info
     times = {n: [] for n in sides}
@@ -197,9 +212,9 @@ def main(argv=None) -> dict:
     order = list(sides)
     for r in range(args.rounds):
         for name in (order if r % 2 == 0 else order[::-1]):
-            parent, _ = sides[name]
+            parent, proc = sides[name]
             parent.send(args.steps_per_round)
-            t, delta = parent.recv()
+            t, delta = from_worker(parent, proc, f"{name}: timing round {r + 1}")
             times[name].extend(t)
             faults[name] += delta[-1]
             cpu[name] += delta[-2]
@@ -210,7 +225,7 @@ def main(argv=None) -> dict:
     finals = {}
     for name, (parent, proc) in sides.items():
         parent.send("stop")
-        finals[name] = parent.recv()
+        finals[name] = from_worker(parent, proc, f"{name}: stopping")
         proc.join(timeout=60)
 
     steps = args.rounds * args.steps_per_round

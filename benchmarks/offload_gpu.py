@@ -329,18 +329,13 @@ def gpu_worker(conn, name: str, args, budget: int | None) -> None:
 
 
 def _recv(conn, proc, timeout: float) -> tuple:
-    deadline = time.monotonic() + timeout
-    while not conn.poll(1.0):
-        if not proc.is_alive() and not conn.poll(0):
-            return ("error", f"the worker died (exit code {proc.exitcode})", "")
-        if time.monotonic() > deadline:
-            proc.terminate()
-            return ("error", f"no answer from the worker in {timeout:g} s", "")
+    """The worker's next message, or ``("error", why, "")`` if it died or went silent."""
+    from measure import WorkerDied, from_worker
+
     try:
-        return conn.recv()
-    except EOFError:
-        proc.join(5)
-        return ("error", f"the worker died (exit code {proc.exitcode})", "")
+        return from_worker(conn, proc, "answering", timeout)
+    except WorkerDied as err:
+        return ("error", str(err), "")
 
 
 def _link(device: torch.device) -> dict | None:

@@ -201,3 +201,14 @@ def test_cpu_mode_without_clipping_measures_the_step_inside_backward_against_aft
     assert got["paged_after_backward"]["n"] == 2 and got["in_backward_over_after_backward"] > 0
     assert got["read_bytes_per_step"] < got["paged_after_backward_read_bytes_per_step"]
     assert "step after backward" in res.stdout
+
+
+def test_cpu_mode_reports_a_worker_that_dies_instead_of_waiting_for_it(tmp_path):
+    """A worker that fails at start (here: a swap folder that does not exist) used to leave the
+    parent waiting on the pipe forever; now the run ends with status 1 and a line naming the worker."""
+    res = _run("--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "16", "--batch-size", "1",
+               "--budget", "600KB", "--rounds", "1", "--steps-per-round", "1", "--warmup", "1",
+               "--swap-dir", str(tmp_path / "missing"), timeout=120)
+    assert res.returncode == 1, (res.returncode, res.stderr[-2000:])
+    assert "offload.py: the worker died while paged: starting and warming up" in res.stderr
+    assert "does not exist" in res.stderr  # the worker's own error is shown too

@@ -9,34 +9,37 @@ the script imported them; undone by ``disable()``): ``DistributedDataParallel.__
 ``DataParallel.__init__`` and FSDP2's parameter-group constructor (``fully_shard`` itself is a
 function the script may have imported before the switch was on, so it cannot be patched
 reliably; the class it instantiates can).
+
+FSDP and DTensor are never imported here: importing ``torch.distributed.fsdp`` takes about a second
+(it pulls in DTensor and SymPy: 1.0 s of ``enable()``'s 1.0 s on the development CPU, measured
+with cProfile), and no model can be an FSDP module or hold DTensor parameters before the script
+imported them. The FSDP2 guard is installed when FSDP2's parameter-group module is imported, now
+or later (:func:`~apt_model.base.post_import.when_imported`).
 """
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch.nn as nn
 
 from apt_model.base.log import get_logger
+from apt_model.base.post_import import when_imported
 
 log = get_logger(__name__)
 
+#: FSDP2's parameter groups (their constructor is the guard's hook).
+FSDP_PARAM_GROUP_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_param_group"
+
 
 def _fsdp2_module_class():
-    try:
-        from torch.distributed.fsdp import FSDPModule
-
-        return FSDPModule
-    except ImportError:  # pragma: no cover - torch builds without distributed
-        return None
+    mod = sys.modules.get("torch.distributed.fsdp")  # not imported: no model can be an FSDPModule
+    return getattr(mod, "FSDPModule", None)
 
 
 def _fsdp1_class():
-    try:
-        from torch.distributed.fsdp import FullyShardedDataParallel
-
-        return FullyShardedDataParallel
-    except ImportError:  # pragma: no cover
-        return None
+    mod = sys.modules.get("torch.distributed.fsdp")
+    return getattr(mod, "FullyShardedDataParallel", None)
 
 
 def _ddp_class():
@@ -49,11 +52,8 @@ def _ddp_class():
 
 
 def _has_dtensor_params(model: nn.Module) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)  # not imported: none exists
+    return dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters())
 
 
 def wrapper_kind(model: nn.Module) -> str | None:
@@ -103,7 +103,9 @@ def install_guards(patches, on_ddp, on_data_parallel, on_fsdp_params) -> list[st
             Parameters); may raise to refuse.
 
     Returns:
-        Labels of the guards installed (a guard whose class is missing in this torch is skipped).
+        Labels of the guards installed (a guard whose class is missing in this torch is skipped;
+        the FSDP2 guard's label says ``at import`` when FSDP2 is not imported yet: it is installed
+        when it is, while ``patches`` is open).
     """
     installed = []
     ddp = _ddp_class()
@@ -133,19 +135,23 @@ def install_guards(patches, on_ddp, on_data_parallel, on_fsdp_params) -> list[st
     patches.set_attr(nn.DataParallel, "__init__", dp_init, label="DataParallel.__init__")
     installed.append("DataParallel.__init__")
 
-    try:
-        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
-    except ImportError:
-        FSDPParamGroup = None
-        log.debug("FSDP2 parameter groups not found in this torch: no paging guard for fully_shard")
-    if FSDPParamGroup is not None:
-        orig_group_init = FSDPParamGroup.__init__
+    def guard_fsdp2(module) -> None:
+        group_cls = getattr(module, "FSDPParamGroup", None)
+        if group_cls is None:
+            log.debug("FSDP2 parameter groups not found in this torch: no paging guard for fully_shard")
+            return
+        orig_group_init = group_cls.__init__
 
         @functools.wraps(orig_group_init)
         def group_init(self, params, *args, **kwargs):
             on_fsdp_params(list(params))
             return orig_group_init(self, params, *args, **kwargs)
 
-        patches.set_attr(FSDPParamGroup, "__init__", group_init, label="FSDPParamGroup.__init__")
-        installed.append("FSDPParamGroup.__init__")
+        patches.set_attr(group_cls, "__init__", group_init, label="FSDPParamGroup.__init__")
+
+    now = FSDP_PARAM_GROUP_MODULE in sys.modules
+    undo = when_imported(FSDP_PARAM_GROUP_MODULE, guard_fsdp2)
+    if undo is not None:  # not imported yet: stop watching at disable()
+        patches.add_undo(undo, f"import watch for {FSDP_PARAM_GROUP_MODULE}")
+    installed.append("FSDPParamGroup.__init__" if now else "FSDPParamGroup.__init__ (at import)")
     return installed

@@ -366,3 +366,41 @@ def test_the_softmax_screen_skips_modules_with_an_sdpa_implementation_of_their_o
 
     assert softmax_callers(GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2))) == []
     assert softmax_callers(TinyLM()) == ["TextbookAttention"]
+
+
+@pytest.mark.parametrize("mode", ["balanced", "performance"])
+def test_a_model_trained_through_the_scripts_compiled_step_is_traced_without_the_ladder(mode, cpu_device):
+    """The script moves its model (adopted, ladder on trial) and trains it only through a function it
+    compiles itself. Traced there, the ladder's hooks used to break the script's graph (on
+    ``time.perf_counter`` and on the rung's own ``torch.compile``) and compile a rung inside the
+    trace; now the model's own forward is traced, in one graph, and no rung starts."""
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    m = model()
+    counts = torch._dynamo.testing.CompileCounter()
+    vb.enable(mode, paging="off", mixed_precision="off", banner=False)
+    try:
+        m.to("cpu")
+        opt = torch.optim.SGD(m.parameters(), lr=1e-2)
+
+        @torch.compile(backend=counts)
+        def loss_of(x):
+            return F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(8):
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            opt.zero_grad()
+            loss = loss_of(x)
+            loss.backward()
+            opt.step()
+        rec = vb.get_report()["models"][0]
+    finally:
+        vb.disable()
+        torch._dynamo.reset()
+    assert rec["trigger"] == "to()" and rec["features"]["compile"]["chosen"] == "on trial", rec["features"]["compile"]
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+    assert counts.frame_count == 1 and torch.isfinite(loss)
+    assert rec["timeline"] == [], rec["timeline"]  # no rung was built, warmed up or timed

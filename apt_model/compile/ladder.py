@@ -24,6 +24,12 @@ States (per model; the policy is in this docstring, the transitions in :class:`C
     The chosen rung's callable replaces the model's ``forward`` (eager: the instance attribute is
     removed); the ladder's hooks are removed, so a call costs nothing extra.
 
+**Calls inside compiled code** (the script compiles a training step that calls the model, or
+anything compiles or exports: ``torch.compiler.is_compiling()``) run the model's own forward and
+neither start, advance nor time a rung: traced there, the ladder's hooks used to break the script's
+graph (on ``time.perf_counter`` and on the rung's own ``torch.compile``) and compile a rung inside
+the script's trace. A model called only there stays ``waiting``.
+
 Every attempt is an entry of :attr:`CompileLadder.timeline` (rung, outcome, reason, warm-up
 seconds, compilations, the trial's figures), reported per model. ``disable()`` restores the
 model's own forward (parameters untouched: the optimizer keeps training the same tensors).
@@ -199,6 +205,8 @@ class CompileLadder:
 
     # ------------------------------------------------------------------ the per-call path
     def _dispatch(self, *args, **kwargs):
+        if torch.compiler.is_compiling():  # traced by the script's own compiled code: the model's forward
+            return self.eager(*args, **kwargs)
         if getattr(self._tls, "use", False) and self._fn is not None:
             fn = self._fn
             try:
@@ -209,6 +217,8 @@ class CompileLadder:
         return self.eager(*args, **kwargs)
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
+        if torch.compiler.is_compiling():  # see "Calls inside compiled code" in the module docstring
+            return None
         self._tls.use, self._tls.sample = False, None
         if self.state == "done":
             return None

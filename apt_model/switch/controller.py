@@ -564,7 +564,11 @@ def _install_patches(st: _State) -> None:
         orig_module_compile = nn.Module.compile
 
         def module_compile(self, *args, **kwargs):
-            out = orig_module_compile(self, *args, **kwargs)
+            st.tls.module_compile = True  # its torch.compile(self._call_impl): adopted by the wrapper below
+            try:
+                out = orig_module_compile(self, *args, **kwargs)
+            finally:
+                st.tls.module_compile = False
             if st.enabled and st.config.adopt == "auto" and self._compiled_call_impl is not None:
                 self._compiled_call_impl = _adopting_first_call(self, self._compiled_call_impl)
             return out
@@ -579,6 +583,11 @@ def _install_patches(st: _State) -> None:
             if target is None or isinstance(target, (nn.Module, type)) or out is target or not callable(out):
                 # a decorator (it calls torch.compile again), a module (adopted at its first call),
                 # a class (torch.compile gives it back, compiled), or nothing compiled (disable=True)
+                return out
+            owner = getattr(target, "__self__", None)
+            if getattr(st.tls, "module_compile", False) or (isinstance(owner, nn.Module) and owner in st.seen):
+                # model.compile() (its own wrapper adopts), or a method of an adopted model (the
+                # compile ladder's rungs): nothing to adopt, so no per-call look at the arguments
                 return out
             return _adopting_reachable(target, out)
 

@@ -51,12 +51,8 @@ def _from_values(values: Iterable[Any], out: dict[int, nn.Module]) -> None:
     for v in values:
         if isinstance(v, nn.Module):
             out[id(v)] = v
-        elif isinstance(v, (list, tuple)) and len(v) <= MAX_ITEMS:
-            for w in v:
-                if isinstance(w, nn.Module):
-                    out[id(w)] = w
-        elif isinstance(v, dict) and len(v) <= MAX_ITEMS:
-            for w in v.values():
+        elif isinstance(v, (list, tuple, dict)) and len(v) <= MAX_ITEMS:
+            for w in v.values() if isinstance(v, dict) else v:
                 if isinstance(w, nn.Module):
                     out[id(w)] = w
 

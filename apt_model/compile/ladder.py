@@ -28,7 +28,10 @@ States (per model; the policy is in this docstring, the transitions in :class:`C
 anything compiles or exports: ``torch.compiler.is_compiling()``) run the model's own forward and
 neither start, advance nor time a rung: traced there, the ladder's hooks used to break the script's
 graph (on ``time.perf_counter`` and on the rung's own ``torch.compile``) and compile a rung inside
-the script's trace. A model called only there stays ``waiting``.
+the script's trace. A model called only there stays ``waiting`` until an optimizer step that runs
+eagerly (outside compiled code) steps its parameters while the ladder has seen no training call
+outside compiled code: then ``eager`` is concluded, with that reason (a step the script compiles
+with its optimizer inside leaves it ``waiting``).
 
 Every attempt is an entry of :attr:`CompileLadder.timeline` (rung, outcome, reason, warm-up
 seconds, compilations, the trial's figures), reported per model. ``disable()`` restores the
@@ -43,6 +46,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
@@ -164,6 +168,8 @@ class CompileLadder:
         self._tls = threading.local()
         self._handles: list = []
         self._patches: PatchSet | None = None
+        self._uncompiled = False  # a training call ran outside compiled code
+        self._step_hook = None  # the optimizer-step check for a model trained only in compiled code
 
     def __getstate__(self):
         """A copy of an adopted model (pickling, ``copy.deepcopy``) carries an inert ladder: its
@@ -184,9 +190,12 @@ class CompileLadder:
         patches.set_attr(model, "forward", LadderForward(self, model), label=f"compile ladder forward {self.tag}")
         pre = model.register_forward_pre_hook(self._pre)
         post = model.register_forward_hook(self._post, always_call=True)
-        self._handles = [pre, post]
+        self._params = {id(p) for p in model.parameters()}
+        self._step_hook = register_optimizer_step_post_hook(self._after_step)
+        self._handles = [pre, post, self._step_hook]
         patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
         patches.add_handle(post, f"compile ladder hook {self.tag}")
+        patches.add_handle(self._step_hook, f"compile ladder optimizer-step check {self.tag}")
 
     def _finish(self, chosen: str, fn: Callable | None) -> None:
         """Enter ``done``: the chosen callable becomes the model's forward, the hooks go."""
@@ -223,6 +232,9 @@ class CompileLadder:
         if self.state == "done":
             return None
         training = torch.is_grad_enabled() and module.training
+        if training and not self._uncompiled:
+            self._uncompiled = True
+            self._drop_step_hook()
         if self.state == "waiting":
             if not training or not self.gate():
                 return None
@@ -254,6 +266,28 @@ class CompileLadder:
             self._tls.sample = None
             timer.end(module, output, sample)
         return None
+
+    def _after_step(self, opt: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+        """After an eager optimizer step: if it stepped this model's parameters while every training
+        call so far ran inside the script's compiled code, conclude ``eager`` (the ladder can never
+        run there). Does nothing while anything compiles."""
+        if self._uncompiled or self.state != "waiting" or torch.compiler.is_compiling():
+            return None
+        if not any(id(p) in self._params and p.grad is not None for g in opt.param_groups for p in g["params"]):
+            return None
+        # Concluded, but the dispatcher and hooks stay (inert now): removing them would change what
+        # the script's compiled code guards on and recompile it.
+        self.state, self.chosen = "done", "eager"
+        self._drop_step_hook()
+        self.record("eager", "the model is trained only inside code the script compiles itself (no training call "
+                    f"ran outside it before {type(opt).__name__}.step()): the compiled code is left as it is, with no "
+                    "rung beneath it", self._details())
+        return None
+
+    def _drop_step_hook(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
     # ------------------------------------------------------------------ transitions
     def _start(self) -> None:

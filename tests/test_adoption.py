@@ -257,7 +257,7 @@ def test_adopting_a_parametrized_model_leaves_its_state_alone(tmp_path, paging):
 
 def test_an_optimizer_stepping_no_adopted_model_is_told_once(caplog, cpu_device):
     """A model first called inside a compiled function that reaches it where the switch does not
-    look (an attribute of an argument), never moved with ``.to()``, is not adopted: the switch does
+    look (an attribute of an argument's attribute), never moved with ``.to()``, is not adopted: the switch does
     nothing for it. The optimizer's first step says so, once (a warning and a report decision
     naming the workaround); an optimizer over an adopted model's parameters gets no such entry."""
     from types import SimpleNamespace
@@ -272,14 +272,14 @@ def test_an_optimizer_stepping_no_adopted_model_is_told_once(caplog, cpu_device)
 
         @torch.compile(backend="eager")
         def loss_of(holder, x):
-            return F.cross_entropy(holder.model(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            return F.cross_entropy(holder.inner.model(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
 
         x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
         with caplog.at_level("WARNING", logger="apt_model.switch.controller"):
             for _ in range(3):
                 for m, opt in ((lonely, opt_lonely), (moved, opt_moved)):
                     opt.zero_grad()
-                    loss_of(SimpleNamespace(model=m), x).backward()
+                    loss_of(SimpleNamespace(inner=SimpleNamespace(model=m)), x).backward()
                     opt.step()
         report = vb.get_report()
     finally:

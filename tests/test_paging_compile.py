@@ -8,6 +8,7 @@ those of plain eager PyTorch. ``backend="aot_eager"`` keeps Dynamo's tracing (wh
 Inductor's code generation (minutes on a 2-core CPU, and other rounding).
 """
 import functools
+import types
 
 import pytest
 import torch
@@ -171,13 +172,13 @@ class _Trainer:
         return self.model(x)
 
 
-@pytest.mark.parametrize("reach", ["argument", "closure", "global", "bound method"])
+@pytest.mark.parametrize("reach", ["argument", "argument's attribute", "closure", "global", "bound method"])
 def test_a_model_first_called_inside_a_compiled_function_is_adopted_and_paged(tmp_path, reach, cpu_device):
     """A script compiles its loss function (``torch.compile(fn)``) after ``enable()`` and never moves
     its model: the model's first call runs inside the compiled code, where the global forward
     pre-hook cannot adopt it (before, it was never adopted: no paging, a warning at the first
-    optimizer step). The models the function reaches — its arguments, closure, the globals it
-    names, its bound object — are adopted just before the compiled call (trigger
+    optimizer step). The models the function reaches — its arguments and their attributes, its
+    closure, the globals it names, its bound object — are adopted just before the compiled call (trigger
     ``compiled function``); the model is paged and trains bitwise like plain eager PyTorch."""
     global _GLOBAL_MODEL
     ref_m, m = model(dropout=0.0), model(dropout=0.0)
@@ -188,6 +189,9 @@ def test_a_model_first_called_inside_a_compiled_function_is_adopted_and_paged(tm
         if reach == "argument":
             fn = torch.compile(lambda net, x: net(x), backend="aot_eager")
             call = functools.partial(fn, m)  # the partial is the script's; the compiled call gets m
+        elif reach == "argument's attribute":
+            fn = torch.compile(lambda trainer, x: trainer.model(x), backend="aot_eager")
+            call = functools.partial(fn, types.SimpleNamespace(model=m))
         elif reach == "closure":
             call = torch.compile(lambda x: m(x), backend="aot_eager")
         elif reach == "global":

@@ -1,6 +1,8 @@
 """Where the switch finds the models a compiled function reaches (apt_model/switch/reachable.py)."""
 import functools
+import types
 
+import torch
 import torch.nn as nn
 
 from apt_model.switch.reachable import reachable_modules
@@ -48,6 +50,9 @@ def test_arguments_containers_closure_globals_bound_objects_and_partials_are_fou
     assert reachable_modules(BIG.forward) == [BIG]  # a module's bound method: the module itself
     assert reachable_modules(closure, (small,), exclude={medium}) == [small]
     assert reachable_modules(method, (holder, 1), through_function=False) == [holder.model]
+    trainer = types.SimpleNamespace(model=small, models=[in_list], note="x")  # an argument's attributes
+    assert reachable_modules(lambda t: None, (trainer,)) == [small, in_list]
+    assert reachable_modules(lambda **k: None, (), {"trainer": trainer}) == [small, in_list]
 
 
 def test_only_the_outermost_modules_are_returned_whatever_the_order_found():
@@ -75,7 +80,13 @@ def test_what_is_not_looked_at_and_what_cannot_be_inspected_is_skipped():
 
     assert reachable_modules(late) == []
     later = nn.Linear(1, 1)  # noqa: F841 - fills the cell after the look
-    assert reachable_modules(lambda h: h.model, (holder,)) == []  # attributes of arguments: not followed
+    deep = types.SimpleNamespace(inner=types.SimpleNamespace(model=nn.Linear(1, 1)))
+    assert reachable_modules(lambda h: h.inner.model, (deep,)) == []  # attributes of attributes: not followed
+    crowded = types.SimpleNamespace(model=nn.Linear(1, 1), **{f"a{i}": i for i in range(64)})
+    assert reachable_modules(lambda h: h.model, (crowded,)) == []  # too many attributes to walk every call
+    tensor = torch.zeros(1)
+    tensor.model = nn.Linear(1, 1)  # attributes of tensors, functions, classes, modules: not looked at
+    assert reachable_modules(lambda *a: None, (tensor, _uses_big, _Holder, types)) == []
     many = [nn.Linear(1, 1)] + [1] * 40  # a long list is data: not walked on every call
     assert reachable_modules(lambda xs: None, (many,)) == []
     assert reachable_modules(len, (1,)) == [] and reachable_modules(print) == []

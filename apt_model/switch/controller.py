@@ -613,7 +613,8 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     adopted model, say so (a warning, and an entry in the report's decisions). The switch then does
     nothing for that training: its model was never moved with ``.to()`` and was first called
     inside a compiled function that does not name it where :mod:`~apt_model.switch.reachable`
-    looks (its arguments, closure, globals, bound object), or the parameters belong to no module.
+    looks (its arguments and their attributes, closure, globals, bound object), or the parameters
+    belong to no module.
     Never raises; does nothing while anything compiles."""
     st = _state
     try:
@@ -629,7 +630,7 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
                 return None
         reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
                   "nothing for them. A model first called inside a compiled function that reaches it other than "
-                  "through its arguments, closure, globals or bound object (and never moved with .to() or "
+                  "through its arguments, their attributes, its closure, globals or bound object (and never moved with .to() or "
                   "compiled with model.compile()) is not adopted: call model.to(device) after enable(), or "
                   "vb.adopt(model)")
         st.log.record("switch", "adoption", "auto", "no model for this optimizer", reason)

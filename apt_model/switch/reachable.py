@@ -11,8 +11,11 @@ Where it looks (the places a training step finds its model):
 * the call's arguments, and the items of a list, tuple or dict of up to :data:`MAX_ITEMS` items
   among them (``step(model, batch)``, ``step(models=[a, b])``; a long list is data, not models,
   and is not walked on every call);
-* for a function whose first parameter is ``self`` (a method compiled in its class body,
-  ``@torch.compile def step(self, x)``), the attributes of that first argument (``self.model``);
+* the attributes of an argument that is an ordinary object with at most :data:`MAX_ATTRS` of them
+  (``step(trainer)`` with ``trainer.model`` or ``trainer.models = [a, b]``; ``self.model`` for a
+  method compiled in its class body, ``@torch.compile def step(self, x)``), one level deep (not
+  ``trainer.state.model``), and not those of tensors, optimizers, classes, functions or Python
+  modules;
 * the function's closure cells (a model defined in an enclosing function);
 * the module-level globals its code names, nested functions' code included (``model`` at the top
   of a script);
@@ -20,9 +23,8 @@ Where it looks (the places a training step finds its model):
   else its attributes (``self.model``);
 * for a ``functools.partial``, its bound arguments and its function, looked at the same way.
 
-It does not follow attributes of arguments (``step(trainer)`` with ``trainer.model``), nor modules
-reached through function calls; those models stay unadopted, and the optimizer's first step says
-so (``switch/controller.py``). Only the outermost modules are returned: a module inside another
+It does not follow attributes of attributes, nor modules reached through function calls (``get_model()``);
+those models stay unadopted, and the optimizer's first step says so (``switch/controller.py``). Only the outermost modules are returned: a module inside another
 one found (a model and its loss wrapper ``WithLoss(model)``, a block and its model) is dropped, so
 one set of parameters is adopted once, as by a model's first forward, whatever the order found.
 """
@@ -32,6 +34,7 @@ import functools
 import types
 from typing import Any, Callable, Container, Iterable
 
+import torch
 import torch.nn as nn
 
 
@@ -67,11 +70,24 @@ def _from_object(obj: Any, out: dict[int, nn.Module]) -> None:
         _from_values(list(attrs.values()), out)
 
 
-def _takes_self(fn: Callable) -> bool:
-    """Whether ``fn`` is a plain function whose first parameter is named ``self``."""
-    code = getattr(fn, "__code__", None)
-    return (isinstance(code, types.CodeType) and not isinstance(fn, types.MethodType)
-            and code.co_argcount > 0 and code.co_varnames[0] == "self")
+#: Argument objects with more attributes than this are not walked (on every call).
+MAX_ATTRS = 64
+
+#: Arguments whose attributes are never looked at: values, code, namespaces and optimizers.
+_OPAQUE = (torch.Tensor, nn.Module, list, tuple, dict, str, bytes, int, float, complex, bool, type,
+           types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+           torch.optim.Optimizer)
+
+
+def _from_attributes(values: Iterable[Any], out: dict[int, nn.Module]) -> None:
+    """The modules among the attributes of the ordinary objects in ``values`` (see the module
+    docstring), and one level into short containers among those attributes."""
+    for v in values:
+        if v is None or isinstance(v, _OPAQUE):
+            continue
+        attrs = getattr(v, "__dict__", None)
+        if isinstance(attrs, dict) and len(attrs) <= MAX_ATTRS:
+            _from_values(list(attrs.values()), out)
 
 
 def _outermost(mods: list[nn.Module]) -> list[nn.Module]:
@@ -132,15 +148,15 @@ def reachable_modules(fn: Callable, args: tuple = (), kwargs: dict | None = None
         exclude: modules not to return (those already seen; dropped before the containment check).
 
     Returns:
-        Distinct modules, none inside another (in the order found: arguments, then the function's
-        own). Never raises: whatever cannot be inspected is skipped.
+        Distinct modules, none inside another (in the order found: arguments, their attributes,
+        then the function's own). Never raises: whatever cannot be inspected is skipped.
     """
     found: dict[int, nn.Module] = {}
     try:
         _from_values(args, found)
         _from_values((kwargs or {}).values(), found)
-        if args and _takes_self(fn):
-            _from_object(args[0], found)
+        _from_attributes(args, found)
+        _from_attributes((kwargs or {}).values(), found)
         if through_function:
             _from_function(fn, found)
     except Exception:  # noqa: BLE001 - an exotic object that resists inspection: use what was found

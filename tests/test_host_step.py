@@ -441,3 +441,41 @@ def test_loading_a_state_dict_replaces_the_host_states_as_plain_pytorch_does(tmp
     ref, ref_state, got, state, _ = _against_plain(tmp_path, run)
     assert got == ref
     assert_same(state, ref_state)
+
+
+def test_a_chunk_raising_mid_step_names_the_parameters_already_updated(tmp_path, monkeypatch):
+    """Chunks are stepped one after another: if the optimizer raises in the third (the host out of
+    memory for the states a first step creates), the first two chunks are updated and the rest are
+    not — plain PyTorch would have raised before any update — so the exception carries a note
+    naming the parameters already updated. Nothing else of the step changed."""
+    monkeypatch.setattr(host_step_mod, "CHUNK_BYTES", 4096)
+    plain_step = torch.optim.Adam.step
+    calls = []
+
+    def failing_third_chunk(self, *args, **kwargs):
+        if self is opt:  # the user's step: through torch's hook wrapper, into the host step
+            return plain_step(self, *args, **kwargs)
+        calls.append(len(self.param_groups[0]["params"]))
+        if len(calls) == 3:
+            raise RuntimeError("simulated: no host memory for the optimizer states")
+        return plain_step.__wrapped__(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.optim.Adam, "step", failing_third_chunk)
+    m = model()
+    opt = make_opt(m, "adam")
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    session, patches = _session(tmp_path)
+    try:
+        session.page_model(m, page_params=False, page_grads=True)
+        session.step_on_host(m, exact=True)
+        with pytest.raises(RuntimeError, match="simulated") as info:
+            train(m, opt, 1)
+        changed = [n for n, p in m.named_parameters() if not torch.equal(p.detach(), before[n])]
+    finally:
+        patches.restore_all()
+    notes = getattr(info.value, "__notes__", [])
+    assert len(calls) == 3 and changed, (calls, changed)
+    assert len(notes) == 1 and f"{len(changed)} of {len(before)} parameters" in notes[0], notes
+    assert all(n in notes[0] for n in changed[:8]), (changed, notes)
+    assert len(changed) < len(before)  # the third chunk and those after it were not updated
+

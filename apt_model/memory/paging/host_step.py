@@ -50,8 +50,10 @@ A step is all or nothing up to the upload where a read can fail: when some gradi
 was spilled to disk (or is being loaded), every gradient is read (and every copy refreshed) before
 anything is modified, so a read error (a corrupt swap file) leaves parameters and states as they
 were. A read from host memory, or from device memory where a copy down failed, cannot fail that
-way; the shadow's own step raising in a later chunk leaves the chunks before it stepped (and
-uploaded) — plain PyTorch would have raised before any update — and the rest as they were.
+way. The shadow's own step raising in a later chunk (the host running out of memory for the states a first step
+creates) leaves the chunks before it stepped (and uploaded) and the rest as they were — plain
+PyTorch would have raised before any update; the exception then carries a note (``add_note``)
+naming the parameters already updated.
 
 The shadow optimizer is stepped through its class's own ``step`` beneath torch's hook wrapper, so
 optimizer step hooks registered globally (``register_optimizer_step_pre_hook``) see the user's
@@ -241,7 +243,8 @@ class HostStep:
             SwapError and its kinds: a gradient's host copy could not be read from disk (nothing was
                 modified).
             RuntimeError: a parameter was added to ``opt`` after its first host step.
-            whatever the shadow optimizer raises (as plain PyTorch would).
+            whatever the shadow optimizer raises (as plain PyTorch would); raised from a chunk after
+                the first, with a note naming the parameters already updated.
         """
         t0 = time.perf_counter()
         sh = self._shadow(opt)
@@ -285,6 +288,14 @@ class HostStep:
                         sh.masters[id(p)].grad = None
                 self._upload(sh, done)
                 stepped.extend(done)
+        except BaseException as err:
+            if stepped:  # the raising chunk and those after it are as they were; say which were updated
+                names = ", ".join(self.session.param_label(p) for p in stepped[:8])
+                more = f" and {len(stepped) - 8} more" if len(stepped) > 8 else ""
+                err.add_note(f"apt_model host step: {len(stepped)} of {len(hosted)} parameters of this "
+                             f"{type(opt).__name__}.step() were already updated (with their states) before it raised: "
+                             f"{names}{more}; the others were not")
+            raise
         finally:
             if sh.pin and stepped:
                 sh.event = torch.Event(device=stepped[0].device)

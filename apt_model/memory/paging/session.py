@@ -17,6 +17,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from apt_model.base.errors import VBError
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
@@ -34,6 +35,12 @@ from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
+
+
+class SparseGradientError(VBError, RuntimeError):
+    """A paged model's parameter received a sparse (not strided) gradient, which paging cannot page.
+    The switch leaves such models unpaged where it can see it coming
+    (:func:`~apt_model.memory.paging.step.sparse_gradient_sources`); this is the case it could not."""
 
 
 def _builds_graph(args, kwargs) -> bool:
@@ -406,6 +413,11 @@ class PagingSession:
         g = p.grad
         pinned = id(p) in self._accumulating
         self._accumulating.discard(id(p))
+        if g is not None and g.layout is not torch.strided:
+            raise SparseGradientError(
+                f"the gradient of {label} is {g.layout}: paging pages dense tensors only, and this model's parameters "
+                "are paged. Build the module that produces it with dense gradients (nn.Embedding(sparse=False)), or "
+                "train this model with paging='off'")
         if self.host_step is not None and g is not None:
             self.host_step.landed(p)  # the host step takes the gradients in the order they land
         page = self.grad_pages.get(id(p))

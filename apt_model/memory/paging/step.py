@@ -2,6 +2,8 @@
 
 Decision (per adopted model): ``paging=off`` or no memory stack: ``off``; an earlier step's fact
 ``paging_blocked`` (data parallelism reads the storage paging frees): ``off`` with that reason;
+``off`` too for a model that produces sparse gradients (:func:`sparse_gradient_sources`: paging
+pages dense tensors only; with ``paging=always`` a warning says so);
 otherwise the placement plan (:func:`~apt_model.memory.placement.plan_placement`) compares the
 model's training state with the stack's compute budget — ``resident`` when it fits (unless
 ``paging=always``), else ``paged`` with what stays resident and why, using the levels' measured
@@ -13,12 +15,32 @@ with the distributed step as ``services["paging"]``).
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
 from apt_model.memory.placement import plan_placement
+
+log = get_logger(__name__)
+
+
+def sparse_gradient_sources(model: nn.Module) -> list[str]:
+    """Where ``model`` produces sparse gradients: its ``nn.Embedding`` / ``nn.EmbeddingBag`` modules
+    built with ``sparse=True`` (by name), and other parameters whose gradient is sparse already (a
+    step taken before adoption). Empty when every gradient is dense. Never raises."""
+    out, covered = [], set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and getattr(mod, "sparse", False):
+            out.append(f"{type(mod).__name__}(sparse=True) at {name or '(the model)'}")
+            covered.update(id(p) for p in mod.parameters())
+    for name, p in model.named_parameters():
+        g = p.grad
+        if id(p) not in covered and g is not None and g.layout is not torch.strided:
+            out.append(f"the {g.layout} gradient of {name}")
+    return out
 
 
 class PagingStep(FeatureStep):
@@ -43,6 +65,14 @@ class PagingStep(FeatureStep):
         blocked = ctx.facts.get("paging_blocked")
         if blocked:
             return Decision(self.name, req, "off", blocked)
+        sparse = sparse_gradient_sources(model)
+        if sparse:
+            reason = (f"the model produces sparse gradients ({'; '.join(sparse[:3])}{' ...' if len(sparse) > 3 else ''}), "
+                      "which paging cannot page (it pages dense tensors): its training state stays in memory; "
+                      "build the embedding with sparse=False to page it")
+            if req == "always":
+                log.warning("paging='always' not applied: %s", reason)
+            return Decision(self.name, req, "off", reason)
         budget = stack.compute_budget
         plan = plan_placement(model, budget, None, force=req == "always")
         if not plan.paged:

@@ -1,4 +1,7 @@
 """Activation checkpointing and offload: exact gradients, policies, faults, memory."""
+import copy
+import io
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -76,7 +79,16 @@ def test_checkpointing_really_recomputes(tmp_path):
     run(m, steps=1)
     calls = [m.blocks[i].forward.calls for i in range(4)]
     feat = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+    buf = io.BytesIO()
+    torch.save(m, buf)  # a whole-model checkpoint while the blocks' forwards are the switch's
+    copied = copy.deepcopy(m)
+    vb.disable()
     assert calls == [1, 1, 1, 1] and feat["chosen"] == "4/4 blocks" and "non-reentrant" in feat["reason"]
+    buf.seek(0)
+    for plain in (torch.load(buf, weights_only=False), copied):  # plain models: the class's own forward
+        assert all(b.forward.__func__ is type(b).forward for b in plain.blocks)
+        x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3))
+        assert torch.equal(plain.eval()(x), m.eval()(x))
 
 
 def test_budget_policy_measures_first_then_checkpoints_the_fewest(tmp_path):

@@ -93,8 +93,11 @@ def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
 class CheckpointedForward:
     """A block's forward run through ``torch.utils.checkpoint`` (non-reentrant) while training.
 
-    Pickling it (``torch.save(model)``, ``copy.deepcopy``) yields the plain bound forward: a saved
-    or copied model is a plain model.
+    Pickling it (``torch.save(model)``, ``copy.deepcopy``) yields the plain bound forward, looked
+    up again on the restored module (``getattr(module, "forward")`` runs before the module's
+    attributes are set, so it finds the class's): a saved or copied model is a plain model, and
+    loading it needs no apt_model. (Reducing to ``types.MethodType`` failed: pickle cannot name
+    that class, "Can't pickle <class 'method'>".)
     """
 
     def __init__(self, module: nn.Module):
@@ -109,7 +112,7 @@ class CheckpointedForward:
         return self.forward(*args, **kwargs)
 
     def __reduce__(self):
-        return (types.MethodType, (type(self.module).forward, self.module))
+        return (getattr, (self.module, "forward"))
 
 
 def choose_blocks(n: int, policy: str, k: int) -> list[int]:

@@ -356,3 +356,48 @@ def test_a_parameter_saved_by_reference_survives_paging_copying_its_storage(tmp_
     (ref_out, ref_state), (out, state), _ = _both(tmp_path, loop, paging_step_in_backward="off")
     assert out == ref_out
     assert_same(ref_state, state)
+
+
+class _CheckpointedEncoder(torch.nn.Module):
+    """``nn.TransformerEncoderLayer`` blocks, each run through a non-reentrant checkpoint: its
+    ``nn.MultiheadAttention`` hands ``out_proj.weight`` and ``.bias`` to a function, and never
+    calls ``out_proj`` itself."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = torch.nn.Embedding(256, 64)
+        self.layers = torch.nn.ModuleList(torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+                                          for _ in range(2))
+        self.head = torch.nn.Linear(64, 256)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)
+        return self.head(h)
+
+
+def test_a_checkpointed_block_using_a_childs_parameters_in_a_function_recomputes_them(tmp_path):
+    """The recomputation inside backward runs without the fault handler and reaches parameters
+    only through module hooks. ``out_proj``'s bias, used by the attention's forward but saved by
+    no op, was evicted by then: "setStorage: ... out of bounds for storage of size 0" at the first
+    backward. The attention unit now loads the pages its forward used outside their module."""
+    def loop(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 16), generator=gen)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    (ref_losses, ref_state), (losses, state), report = _both(tmp_path, loop,
+                                                             build=_CheckpointedEncoder, device_budget="64KB",
+                                                             paging_step_in_backward="off")
+    assert losses == ref_losses
+    assert_same(ref_state, state)
+    assert report["pager"]["bytes_in"] > 0

@@ -1,6 +1,11 @@
 """Paging one model's parameters and gradients through its own forward and backward.
 
-Units are the modules that directly own paged parameters. For each unit:
+Units are the modules that directly own paged parameters. A unit also takes on the pages its
+forward uses outside the modules that own them (``nn.MultiheadAttention`` passes
+``out_proj.weight`` to a function and never calls ``out_proj``), learned by the fault handler at
+the first such use (``PagingSession._learn_owner``; not for the model's root module). A
+recomputation inside backward (activation checkpointing) runs without the fault handler, so it
+relies on these hooks. For each unit:
 
 * forward pre-hook: its parameters are acquired (loaded if needed, pinned), and the next units
   in execution order — recorded during the first forward — are prefetched;
@@ -181,13 +186,13 @@ class PagedModel:
         if self._recording and id(unit) not in self._seen_this_pass:
             self.order.append(unit)
         self._seen_this_pass.add(id(unit))
-        self.session.pager.acquire(unit.pages)
-        self.session.unit_forward_starts(unit.pages)
+        pages = unit.pages  # this call's: a page the unit learns meanwhile is acquired from its next call on
+        self.session.pager.acquire(pages)
+        self.session.unit_forward_starts(unit, pages)
         self._prefetch(unit, +1)
 
     def _post(self, unit: Unit, output) -> None:
-        self.session.unit_forward_ends(unit.pages)
-        self.session.pager.release(unit.pages)
+        self.session.pager.release(self.session.unit_forward_ends(unit))
         # backward comes through this unit whenever its outputs need gradients — for its own
         # parameters' gradients, or (a frozen unit) for its input's, which needs its weights too
         if torch.is_grad_enabled():

@@ -125,6 +125,7 @@ class PagingSession:
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
         self._in_unit: dict[int, int] = {}  # id(page) -> forwards under way of units owning it
+        self._units_tls = threading.local()  # per thread: the units whose forward is under way
         self._grad_calls = 0  # torch.autograd.grad calls under way (they accumulate into no gradient)
         self._backward_calls = 0  # torch.autograd.backward calls under way (they do)
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
@@ -464,6 +465,7 @@ class PagingSession:
                     continue
                 if self.forward_depth:
                     self.uncovered_accesses += 1  # a forward needs the op-level handler (see paging/model.py)
+                    self._learn_owner(page)
                 loaded = page.state is not State.RESIDENT
                 if loaded:
                     self.pager.stats.faults += 1
@@ -471,19 +473,55 @@ class PagingSession:
                 held.append((page, loaded))
         return held
 
-    def unit_forward_starts(self, pages: list[Page]) -> None:
-        """A unit's forward begins (its pre-hook): its pages are covered — backward brings them
-        back through the unit's own hook — until :meth:`unit_forward_ends`."""
+    def _units_under_way(self) -> list:
+        """This thread's units whose forward is under way, innermost last: ``(unit, pages)``."""
+        stack = getattr(self._units_tls, "stack", None)
+        if stack is None:
+            stack = self._units_tls.stack = []
+        return stack
+
+    def unit_forward_starts(self, unit, pages: list[Page]) -> None:
+        """``unit``'s forward begins (its pre-hook acquired ``pages``): they are covered — backward
+        brings them back through the unit's own hook — until :meth:`unit_forward_ends`."""
         for pg in pages:
             self._in_unit[id(pg)] = self._in_unit.get(id(pg), 0) + 1
+        self._units_under_way().append((unit, pages))
 
-    def unit_forward_ends(self, pages: list[Page]) -> None:
+    def unit_forward_ends(self, unit) -> list[Page]:
+        """``unit``'s forward ended: returns the pages its start covered (to release them; a page
+        learned meanwhile, :meth:`_learn_owner`, is acquired by the unit from its next forward on)."""
+        stack = self._units_under_way()
+        for i in range(len(stack) - 1, -1, -1):
+            if stack[i][0] is unit:
+                pages = stack.pop(i)[1]
+                break
+        else:  # not started on this thread (a hook error in between): what it owns now
+            pages = unit.pages
         for pg in pages:
             n = self._in_unit.get(id(pg), 0) - 1
             if n > 0:
                 self._in_unit[id(pg)] = n
             else:
                 self._in_unit.pop(id(pg), None)
+        return pages
+
+    def _learn_owner(self, page: Page) -> None:
+        """A forward used ``page`` (a parameter's) outside the module that owns it, inside the
+        forward of the innermost unit under way on this thread (``nn.MultiheadAttention`` passes
+        ``out_proj.weight`` and ``.bias`` to a function; ``out_proj`` itself is never called): the
+        page becomes that unit's too, so its pre-hook loads it from then on. A recomputation
+        inside backward (activation checkpointing) runs without the fault handler, and reached the
+        page only through that hook: without it, it read an evicted parameter ("setStorage: ...
+        out of bounds for storage of size 0"). Not for the model's root module, whose forward
+        spans the whole pass (a tied output layer there would stay pinned all along)."""
+        stack = self._units_under_way()
+        if not stack or page.category is not Category.PARAM:
+            return
+        unit = stack[-1][0]
+        if not unit.name or any(pg is page for pg in unit.pages):
+            return
+        unit.pages = [*unit.pages, page]  # a new list: forwards under way release what they acquired
+        log.debug("paging: %s is used inside %s's forward: loaded with it from now on", page.label, unit.name)
 
     def graph_saves(self, hit: list[Page], args, kwargs) -> SavedPins | None:
         """Fault handler, around an op on ``hit`` pages: the saved-tensor hooks that keep the pages

@@ -861,6 +861,17 @@ class Pager:
             raise
         self._note_resident()
 
+    def mark_written(self, pages: Iterable[Page]) -> None:
+        """``pages``, resident and pinned by someone else (a module's hooks), were written in place
+        (``torch.embedding_renorm_`` under ``nn.Embedding(max_norm=...)``, a weight clamped in its
+        module's forward): their next eviction writes them out instead of dropping the bytes as
+        clean."""
+        with self._lock:
+            for p in pages:
+                if p.state is State.RESIDENT:
+                    p.dirty = True
+                    p.cached_norm = None
+
     def release(self, pages: Iterable[Page], evict: bool = False) -> None:
         """Unpin ``pages``; with ``evict``, start writing them out now (write-behind)."""
         with self._lock:

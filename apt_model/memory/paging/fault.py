@@ -75,13 +75,22 @@ def writes_by_name(name: str) -> bool:
     return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_DUNDER
 
 
-def may_write(func, kwargs) -> bool:
+#: Functions that write their ``weight`` argument when given ``max_norm`` (the mode sees the
+#: function itself, not the ``torch.embedding_renorm_`` it calls): position of ``max_norm``.
+_MAX_NORM_AT = {torch.nn.functional.embedding: 3, torch.nn.functional.embedding_bag: 3}
+
+
+def may_write(func, kwargs, args=()) -> bool:
     """Whether ``func`` may write its tensor arguments: in place by name (``mul_``, ``_foreach_div_``,
     ``torch._amp_foreach_non_finite_check_and_unscale_``, ``__setitem__``, ``__iadd__``...), into an
-    ``out=`` argument, or through ``.data`` (read: an alias whose writes no version counter follows;
-    set: new bytes under the same tensor)."""
+    ``out=`` argument, through ``.data`` (read: an alias whose writes no version counter follows;
+    set: new bytes under the same tensor), or ``F.embedding`` / ``F.embedding_bag`` with
+    ``max_norm`` (they renormalize the weight's rows in place)."""
     if func == _DATA_GET or func == _DATA_SET or (kwargs and "out" in kwargs):  # new method-wrappers: ==
         return True
+    at = _MAX_NORM_AT.get(func)
+    if at is not None:
+        return (kwargs or {}).get("max_norm") is not None or (len(args) > at and args[at] is not None)
     return writes_by_name(getattr(func, "__name__", ""))
 
 
@@ -121,7 +130,7 @@ class PageFaultMode(TorchFunctionMode):
                     if isinstance(t, torch.Tensor) and id(t) in self.watched:
                         kinds.add(self.watched[id(t)])
             if kinds:
-                self.handler.watched_access(kinds, may_write(func, kwargs))
+                self.handler.watched_access(kinds, may_write(func, kwargs, args))
         if self.active and self.lookup and func in ZEROING and not kwargs:
             handled, out = self._zero(func, args)
             if handled:
@@ -133,7 +142,7 @@ class PageFaultMode(TorchFunctionMode):
             for a in kwargs.values():
                 self._collect(a, hit)
             if hit:
-                held = self.handler.enter(hit, may_write(func, kwargs))
+                held = self.handler.enter(hit, may_write(func, kwargs, args))
                 out = None
                 before = _storage_key(args[0]) if func == _DATA_SET else None
                 try:

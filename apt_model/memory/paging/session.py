@@ -455,12 +455,14 @@ class PagingSession:
     def enter(self, pages: list[Page], writes: bool = False) -> list[tuple[Page, bool]]:
         """Fault handler, before an op (``writes``: it may write its arguments): load and pin the
         pages nobody pinned; returns them."""
-        held = []
+        held, written = [], []
         self.backward_step.touched(pages, writes)  # a value stepped inside backward, used before step(): undone
         with torch._C.DisableTorchFunction():
             for page in dict.fromkeys(pages):
                 if self.pager.sync(page) is None:
                     continue  # its tensor was dropped or replaced: the old one has its bytes back
+                if page.pins > 0 and writes:
+                    written.append(page)  # pinned (a module's hooks acquired it clean) and written in place
                 if page.pins > 0 or page.state is State.ABSENT:
                     continue
                 if self.forward_depth:
@@ -471,6 +473,8 @@ class PagingSession:
                     self.pager.stats.faults += 1
                 self.pager.acquire([page], for_write=True)  # unknown access: it may write through an alias
                 held.append((page, loaded))
+        if written:
+            self.pager.mark_written(written)
         return held
 
     def _units_under_way(self) -> list:

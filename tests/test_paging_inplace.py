@@ -1,0 +1,62 @@
+"""A module that writes its own paged parameter in place inside its forward: the write must reach
+the swap file. The module's hooks acquire the page clean for the forward, so before 2026-11-26
+the write was dropped at eviction (the old bytes came back at the next load):
+``nn.Embedding(max_norm=...)``, whose forward renormalizes the rows it looks up, and a weight
+clamped in place in the forward."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import apt_model.optimization.vb_global as vb
+from test_paging import FORCE, assert_same, snapshot
+
+
+class _ClampedLinear(nn.Linear):
+    def forward(self, x):
+        with torch.no_grad():
+            self.weight.clamp_(-0.05, 0.05)
+        return super().forward(x)
+
+
+def _build(kind):
+    torch.manual_seed(0)
+    first = nn.Embedding(64, 32, max_norm=1.0) if kind == "embedding max_norm" else _ClampedLinear(64, 32)
+    return nn.Sequential(first, nn.ReLU(), nn.Linear(32, 64))
+
+
+def _train(m, kind, steps=3):
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        if kind == "embedding max_norm":
+            x = torch.randint(0, 64, (4, 8), generator=gen)
+            target = x
+        else:
+            x = torch.randn(4, 8, 64, generator=gen)
+            target = torch.randint(0, 64, (4, 8), generator=gen)
+        opt.zero_grad()
+        loss = F.cross_entropy(m(x).reshape(-1, 64), target.reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, snapshot(m, opt)
+
+
+@pytest.mark.parametrize("kind", ["embedding max_norm", "clamped in forward"])
+def test_a_parameter_written_in_its_own_forward_keeps_the_write(tmp_path, kind, cpu_device):
+    ref_losses, ref_state = _train(_build(kind), kind)
+    m = _build(kind)
+    vb.enable("memory", swap_dir=str(tmp_path), **{**FORCE, "device_budget": "8KB"}, fp4="off",
+              activation_checkpointing=False, activation_offload=False, paging_step_in_backward="off")
+    try:
+        m.to("cpu")
+        losses, state = _train(m, kind)
+        rep = vb.get_report()
+    finally:
+        vb.disable()
+    assert rep["models"][0]["features"]["paging"]["chosen"] == "paged"
+    assert rep["memory"]["paging"]["pager"]["bytes_in"] > 0
+    assert losses == ref_losses
+    assert_same(ref_state, state)

@@ -233,3 +233,28 @@ def test_the_switch_in_a_fresh_process_uses_the_cached_result(tmp_path):
     assert second["speed"] == first["speed"] and second["chosen"] == first["chosen"]
     assert len(os.listdir(tmp_path / "cache" / "probes")) == 2
     assert not (tmp_path / "home" / ".cache" / "apt_model").exists()
+
+
+def test_a_failed_speed_probe_is_not_written_for_later_processes(cache, fake_probes, monkeypatch):
+    """A timing that failed is this moment's: the next process probes again."""
+    monkeypatch.setattr(probes, "probe_attention_speed", lambda *a, **k: {"error": "RuntimeError: out of memory"})
+    sp = capabilities.get_speed("cpu", width=64)
+    assert "not cached: attention: RuntimeError: out of memory" in sp.cache, sp.cache
+    assert not [n for n in files(cache) if "speed" in n]
+    capabilities.clear_capability_cache()
+    monkeypatch.setattr(probes, "probe_attention_speed", lambda *a, **k: fake_probes.__setitem__("speed", 9) or
+                        {"eager_ms": 2.0, "sdpa_ms": 1.0, "speedup": 2.0, "samples": {"eager": 3, "sdpa": 3}})
+    assert capabilities.get_speed("cpu", width=64).attention["speedup"] == 2.0 and fake_probes["speed"] == 9
+
+
+@pytest.mark.parametrize("caller", ["no_grad", "inference_mode"])
+def test_probes_run_as_from_a_training_script_whatever_the_callers_mode(cache, monkeypatch, caller):
+    """A model's first call under ``no_grad`` / ``inference_mode`` (an evaluation before training):
+    the real speed probes still time forward + backward (they failed with "element 0 of tensors
+    does not require grad", and the failure was cached)."""
+    monkeypatch.setenv("VB_PROBE_CACHE", "off")
+    with torch.no_grad() if caller == "no_grad" else torch.inference_mode():
+        sp = capabilities.get_speed("cpu", width=64)
+        assert not torch.is_grad_enabled()  # the caller's mode is back
+    assert "error" not in sp.attention and sp.attention["speedup"] > 0, sp.attention
+    assert all("error" not in r for r in sp.autocast.values()), sp.autocast

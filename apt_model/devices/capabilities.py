@@ -236,7 +236,7 @@ def get_support(device: torch.device | str) -> Support:
         sup, why = _cached(Support, dev, "support", mode, ident)
         if sup is None:
             notes: dict[str, list[str]] = {}
-            with probes.quiet(notes, "other"):
+            with probes.quiet(notes, "other"), probes.isolated(dev):
                 sup = Support(
                     device=str(dev),
                     dtypes=probes.probe_dtypes(dev, notes),
@@ -261,6 +261,13 @@ def probe_width(device: torch.device | str, width: int | None) -> int:
     w = default if not width else int(width)
     w = max(64, min(cap, w))
     return (w // 64) * 64 if w >= 64 else 64
+
+
+def _speed_errors(sp: Speed) -> list[str]:
+    """The errors among ``sp``'s timings (``"attention: ..."``, ``"autocast bfloat16: ..."``)."""
+    out = [f"attention: {sp.attention['error']}"] if "error" in (sp.attention or {}) else []
+    out += [f"autocast {d}: {r['error']}" for d, r in (sp.autocast or {}).items() if "error" in r]
+    return out
 
 
 def get_speed(device: torch.device | str, width: int | None = None,
@@ -299,7 +306,7 @@ def get_speed(device: torch.device | str, width: int | None = None,
         if sp is None:
             notes: dict[str, list[str]] = {}
             sp = Speed(device=str(dev), width=w, seq=plan.seq, batch=plan.batch, threads=threads, reps=plan.reps)
-            with probes.quiet(notes, "other"):
+            with probes.quiet(notes, "other"), probes.isolated(dev):
                 sp.attention = probes.probe_attention_speed(dev, w, plan.seq, plan.batch, plan.reps,
                                                             budget_s=plan.attention_budget_s, notes=notes)
                 sp.autocast = probes.probe_autocast_speed(dev, w, plan.seq, plan.batch, tuple(dtypes), plan.reps,
@@ -307,7 +314,10 @@ def get_speed(device: torch.device | str, width: int | None = None,
                                                           notes=notes)
             sp.warnings = notes
             sp.probed_seconds = round(time.perf_counter() - t0, 4)
-            sp.cache = _store(sp, entry, mode, ident, why)
+            failed = _speed_errors(sp)
+            # a failed timing is this moment's (memory taken by the script, a driver hiccup): not
+            # written for later processes, which probe again
+            sp.cache = f"{why}; probed, not cached: {failed[0]}" if failed else _store(sp, entry, mode, ident, why)
         sp.seconds = round(time.perf_counter() - t0, 4)
         _speed[key] = sp
         log.debug("speed on %s (width %d): %.3f s (%s)", dev, w, sp.seconds, sp.cache)

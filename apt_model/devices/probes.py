@@ -31,8 +31,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from apt_model.base.log import get_logger
 from apt_model.devices.plugins import describe_exception
 from apt_model.devices.timing import synchronize
+
+log = get_logger(__name__)
 
 #: dtypes whose support is probed, by their torch names.
 PROBED_DTYPES = (
@@ -91,6 +94,26 @@ def quiet(notes: dict[str, list[str]] | None = None, key: str = "") -> Iterator[
                 for t in texts:
                     if t not in kept:
                         kept.append(t)
+
+
+@contextlib.contextmanager
+def isolated(device: torch.device) -> Iterator[None]:
+    """Run probes as if from a fresh training script, whatever the caller's state: gradients on
+    (``torch.enable_grad()``, outside ``torch.inference_mode``) and no autocast on ``device``.
+
+    A model's first call may come under ``torch.no_grad()`` or ``inference_mode`` (an evaluation
+    before training, an inference script) or inside the user's own autocast: before 2026-11-26 the
+    probes then ran there, their backward failed ("element 0 of tensors does not require grad"),
+    and the failure was cached on disk for later processes. Never raises by itself.
+    """
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        try:
+            stack.enter_context(torch.autocast(device_type=device.type, enabled=False))
+        except Exception as err:  # noqa: BLE001 - a device type autocast does not know: nothing to turn off
+            log.debug("no autocast context for %s: %s", device.type, err)
+        yield
 
 
 def try_run(fn: Callable[[], object], notes: dict[str, list[str]] | None = None, key: str = "") -> str | None:

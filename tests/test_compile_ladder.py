@@ -72,8 +72,8 @@ def test_a_rung_that_cannot_be_built_and_one_that_raises_fall_to_eager_with_both
         raise RuntimeError("no compiler here")
 
     def raises(eager, dynamic):
-        def fn(*a, **k):
-            raise ValueError("unsupported op in the compiled graph")
+        def fn(*a, **k):  # the compiler's failure (Dynamo's own exception type)
+            raise torch._dynamo.exc.InternalTorchDynamoError("unsupported op in the compiled graph")
         return fn
 
     records = []
@@ -83,10 +83,57 @@ def test_a_rung_that_cannot_be_built_and_one_that_raises_fall_to_eager_with_both
     outcomes = [(e["rung"], e["outcome"]) for e in ladder.timeline]
     assert outcomes == [("compile", "failed"), ("override", "failed")]
     assert "RuntimeError: no compiler here" in ladder.timeline[0]["reason"]
-    assert "ValueError: unsupported op in the compiled graph" in ladder.timeline[1]["reason"]
+    assert "InternalTorchDynamoError: unsupported op in the compiled graph" in ladder.timeline[1]["reason"]
     assert ladder.state == "done" and ladder.chosen == "eager" and "forward" not in vars(model)
     assert records and records[-1][0] == "eager" and "compile: failed; override: failed" in records[-1][1]
     patches.restore_all()
+
+
+def test_an_error_the_models_own_code_raises_under_a_rung_reaches_the_script_once():
+    """The model's forward raises (a check on its input) while a rung runs it: the script gets
+    that error, as without the switch, and the forward is not run again eagerly (before, the
+    ladder counted it as the rung failing, re-ran the forward — its side effects twice — and the
+    script never saw the error)."""
+    class Checked(Net):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if x.shape[0] != 8:
+                raise ValueError(f"batch of {x.shape[0]}, expected 8")
+            return super().forward(x)
+
+    model = Checked()
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", lambda eager, dynamic: eager)], records)
+    train(model, 1)  # the first training call starts the rung's warm-up
+    with pytest.raises(ValueError, match="batch of 3, expected 8"):
+        model(torch.randn(3, 16))
+    assert model.calls == 2 and ladder.state == "warmup" and ladder.timeline == []
+    patches.restore_all()
+
+
+def test_eager_concluded_puts_back_the_scripts_own_instance_forward():
+    """The script wrapped ``model.forward`` itself before the switch came: when the ladder ends
+    eager, that wrapper is the forward again (before, the class's forward ran without it)."""
+    model = Net()
+    plain = model.forward
+    model.forward = lambda x: plain(x) * 0.5  # e.g. a temperature
+    wrapper = model.forward
+
+    def raises(eager, dynamic):
+        def fn(*a, **k):
+            raise torch._dynamo.exc.InternalTorchDynamoError("no")
+        return fn
+
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", raises)], records)
+    train(model, 2)
+    x = torch.randn(2, 16)
+    assert ladder.state == "done" and ladder.chosen == "eager"
+    assert model.forward is wrapper and torch.equal(model(x), plain(x) * 0.5)
+    patches.restore_all()
+    assert model.forward is wrapper
 
 
 def test_a_faster_rung_is_kept_after_its_trial_and_disable_restores_the_eager_module():

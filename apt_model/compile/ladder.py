@@ -22,7 +22,8 @@ States (per model; the policy is in this docstring, the transitions in :class:`C
     symbolic, as ``torch._dynamo.mark_dynamic`` would make them), a second leaves the rung.
 ``done``
     The chosen rung's callable replaces the model's ``forward`` (eager: the instance attribute is
-    removed); the ladder's hooks are removed, so a call costs nothing extra.
+    removed, or the script's own instance ``forward`` put back); the ladder's hooks are removed,
+    so a call costs nothing extra.
 
 **Calls inside compiled code** (the script compiles a training step that calls the model, or
 anything compiles or exports: ``torch.compiler.is_compiling()``) run the model's own forward and
@@ -39,6 +40,7 @@ model's own forward (parameters untouched: the optimizer keeps training the same
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -109,6 +111,31 @@ def override_rung(overrides: dict[str, Callable]) -> Rung:
         return torch.compile(eager, backend=counter, dynamic=True if dynamic else None), counter
 
     return Rung("override", f"registered rewrites ({', '.join(overrides)}), run eagerly", build)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def raised_by_compiled_code(err: BaseException) -> bool:
+    """Whether ``err``, raised by a rung's compiled call, is the compiler's (the rung failed: the
+    call is re-run eagerly) rather than the model's own code's (re-raised as is: re-running would
+    run the model's forward twice, its side effects too, and hide the script's error).
+
+    The compiler's: a ``torch._dynamo.exc.TorchDynamoException`` (tracing and backend failures),
+    or an error whose innermost frame is in the torch package or in generated code (Inductor's
+    output files, FX's ``<eval_with_key>`` modules). The model's: an error raised from its own
+    files (Dynamo runs a ``raise`` in the traced code from the original frame)."""
+    exc_mod = getattr(getattr(torch, "_dynamo", None), "exc", None)
+    base = getattr(exc_mod, "TorchDynamoException", None)
+    if base is not None and isinstance(err, base):
+        return True
+    tb = err.__traceback__
+    if tb is None:
+        return True
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    name = tb.tb_frame.f_code.co_filename
+    return name.startswith(_TORCH_DIR) or name.startswith("<") or "torchinductor" in name
 
 
 class LadderForward:
@@ -187,6 +214,7 @@ class CompileLadder:
         undone by ``patches`` (the model's own forward comes back)."""
         model = self.model_ref
         self._patches = patches
+        self._own_forward = "forward" in vars(model)  # the script set model.forward itself (a wrapper)
         patches.set_attr(model, "forward", LadderForward(self, model), label=f"compile ladder forward {self.tag}")
         pre = model.register_forward_pre_hook(self._pre)
         post = model.register_forward_hook(self._post, always_call=True)
@@ -202,10 +230,13 @@ class CompileLadder:
         self.state, self.chosen = "done", chosen
         model = self.model_ref
         if fn is None:
-            try:
-                del model.forward  # the class's forward again: not a wrapper, not a cost
-            except AttributeError:
-                pass
+            if getattr(self, "_own_forward", False):
+                model.forward = self.eager  # the script's own instance forward, as before the ladder
+            else:
+                try:
+                    del model.forward  # the class's forward again: not a wrapper, not a cost
+                except AttributeError:
+                    pass
         else:
             model.forward = fn  # the undo registered at attach() removes it again
         for h in self._handles:
@@ -220,7 +251,9 @@ class CompileLadder:
             fn = self._fn
             try:
                 return fn(*args, **kwargs)
-            except Exception as err:  # noqa: BLE001 - the rung fails; this call is re-run eagerly
+            except Exception as err:  # noqa: BLE001 - the rung's failure is re-run eagerly; the script's is its own
+                if not raised_by_compiled_code(err):
+                    raise  # the model's own code raised (a check, a bad input): as without the switch
                 self._leave(f"raised {type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}",
                             outcome="failed")
         return self.eager(*args, **kwargs)

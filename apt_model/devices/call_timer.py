@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from apt_model.base.outputs import output_tensors
 from apt_model.devices.timing import clock_for
 from apt_model.devices.trial import SpeedTrial
 
@@ -182,9 +183,8 @@ class CallTimer:
     def _time_backward(self, module: nn.Module, output, sample: Sample) -> None:
         """Finish ``sample`` when backward has gone through the module (or now, if it cannot)."""
         from torch.autograd.graph import register_multi_grad_hook
-        from torch.utils._pytree import tree_leaves
 
-        outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        outs = [t for t in output_tensors(output) if t.requires_grad]
         params = [p for p in module.parameters() if p.requires_grad]
         if not outs:
             self.trial.cancel_last()  # nothing to differentiate: not a training call after all

@@ -1,8 +1,8 @@
 """Autocast around a model's forward, attached as hooks (no change to the model's code).
 
 A forward pre-hook enters ``torch.autocast(device_type, dtype)``; a forward hook that always
-runs (also when forward raises) leaves it and converts floating outputs back to fp32 with
-accelerate's ``convert_to_fp32``, so a loss computed outside the model sees fp32 logits as in
+runs (also when forward raises) leaves it and converts floating outputs back to fp32
+(:func:`~apt_model.base.outputs.to_fp32`: accelerate's ``convert_to_fp32``, and dataclass fields), so a loss computed outside the model sees fp32 logits as in
 the user's plain script. If autocast is already active when the model is called, the user is
 managing precision: the hooks do nothing for that call. Backward needs no autocast: its ops
 follow the dtypes chosen in forward (PyTorch AMP docs, "Autocasting").
@@ -27,6 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from apt_model.base.outputs import to_fp32
 from apt_model.devices.call_timer import CallTimer
 from apt_model.devices.trial import SpeedTrial
 from apt_model.base.patches import PatchSet
@@ -134,9 +135,7 @@ class AutocastHooks:
         ctx, sample = entry
         if ctx is not None:
             ctx.__exit__(None, None, None)
-            from accelerate.utils.operations import convert_to_fp32
-
-            output = convert_to_fp32(output)
+            output = to_fp32(output)
         if sample is not None:
             self.timer.end(module, output, sample)
         return output if ctx is not None else None

@@ -50,8 +50,8 @@ import sys
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_leaves
 
+from apt_model.base.outputs import output_tensors
 from apt_model.memory.pages import Category, Page, State
 from apt_model.base.patches import SessionHook
 
@@ -196,7 +196,7 @@ class PagedModel:
         # backward comes through this unit whenever its outputs need gradients — for its own
         # parameters' gradients, or (a frozen unit) for its input's, which needs its weights too
         if torch.is_grad_enabled():
-            outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outs = [t for t in output_tensors(output) if t.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda grads, u=unit: self._backward_start(u), mode="any")
                 if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward

@@ -1,0 +1,56 @@
+"""What a model's forward returned: its tensors, and the same output with fp16/bf16 tensors made fp32.
+
+A forward may return a tensor, tuples, lists and dicts of them (``torch.utils._pytree``), a
+``Mapping`` such as Hugging Face's ``ModelOutput`` (accelerate's ``convert_to_fp32`` keeps its
+type), or a plain ``@dataclass`` instance, which neither library walks: the switch's trials (the
+tensors a backward will reach) and autocast's fp32 outputs missed its fields until 2026-11-26
+(the autocast trial never decided; ``out.logits`` came back bf16).
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+#: Dataclasses nested deeper than this are not walked (a cycle through fields, or data, not outputs).
+MAX_DEPTH = 8
+
+
+def _plain_dataclass(x: Any) -> bool:
+    """A dataclass instance that is not a ``Mapping`` (those are walked as mappings)."""
+    return dataclasses.is_dataclass(x) and not isinstance(x, type) and not isinstance(x, Mapping)
+
+
+def output_tensors(output: Any, _depth: int = 0) -> list[torch.Tensor]:
+    """Every tensor in ``output`` (pytree containers, and the fields of dataclass instances among
+    them), in order. Never raises on an unknown object: it is not a tensor, so it is skipped."""
+    found: list[torch.Tensor] = []
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            found.append(leaf)
+        elif _plain_dataclass(leaf) and _depth < MAX_DEPTH:
+            for f in dataclasses.fields(leaf):
+                found.extend(output_tensors(getattr(leaf, f.name, None), _depth + 1))
+    return found
+
+
+def to_fp32(output: Any, _depth: int = 0) -> Any:
+    """``output`` with its fp16/bf16 floating tensors converted to fp32: accelerate's
+    ``convert_to_fp32`` (tensors, sequences, mappings, named tuples), then the fields of dataclass
+    instances, in a shallow copy (the model's own object is not modified; a frozen dataclass too)."""
+    from accelerate.utils.operations import convert_to_fp32
+
+    def leaf(x):
+        if not _plain_dataclass(x) or _depth >= MAX_DEPTH:
+            return x
+        new = copy.copy(x)
+        for f in dataclasses.fields(x):
+            if hasattr(x, f.name):
+                object.__setattr__(new, f.name, to_fp32(getattr(x, f.name), _depth + 1))
+        return new
+
+    return tree_map(leaf, convert_to_fp32(output))

@@ -1,0 +1,68 @@
+"""Model outputs the switch walks (apt_model/base/outputs.py): pytree containers and dataclass
+fields, for the trials' backward timing and autocast's fp32 outputs."""
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from apt_model.base.outputs import output_tensors, to_fp32
+from apt_model.base.patches import PatchSet
+from apt_model.devices.trial import SpeedTrial
+from apt_model.precision.autocast import attach_autocast
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    aux: dict
+    note: str = "x"
+
+
+@dataclasses.dataclass(frozen=True)
+class Frozen:
+    hidden: torch.Tensor
+
+
+def test_dataclass_fields_are_walked_and_converted_in_a_copy():
+    a, b, c = torch.ones(2, dtype=torch.bfloat16), torch.ones(3, dtype=torch.float16), torch.ones(1, dtype=torch.int64)
+    out = (Out(a, {"b": b, "deep": Frozen(c)}), [a])
+    assert [t.shape[0] for t in output_tensors(out)] == [2, 3, 1, 2]
+    conv = to_fp32(out)
+    assert conv[0].logits.dtype == torch.float32 and conv[0].aux["b"].dtype == torch.float32
+    assert conv[0].aux["deep"].hidden.dtype == torch.int64 and conv[1][0].dtype == torch.float32
+    assert conv[0].note == "x" and out[0].logits is a  # the model's own object is unchanged
+    assert to_fp32(Frozen(a)).hidden.dtype == torch.float32
+
+
+class DataclassNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+    def forward(self, x):
+        return Out(self.body(x), {})
+
+
+def test_autocast_returns_fp32_fields_and_its_trial_decides_on_a_dataclass_output():
+    """Before, ``out.logits`` came back bf16 and the trial found no tensor to time: it never ended."""
+    torch.manual_seed(0)
+    m = DataclassNet()
+    patches = PatchSet()
+    hooks = attach_autocast(m, "cpu", torch.bfloat16, patches, trial=SpeedTrial(calls=4, settle_max=8))
+    opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+    x = torch.randn(8, 32)
+    budget = hooks.trial.settle_max + 2 * hooks.trial.calls + hooks.max_lag
+    steps = 0
+    try:
+        while hooks.trial.running:
+            out = m(x)
+            assert out.logits.dtype == torch.float32
+            F.mse_loss(out.logits, x).backward()
+            opt.step()
+            opt.zero_grad()
+            steps += 1
+            assert steps <= budget, f"no verdict within the trial's call budget ({budget} calls)"
+    finally:
+        patches.restore_all()
+    assert hooks.trial.index == steps

@@ -66,3 +66,65 @@ def test_autocast_returns_fp32_fields_and_its_trial_decides_on_a_dataclass_outpu
     finally:
         patches.restore_all()
     assert hooks.trial.index == steps
+
+
+class Interruptible(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x, interrupt=False):
+        y = self.lin(x)
+        if interrupt:
+            raise KeyboardInterrupt  # Ctrl-C in a notebook, mid-forward
+        return y
+
+
+def test_an_interrupted_forward_leaves_no_autocast_behind():
+    """A ``KeyboardInterrupt`` skips PyTorch's always-called forward hooks: the autocast context
+    stayed entered for the rest of the process (later ops, other models, after ``disable()``). Now
+    the model's next call leaves it first, and restoring the patches leaves any still entered."""
+    torch.manual_seed(0)
+    m = Interruptible()
+    patches = PatchSet()
+    attach_autocast(m, "cpu", torch.bfloat16, patches)
+    x = torch.randn(4, 32)
+    try:
+        for _ in range(2):
+            try:
+                m(x, interrupt=True)
+            except KeyboardInterrupt:
+                pass
+        out = m(x)
+        assert out.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+        try:
+            m(x, interrupt=True)
+        except KeyboardInterrupt:
+            pass
+    finally:
+        patches.restore_all()
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_copies_of_an_autocast_model_run_as_written():
+    """``copy.deepcopy`` (an EMA) and ``torch.save`` / ``torch.load`` of a model under autocast give
+    plain fp32 models (before, they kept autocast, also after ``disable()`` and without the switch)."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    m = DataclassNet()
+    patches = PatchSet()
+    attach_autocast(m, "cpu", torch.bfloat16, patches)
+    x = torch.randn(4, 32)
+    try:
+        buf = io.BytesIO()
+        torch.save(m, buf)
+        buf.seek(0)
+        copies = [copy.deepcopy(m), torch.load(buf, weights_only=False)]
+        assert not torch.equal(m(x).logits, m.body(x))  # the original runs under bf16 autocast
+        for c in copies:
+            assert torch.equal(c(x).logits, c.body(x))  # the copies run as written, in fp32
+    finally:
+        patches.restore_all()

@@ -138,6 +138,11 @@ class CallTimer:
         sample.t1 = self.clock.mark()
         self._time_backward(module, output, sample)
 
+    def abandon(self) -> None:
+        """A call :meth:`begin` timed never reached :meth:`end` (an interrupt skipped the forward
+        hook): no sample; its place in the ABBA order goes to the next call."""
+        self.trial.cancel_last()
+
     def _drop_pending(self) -> None:
         """A timed call whose backward never came (evaluation with grad on, a second call site):
         no sample; its place in the ABBA order goes to the next call."""

@@ -21,6 +21,7 @@ forward and backward, nothing after the verdict — is :mod:`apt_model.devices.c
 """
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
@@ -87,8 +88,13 @@ class AutocastHooks:
             self.timer.on_verdict = self._verdict
 
     def __getstate__(self):
+        """A copy of the model (``copy.deepcopy`` for an EMA, ``torch.save(model)``) carries inert
+        hooks: it runs as written, in fp32, like any copy of an adopted model (before 2026-11-26 it
+        kept autocast, also after ``disable()`` and when loaded without the switch)."""
         state = {k: v for k, v in self.__dict__.items() if k != "_tls"}
         state["on_verdict"] = None
+        state["active"] = False
+        state["timer"] = None
         return state
 
     def __setstate__(self, state):
@@ -106,12 +112,42 @@ class AutocastHooks:
             stack = self._tls.stack = []
         return stack
 
+    def unwind(self, live_only: bool = True) -> int:
+        """Leave the autocast contexts of this thread's calls that ended without the forward hook:
+        a ``KeyboardInterrupt`` (or another ``BaseException``) skips PyTorch's always-called hooks,
+        and the context stayed entered for the rest of the process (every later op autocast,
+        outputs bf16, after ``disable()`` too). With ``live_only`` only calls whose frame is no
+        longer on the stack; else all (``disable()``). Returns how many were left."""
+        stack = self._stack()
+        if not stack:
+            return 0
+        live: set[int] = set()
+        if live_only:
+            f = sys._getframe(1)
+            while f is not None:
+                live.add(id(f))
+                f = f.f_back
+        n = 0
+        while stack and not (live_only and (stack[-1][2] is None or id(stack[-1][2]) in live)):
+            ctx, sample, _ = stack.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
+            if sample is not None and self.timer is not None:
+                self.timer.abandon()
+            n += 1
+        return n
+
     def pre(self, module: nn.Module, args: tuple) -> None:
         timer = self.timer
+        caller = None
+        if not torch.compiler.is_compiling():  # frames are no business of a trace
+            if self._stack():  # a nested call of this model, or calls an interrupt left entered
+                self.unwind()
+            caller = sys._getframe(1)  # Module._call_impl: on the stack until this call ends
         if not self.active or torch.is_autocast_enabled(self.device_type):
             if timer is not None:
                 timer.settle()
-            self._stack().append(None)  # off, or the caller manages precision: leave it alone
+            self._stack().append((None, None, caller))  # off, or the caller manages precision: leave it alone
             return None
         use, sample = True, None
         if timer is not None:
@@ -122,17 +158,16 @@ class AutocastHooks:
         if ctx is not None:
             ctx.__enter__()
             self.calls += 1
-        self._stack().append((ctx, sample))
+        self._stack().append((ctx, sample, caller))
         return None
 
     def post(self, module: nn.Module, args: tuple, output):
         stack = self._stack()
         if not stack:
             return None
-        entry = stack.pop()
-        if entry is None:
+        ctx, sample, _ = stack.pop()
+        if ctx is None and sample is None:
             return None
-        ctx, sample = entry
         if ctx is not None:
             ctx.__exit__(None, None, None)
             output = to_fp32(output)
@@ -153,4 +188,5 @@ def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patc
     patches.add_handle(model.register_forward_pre_hook(hooks.pre), f"autocast pre-hook {type(model).__name__}")
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")
+    patches.add_undo(lambda: hooks.unwind(live_only=False), f"autocast contexts left entered {type(model).__name__}")
     return hooks

@@ -339,3 +339,37 @@ def test_offload_on_the_accelerator_goes_to_pinned_host_memory_and_is_exact(tmp_
     same(got, reference)
     assert str(off.device).startswith(dev.type) and off.host is not None and pinned
     assert rep["offloaded_bytes"] > 0 and rep["loaded_bytes"] > 0
+
+
+def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device):
+    """The recomputation in backward re-runs the block's batch norm in training mode: its running
+    statistics were updated twice per step (``num_batches_tracked`` 6 for 3 steps). They are put
+    back after the recomputation, so the model evaluates exactly as after plain training."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+                                     for _ in range(3)])
+
+    def train(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            loss = m(torch.randn(8, 16, generator=gen)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return m
+
+    ref = train(build())
+    m = build()
+    vb.enable("balanced", checkpointing=True, **PLAIN)
+    try:
+        m.to("cpu")
+        train(m)
+        feat = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    assert feat["chosen"] != "off" and calls > 0, feat
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
+    assert m[0][1].num_batches_tracked.item() == 3

@@ -21,6 +21,7 @@ are checkpointed from the next step on.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import types
 from collections import Counter
@@ -90,6 +91,42 @@ def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def running_stats_layers(module: nn.Module) -> list[nn.Module]:
+    """The layers in ``module`` whose training forward updates running statistics in place: batch
+    norm and instance norm with ``track_running_stats`` (buffers ``running_mean`` /
+    ``running_var`` / ``num_batches_tracked``, by name, so third-party layers that follow the
+    convention count too)."""
+    return [m for m in module.modules()
+            if getattr(m, "running_mean", None) is not None and getattr(m, "num_batches_tracked", None) is not None]
+
+
+class KeepRunningStats:
+    """The recomputation context of a checkpointed block: the running statistics of its
+    :func:`running_stats_layers` in training mode are put back, on exit, as they were when the
+    recomputation began. The forward already updated them once; torch's non-reentrant checkpoint
+    re-runs it in backward, which updated them a second time (``num_batches_tracked`` counted each
+    batch twice, ``running_mean`` drifted: the model evaluated differently from plain training)
+    until 2026-11-26. Costs one copy of those buffers per recomputation."""
+
+    def __init__(self, layers: list[nn.Module]):
+        self.layers = layers
+        self.saved: list = []
+
+    def __enter__(self):
+        with torch.no_grad():
+            self.saved = [(b, b.clone()) for m in self.layers if m.training
+                          for b in (m.running_mean, getattr(m, "running_var", None), m.num_batches_tracked)
+                          if isinstance(b, torch.Tensor)]
+        return self
+
+    def __exit__(self, *exc):
+        with torch.no_grad():
+            for buf, value in self.saved:
+                buf.copy_(value)
+        self.saved = []
+        return False
+
+
 class CheckpointedForward:
     """A block's forward run through ``torch.utils.checkpoint`` (non-reentrant) while training.
 
@@ -104,10 +141,14 @@ class CheckpointedForward:
         self.module = module
         self.forward = types.MethodType(type(module).forward, module)
         self.calls = 0
+        self.stats_layers = running_stats_layers(module)
 
     def __call__(self, *args, **kwargs):
         if self.module.training and torch.is_grad_enabled():
             self.calls += 1
+            if self.stats_layers:
+                layers = self.stats_layers
+                kwargs = {**kwargs, "context_fn": lambda: (contextlib.nullcontext(), KeepRunningStats(layers))}
             return checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
         return self.forward(*args, **kwargs)
 

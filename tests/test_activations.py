@@ -373,3 +373,35 @@ def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device)
     assert feat["chosen"] != "off" and calls > 0, feat
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
     assert m[0][1].num_batches_tracked.item() == 3
+
+
+def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path, cpu_device):
+    """``torch.func.grad`` refuses saved-tensor hooks, which non-reentrant checkpointing and
+    activation offload are built on: it raised "torch.func.{grad, vjp, jacrev, hessian} don't yet
+    support saved tensor hooks" in memory mode. Inside a ``torch.func`` transform both stand aside."""
+    from torch.func import functional_call, grad
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.0))
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def grads(m):
+        params = {k: v.detach() for k, v in m.named_parameters()}
+        return grad(lambda p: F.cross_entropy(functional_call(m, p, (x,)).reshape(-1, 256), x.reshape(-1)))(params)
+
+    ref = grads(build())
+    m = build()
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096, **PLAIN)
+    try:
+        m.to("cpu")
+        got = grads(m)
+        feats = vb.get_report()["models"][0]["features"]
+        m(x).sum().backward()  # outside a transform the features still work
+        calls = [b.forward.calls for b in m.blocks]
+    finally:
+        vb.disable()
+    assert feats["activation_checkpointing"]["chosen"] != "off" and feats["activation_offload"]["chosen"] == "on"
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert calls == [1, 1]  # only the plain call was checkpointed

@@ -91,6 +91,16 @@ def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
     return None
 
 
+def in_function_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...) is running on this
+    thread. ``torch.func.grad`` refuses saved-tensor hooks ("torch.func.{grad, vjp, jacrev,
+    hessian} don't yet support saved tensor hooks"), and activation offload and non-reentrant
+    checkpointing are built on them, so both stand aside there (the forward runs as written)."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
+
 def running_stats_layers(module: nn.Module) -> list[nn.Module]:
     """The layers in ``module`` whose training forward updates running statistics in place: batch
     norm and instance norm with ``track_running_stats`` (buffers ``running_mean`` /
@@ -144,7 +154,7 @@ class CheckpointedForward:
         self.stats_layers = running_stats_layers(module)
 
     def __call__(self, *args, **kwargs):
-        if self.module.training and torch.is_grad_enabled():
+        if self.module.training and torch.is_grad_enabled() and not in_function_transform():
             self.calls += 1
             if self.stats_layers:
                 layers = self.stats_layers

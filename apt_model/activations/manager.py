@@ -27,6 +27,7 @@ from apt_model.activations.checkpoint import (
     blocks_for_budget,
     choose_blocks,
     find_blocks,
+    in_function_transform,
     parse_policy,
 )
 from apt_model.activations.offload import ActivationOffloader
@@ -46,6 +47,9 @@ class _SavedTensorHooks:
         stack = getattr(self._tls, "stack", None)
         if stack is None:
             stack = self._tls.stack = []
+        if in_function_transform():  # torch.func refuses saved-tensor hooks: the forward runs as written
+            stack.append(None)
+            return
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         stack.append(ctx)
@@ -53,7 +57,9 @@ class _SavedTensorHooks:
     def leave(self, *_):
         stack = getattr(self._tls, "stack", None)
         if stack:
-            stack.pop().__exit__(None, None, None)
+            ctx = stack.pop()
+            if ctx is not None:
+                ctx.__exit__(None, None, None)
 
 
 class ActivationManager:

@@ -405,3 +405,41 @@ def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path
     assert feats["activation_checkpointing"]["chosen"] != "off" and feats["activation_offload"]["chosen"] == "on"
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     assert calls == [1, 1]  # only the plain call was checkpointed
+
+
+def test_an_interrupted_forward_leaves_no_offload_hooks_behind(tmp_path, cpu_device):
+    """A ``KeyboardInterrupt`` skips the forward hook that leaves the offload's saved-tensor hooks:
+    they stayed pushed on the thread (every later graph offloaded), after ``disable()`` too. The
+    next call of the model leaves them first; ``disable()`` leaves any still pushed."""
+    class Interrupted(GPT):
+        interrupt = False
+
+        def forward(self, x):
+            y = super().forward(x)
+            if self.interrupt:
+                raise KeyboardInterrupt
+            return y
+
+    def top():
+        return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+    torch.manual_seed(0)
+    m = Interrupted(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.0))
+    x = torch.randint(0, 256, (2, 32))
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096, **PLAIN)
+    try:
+        m.to("cpu")
+        for then in ("call again", "disable"):
+            m.interrupt = True
+            try:
+                m(x)
+            except KeyboardInterrupt:
+                pass
+            assert top() is not None  # until the next call or disable()
+            m.interrupt = False
+            if then == "call again":
+                m(x).sum().backward()
+                assert top() is None
+    finally:
+        vb.disable()
+    assert top() is None

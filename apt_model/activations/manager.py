@@ -16,7 +16,6 @@ stops the offloader's I/O threads.
 """
 from __future__ import annotations
 
-import threading
 
 import torch
 import torch.nn as nn
@@ -31,6 +30,7 @@ from apt_model.activations.checkpoint import (
     parse_policy,
 )
 from apt_model.activations.offload import ActivationOffloader
+from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.sizes import format_size
 from apt_model.base.feature import Decision
 from apt_model.base.patches import SessionHook
@@ -41,25 +41,25 @@ class _SavedTensorHooks:
 
     def __init__(self, pack, unpack):
         self.pack, self.unpack = pack, unpack
-        self._tls = threading.local()
+        self._scopes = ForwardScopes()  # per thread; an interrupted call's hooks are left at the next call
 
     def enter(self, *_):
-        stack = getattr(self._tls, "stack", None)
-        if stack is None:
-            stack = self._tls.stack = []
         if in_function_transform():  # torch.func refuses saved-tensor hooks: the forward runs as written
-            stack.append(None)
+            self._scopes.push(None)
             return
+        self._scopes.unwind()  # before pushing ours: hooks an interrupt left entered are above them
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
-        stack.append(ctx)
+        self._scopes.push(ctx)
 
     def leave(self, *_):
-        stack = getattr(self._tls, "stack", None)
-        if stack:
-            ctx = stack.pop()
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
+        entry = self._scopes.pop()
+        if entry is not None and entry[0] is not None:
+            entry[0].__exit__(None, None, None)
+
+    def unwind(self) -> int:
+        """Leave every saved-tensor hooks context this thread's calls left entered (``disable()``)."""
+        return self._scopes.unwind(live_only=False)
 
 
 class ActivationManager:
@@ -228,6 +228,7 @@ class ActivationManager:
         hooks = _SavedTensorHooks(off.pack, off.unpack)
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(hooks.enter)), "offload pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
+        self.patches.add_undo(hooks.unwind, "offload hooks an interrupted forward left entered")
         target = ("the host level (pinned), spilling to the swap files" if off.host is not None
                   else f"the swap files in {self.stack.swap.folder}")
         self.record_for(rec)["offload"] = {"budget": off.budget, "min_bytes": off.min_bytes, "target": target,

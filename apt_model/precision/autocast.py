@@ -21,13 +21,12 @@ forward and backward, nothing after the verdict — is :mod:`apt_model.devices.c
 """
 from __future__ import annotations
 
-import sys
-import threading
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.outputs import to_fp32
 from apt_model.devices.call_timer import CallTimer
 from apt_model.devices.trial import SpeedTrial
@@ -83,15 +82,25 @@ class AutocastHooks:
     clock_reason = property(lambda self: self.timer.clock_reason if self.timer is not None else None)
 
     def _init_runtime(self) -> None:
-        self._tls = threading.local()  # the autocast context stack: entered and left on one thread
+        # the autocast contexts the calls under way entered, per thread (left by the forward hook,
+        # or after an interrupt by the next call / disable())
+        self._scopes = ForwardScopes(on_abandon=self._abandon)
         if self.timer is not None:
             self.timer.on_verdict = self._verdict
+
+    def _abandon(self, sample) -> None:
+        if self.timer is not None:
+            self.timer.abandon()
+
+    def unwind(self) -> int:
+        """Leave every autocast context this thread's calls left entered (``disable()``)."""
+        return self._scopes.unwind(live_only=False)
 
     def __getstate__(self):
         """A copy of the model (``copy.deepcopy`` for an EMA, ``torch.save(model)``) carries inert
         hooks: it runs as written, in fp32, like any copy of an adopted model (before 2026-11-26 it
         kept autocast, also after ``disable()`` and when loaded without the switch)."""
-        state = {k: v for k, v in self.__dict__.items() if k != "_tls"}
+        state = {k: v for k, v in self.__dict__.items() if k != "_scopes"}
         state["on_verdict"] = None
         state["active"] = False
         state["timer"] = None
@@ -106,48 +115,13 @@ class AutocastHooks:
         if self.on_verdict is not None:
             self.on_verdict(keep, summary)
 
-    def _stack(self) -> list:
-        stack = getattr(self._tls, "stack", None)
-        if stack is None:
-            stack = self._tls.stack = []
-        return stack
-
-    def unwind(self, live_only: bool = True) -> int:
-        """Leave the autocast contexts of this thread's calls that ended without the forward hook:
-        a ``KeyboardInterrupt`` (or another ``BaseException``) skips PyTorch's always-called hooks,
-        and the context stayed entered for the rest of the process (every later op autocast,
-        outputs bf16, after ``disable()`` too). With ``live_only`` only calls whose frame is no
-        longer on the stack; else all (``disable()``). Returns how many were left."""
-        stack = self._stack()
-        if not stack:
-            return 0
-        live: set[int] = set()
-        if live_only:
-            f = sys._getframe(1)
-            while f is not None:
-                live.add(id(f))
-                f = f.f_back
-        n = 0
-        while stack and not (live_only and (stack[-1][2] is None or id(stack[-1][2]) in live)):
-            ctx, sample, _ = stack.pop()
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
-            if sample is not None and self.timer is not None:
-                self.timer.abandon()
-            n += 1
-        return n
-
     def pre(self, module: nn.Module, args: tuple) -> None:
         timer = self.timer
-        caller = None
-        if not torch.compiler.is_compiling():  # frames are no business of a trace
-            if self._stack():  # a nested call of this model, or calls an interrupt left entered
-                self.unwind()
-            caller = sys._getframe(1)  # Module._call_impl: on the stack until this call ends
+        self._scopes.unwind()  # calls an interrupt ended without the forward hook: their autocast is left
         if not self.active or torch.is_autocast_enabled(self.device_type):
             if timer is not None:
                 timer.settle()
-            self._stack().append((None, None, caller))  # off, or the caller manages precision: leave it alone
+            self._scopes.push(None)  # off, or the caller manages precision: leave it alone
             return None
         use, sample = True, None
         if timer is not None:
@@ -158,14 +132,14 @@ class AutocastHooks:
         if ctx is not None:
             ctx.__enter__()
             self.calls += 1
-        self._stack().append((ctx, sample, caller))
+        self._scopes.push(ctx, sample)
         return None
 
     def post(self, module: nn.Module, args: tuple, output):
-        stack = self._stack()
-        if not stack:
+        entry = self._scopes.pop()
+        if entry is None:
             return None
-        ctx, sample, _ = stack.pop()
+        ctx, sample = entry
         if ctx is None and sample is None:
             return None
         if ctx is not None:
@@ -188,5 +162,5 @@ def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patc
     patches.add_handle(model.register_forward_pre_hook(hooks.pre), f"autocast pre-hook {type(model).__name__}")
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")
-    patches.add_undo(lambda: hooks.unwind(live_only=False), f"autocast contexts left entered {type(model).__name__}")
+    patches.add_undo(hooks.unwind, f"autocast contexts left entered {type(model).__name__}")
     return hooks

@@ -1,0 +1,110 @@
+"""Contexts a forward pre-hook enters and the forward hook leaves, kept straight across interrupts.
+
+The switch enters contexts around a model's forward with hooks (autocast, activation offload's
+saved-tensor hooks): the pre-hook enters, a forward hook registered with ``always_call=True``
+leaves. PyTorch runs always-called hooks when the forward raises an ``Exception``, but not for a
+``BaseException`` such as ``KeyboardInterrupt`` (Ctrl-C in a notebook): the context then stayed
+entered on that thread for the rest of the process — every later op autocast, every later graph's
+saved tensors offloaded — until 2026-11-26.
+
+:class:`ForwardScopes` keeps, per thread, what each call entered together with that call's
+``nn.Module._call_impl`` frame, which is on the stack exactly while the call runs. The next call's
+pre-hook first leaves the entries whose frame is gone (:meth:`ForwardScopes.unwind`), and the
+switch's ``disable()`` leaves whatever is left. Code the script runs between the interrupt and the
+model's next call still sees the context.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+_CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def module_call_frame():
+    """The innermost ``nn.Module._call_impl`` frame on this thread's stack, or None (a hook called
+    by hand)."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code is not _CALL_IMPL:
+        f = f.f_back
+    return f
+
+
+class ForwardScopes:
+    """Per-thread stack of ``(context, payload, frame)`` entries, one per hooked forward call.
+
+    ``context`` is an entered context manager (left with ``__exit__(None, None, None)``) or None
+    (the call entered nothing); ``payload`` is the owner's (a trial sample...), handed to
+    ``on_abandon(payload)`` when its call is found ended without its hook. Copies (pickling,
+    ``copy.deepcopy``) start empty and without ``on_abandon``.
+    """
+
+    def __init__(self, on_abandon: Callable[[Any], None] | None = None):
+        self._tls = threading.local()
+        self.on_abandon = on_abandon
+
+    def __getstate__(self):
+        return {}
+
+    def __setstate__(self, state):
+        self._tls = threading.local()
+        self.on_abandon = None
+
+    def stack(self) -> list:
+        """This thread's entries, innermost last."""
+        stack = getattr(self._tls, "stack", None)
+        if stack is None:
+            stack = self._tls.stack = []
+        return stack
+
+    def push(self, context: Any, payload: Any = None) -> None:
+        """Record what the call now starting entered (from its pre-hook). First leaves the entries
+        of calls an interrupt ended (see :meth:`unwind`). Takes no frame while anything compiles
+        (Dynamo would break the graph on it)."""
+        frame = None
+        if not torch.compiler.is_compiling():
+            self.unwind()
+            frame = module_call_frame()
+        self.stack().append((context, payload, frame))
+
+    def pop(self) -> tuple[Any, Any] | None:
+        """The innermost entry's ``(context, payload)`` (from the forward hook; the caller leaves
+        the context), or None when there is none."""
+        stack = self.stack()
+        if not stack:
+            return None
+        context, payload, _ = stack.pop()
+        return context, payload
+
+    def unwind(self, live_only: bool = True) -> int:
+        """Leave the entries of calls that ended without their forward hook: with ``live_only``,
+        those whose frame is no longer on this thread's stack (innermost first, stopping at the
+        first live one); else all of them (``disable()``). ``on_abandon(payload)`` is called for
+        each left entry with a payload. Returns how many were left."""
+        if live_only and torch.compiler.is_compiling():
+            return 0  # frames are no business of a trace
+        stack = self.stack()
+        if not stack:
+            return 0
+        live: set[int] = set()
+        if live_only:
+            f = sys._getframe(1)
+            while f is not None:
+                live.add(id(f))
+                f = f.f_back
+        n = 0
+        while stack:
+            context, payload, frame = stack[-1]
+            if live_only and (frame is None or id(frame) in live):
+                break
+            stack.pop()
+            if context is not None:
+                context.__exit__(None, None, None)
+            if payload is not None and self.on_abandon is not None:
+                self.on_abandon(payload)
+            n += 1
+        return n

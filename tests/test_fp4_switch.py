@@ -160,3 +160,23 @@ def test_environment_and_policy_setting_reach_the_conversion(monkeypatch):
     assert isinstance(model.blocks[0].attn.qkv, FP4Linear) and model.blocks[0].attn.qkv.scale_rule == "rceil"
     assert type(model.blocks[0].mlp[0]) is nn.Linear
     assert "MXFP4 (RCEIL)" in rec["reason"]
+
+
+def test_planning_reads_no_parametrized_weight(cpu_device):
+    """Reading ``.weight`` of a ``spectral_norm`` layer in training mode runs a power iteration
+    (its ``_u`` / ``_v`` change): the FP4 plan's summary of a skipped layer did that at adoption,
+    so training then diverged from plain PyTorch. ``weight_norm`` (two stored tensors) too."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), spectral_norm(nn.Linear(8, 8)), weight_norm(nn.Linear(8, 8)))
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    vb.enable("balanced", fp4="storage", paging="off", compile="off", mixed_precision="off", banner=False)
+    try:
+        m.to("cpu")
+        skipped = vb.get_report()["models"][0]["features"]["fp4"]["skipped"]
+    finally:
+        vb.disable()
+    assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
+    shapes = {s["name"]: s["shape"] for s in skipped}
+    assert shapes["1"] == [8, 8] and shapes["2"] is None, shapes

@@ -116,6 +116,19 @@ class FP4Policy:
         return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
 
 
+def raw_weight(m: nn.Module):
+    """``m.weight`` without running a parametrization on it: for a parametrized module, the
+    stored ``original`` (reading ``.weight`` of a ``spectral_norm`` layer in training mode runs a
+    power iteration, which updates its ``_u`` / ``_v``: the planner's look at a model changed it,
+    until 2026-11-26). None when ``m`` has no weight, or its parametrization keeps several
+    tensors (``weight_norm``)."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(m, "weight"):
+        return getattr(m.parametrizations.weight, "original", None)  # weight_norm keeps original0/1: None
+    return getattr(m, "weight", None)
+
+
 @dataclass
 class Candidate:
     """One layer the policy looked at: where it is, and whether (and why) it converts."""
@@ -128,7 +141,7 @@ class Candidate:
     reason: str
 
     def summary(self) -> dict:
-        w = getattr(self.module, "weight", None)
+        w = raw_weight(self.module)
         return {"name": self.name, "type": type(self.module).__name__,
                 "shape": list(w.shape) if isinstance(w, torch.Tensor) else None, "reason": self.reason}
 

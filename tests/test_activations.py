@@ -443,3 +443,31 @@ def test_an_interrupted_forward_leaves_no_offload_hooks_behind(tmp_path, cpu_dev
     finally:
         vb.disable()
     assert top() is None
+
+
+def test_the_scripts_own_saved_tensor_hooks_still_see_the_models_tensors(tmp_path, cpu_device):
+    """Activation offload pushed its hooks inside the model's forward, so the script's own
+    ``saved_tensors_hooks`` around the call (its offload or compression) no longer saw the tensors
+    the model saved. Offload now stands aside while outer hooks are active."""
+    def run(m):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t, lambda t: t):
+            loss = m(torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))).sum()
+        loss.backward()
+        return len(packed)
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.0))
+
+    plain = run(build())
+    m = build()
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096,
+              **{**PLAIN, "activation_checkpointing": False})
+    try:
+        m.to("cpu")
+        seen = run(m)
+        offloaded = vb.get_report()["activations"]["offload"]["offloaded_bytes"]
+    finally:
+        vb.disable()
+    assert plain > 10 and seen == plain and offloaded == 0

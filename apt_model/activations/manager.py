@@ -37,14 +37,23 @@ from apt_model.base.patches import SessionHook
 
 
 class _SavedTensorHooks:
-    """Enters/leaves ``saved_tensors_hooks(pack, unpack)`` around one model's forward (re-entrant)."""
+    """Enters/leaves ``saved_tensors_hooks(pack, unpack)`` around one model's forward (re-entrant).
+    Not inside a ``torch.func`` transform; with ``defer_to_outer`` (activation offload), not while
+    saved-tensor hooks set outside the model are active (the script's own: before 2026-11-26 they
+    no longer saw the tensors saved inside the model)."""
 
-    def __init__(self, pack, unpack):
+    def __init__(self, pack, unpack, defer_to_outer: bool = False):
         self.pack, self.unpack = pack, unpack
+        self.defer_to_outer = defer_to_outer
         self._scopes = ForwardScopes()  # per thread; an interrupted call's hooks are left at the next call
 
     def enter(self, *_):
         if in_function_transform():  # torch.func refuses saved-tensor hooks: the forward runs as written
+            self._scopes.push(None)
+            return
+        if self.defer_to_outer and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            # the script's own saved-tensor hooks (its offload or compression, a checkpoint it wraps
+            # the model in) are active: ours would hide every tensor the model saves from them
             self._scopes.push(None)
             return
         self._scopes.unwind()  # before pushing ours: hooks an interrupt left entered are above them
@@ -225,7 +234,7 @@ class ActivationManager:
     def apply_offload(self, model: nn.Module, rec, decision: Decision) -> Decision:
         """Wrap the model's forward in saved-tensor hooks going to its device's offloader."""
         off = self._offloader(torch.device(rec.device))
-        hooks = _SavedTensorHooks(off.pack, off.unpack)
+        hooks = _SavedTensorHooks(off.pack, off.unpack, defer_to_outer=True)
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(hooks.enter)), "offload pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
         self.patches.add_undo(hooks.unwind, "offload hooks an interrupted forward left entered")

@@ -293,3 +293,22 @@ def test_an_optimizer_stepping_no_adopted_model_is_told_once(caplog, cpu_device)
     assert "model.to(device) after enable()" in told[0]["reason"]
     warned = [r for r in caplog.records if "of no adopted model" in r.getMessage()]
     assert len(warned) == 1 and warned[0].levelname == "WARNING"
+
+
+def test_parametrizations_are_never_adopted_as_models_of_their_own(cpu_device):
+    """``spectral_norm`` calls its parametrization while the layer is built, and every read of a
+    parametrized weight calls a ``ParametrizationList``: with the switch on first, each was
+    adopted as a model of its own (report entries, features applied to torch's internals)."""
+    from torch.nn.utils.parametrizations import spectral_norm, weight_norm
+
+    vb.enable("balanced", compile="off", mixed_precision="off", banner=False)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), spectral_norm(torch.nn.Linear(8, 8)),
+                                weight_norm(torch.nn.Linear(8, 8)))
+        m.to("cpu")
+        m(torch.randn(2, 8)).sum().backward()
+        models = [(r["name"], r["trigger"]) for r in vb.get_report()["models"]]
+    finally:
+        vb.disable()
+    assert models == [("Sequential", "to()")]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from apt_model.base.version import __version__
@@ -710,6 +711,13 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
         return False
     with st.lock:
         if module in st.seen:
+            return False
+        if isinstance(module, ParametrizationList) or type(module).__module__ == "torch.nn.utils.parametrizations":
+            # torch's holder of a parametrized tensor, called whenever the tensor is read, and its
+            # parametrizations (spectral_norm's, called while the layer is built): part of their
+            # module's model, never models of their own
+            for m in module.modules():
+                st.seen.add(m)
             return False
         dev = model_device(module)
         if skip_adoption(module, st.seen):  # a DataParallel replica, or a DDP wrapper of an adopted model

@@ -312,3 +312,12 @@ def test_parametrizations_are_never_adopted_as_models_of_their_own(cpu_device):
     finally:
         vb.disable()
     assert models == [("Sequential", "to()")]
+
+
+def test_adopt_names_what_it_was_given_when_it_is_no_module(cpu_device):
+    vb.enable("balanced", banner=False)
+    try:
+        with pytest.raises(TypeError, match="takes a torch.nn.Module, got torch.Tensor"):
+            vb.adopt(torch.ones(2))
+    finally:
+        vb.disable()

@@ -237,8 +237,11 @@ def adopt(model: nn.Module) -> nn.Module:
     """Adopt ``model`` now (with ``adopt="explicit"``, the only way). Returns the same object.
 
     Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
         RuntimeError: when the switch is off.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"vb.adopt() takes a torch.nn.Module, got {type(model).__module__}.{type(model).__qualname__}")
     if not _state.enabled:
         raise RuntimeError("the switch is off: call vb.enable() before vb.adopt(model)")
     _maybe_adopt(model, "adopt()")

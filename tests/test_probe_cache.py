@@ -258,3 +258,16 @@ def test_probes_run_as_from_a_training_script_whatever_the_callers_mode(cache, m
         assert not torch.is_grad_enabled()  # the caller's mode is back
     assert "error" not in sp.attention and sp.attention["speedup"] > 0, sp.attention
     assert all("error" not in r for r in sp.autocast.values()), sp.autocast
+
+
+def test_probes_leave_the_scripts_random_numbers_alone(cache, monkeypatch):
+    """The speed probes run at a model's first call, after the script seeded: their inputs and
+    block initialization drew from the global generator, so on a machine's first run (empty probe
+    cache) every later dropout mask differed from plain PyTorch."""
+    monkeypatch.setenv("VB_PROBE_CACHE", "off")
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    capabilities.get_support("cpu")
+    sp = capabilities.get_speed("cpu", width=64)
+    assert "error" not in sp.attention  # the probes did run
+    assert torch.equal(torch.random.get_rng_state(), before)

@@ -96,10 +96,27 @@ def quiet(notes: dict[str, list[str]] | None = None, key: str = "") -> Iterator[
                         kept.append(t)
 
 
+def _forked_rng(device: torch.device):
+    """``torch.random.fork_rng`` for the CPU and ``device``: the random numbers the probes draw
+    (their inputs, a block's initialization) come from a copy of the generators' states, put back
+    afterwards. A device kind ``fork_rng`` does not know keeps the CPU's fork only."""
+    if device.type == "cpu":
+        return torch.random.fork_rng(devices=[])
+    try:
+        index = device.index if device.index is not None else torch.accelerator.current_device_index()
+        return torch.random.fork_rng(devices=[index], device_type=device.type)
+    except Exception as err:  # noqa: BLE001 - the CPU's generator is the one every script seeds
+        log.debug("no generator fork for %s: %s", device, err)
+        return torch.random.fork_rng(devices=[])
+
+
 @contextlib.contextmanager
 def isolated(device: torch.device) -> Iterator[None]:
     """Run probes as if from a fresh training script, whatever the caller's state: gradients on
-    (``torch.enable_grad()``, outside ``torch.inference_mode``) and no autocast on ``device``.
+    (``torch.enable_grad()``, outside ``torch.inference_mode``), no autocast on ``device``, and the
+    random generators of the CPU and ``device`` as they were (the speed probes run at a model's
+    first call, after the script seeded: their draws shifted every later dropout mask on the
+    first run on a machine, whose probe cache was empty, until 2026-11-26).
 
     A model's first call may come under ``torch.no_grad()`` or ``inference_mode`` (an evaluation
     before training, an inference script) or inside the user's own autocast: before 2026-11-26 the
@@ -107,6 +124,7 @@ def isolated(device: torch.device) -> Iterator[None]:
     and the failure was cached on disk for later processes. Never raises by itself.
     """
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_forked_rng(device))
         stack.enter_context(torch.inference_mode(False))
         stack.enter_context(torch.enable_grad())
         try:

@@ -401,3 +401,45 @@ def test_a_checkpointed_block_using_a_childs_parameters_in_a_function_recomputes
     assert losses == ref_losses
     assert_same(ref_state, state)
     assert report["pager"]["bytes_in"] > 0
+
+
+class _Interruptible(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64) * 0.1)  # owned directly: a unit
+        self.lin = torch.nn.Linear(64, 64)
+        self.interrupt = False
+
+    def forward(self, x):
+        y = self.lin(x @ self.w)
+        if self.interrupt:
+            raise KeyboardInterrupt  # Ctrl-C: PyTorch skips the always-called forward hooks
+        return y
+
+
+def test_an_interrupted_forward_leaves_no_pins_and_teaches_no_unit(tmp_path):
+    """The units whose forward an interrupt ended kept their pages pinned (never evicted again),
+    and a page used outside its module later was learned into such a unit no longer running.
+    The next forward lets them go."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), _Interruptible(), torch.nn.Linear(64, 64))
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "device_budget": "64KB"}, compile="off")
+    try:
+        m.to("cpu")
+        x = torch.randn(4, 64)
+        m[1].interrupt = True
+        try:
+            m(x)
+        except KeyboardInterrupt:
+            pass
+        assert _pinned_pages()  # the interrupted units' pins (a unit's forward hook never ran)
+        m[1].interrupt = False
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        (m(x).sum() + torch.nn.functional.linear(x, m[0].weight).sum()).backward()  # a use outside any unit
+        opt.step()
+        pinned = _pinned_pages()
+        units = vb_session().paging.models[0].units
+    finally:
+        vb.disable()
+    assert pinned == [], [pg.label for pg in pinned]
+    assert all(len(u.pages) == len(list(u.module.parameters(recurse=False))) for u in units)

@@ -51,12 +51,12 @@ class _SavedTensorHooks:
         if in_function_transform():  # torch.func refuses saved-tensor hooks: the forward runs as written
             self._scopes.push(None)
             return
+        self._scopes.unwind()  # first: our own hooks an interrupt left entered are no script's
         if self.defer_to_outer and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             # the script's own saved-tensor hooks (its offload or compression, a checkpoint it wraps
             # the model in) are active: ours would hide every tensor the model saves from them
             self._scopes.push(None)
             return
-        self._scopes.unwind()  # before pushing ours: hooks an interrupt left entered are above them
         ctx = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         ctx.__enter__()
         self._scopes.push(ctx)

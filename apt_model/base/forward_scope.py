@@ -73,9 +73,13 @@ class ForwardScopes:
 
     def pop(self) -> tuple[Any, Any] | None:
         """The innermost entry's ``(context, payload)`` (from the forward hook; the caller leaves
-        the context), or None when there is none."""
+        the context), or None when there is none, or when it is not this call's (the call's
+        pre-hook never pushed: an earlier pre-hook raised, and the entry is an enclosing call's)."""
         stack = self.stack()
         if not stack:
+            return None
+        frame = stack[-1][2]
+        if frame is not None and not torch.compiler.is_compiling() and frame is not module_call_frame():
             return None
         context, payload, _ = stack.pop()
         return context, payload

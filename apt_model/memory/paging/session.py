@@ -11,6 +11,7 @@ still restored and ``disable()`` raises the
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 import weakref
 
@@ -18,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.errors import VBError
+from apt_model.base.forward_scope import module_call_frame
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
@@ -35,6 +37,16 @@ from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
+
+
+def _on_stack(frame) -> bool:
+    """Whether ``frame`` is on the calling thread's stack."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
 
 
 class SparseGradientError(VBError, RuntimeError):
@@ -487,27 +499,43 @@ class PagingSession:
     def unit_forward_starts(self, unit, pages: list[Page]) -> None:
         """``unit``'s forward begins (its pre-hook acquired ``pages``): they are covered — backward
         brings them back through the unit's own hook — until :meth:`unit_forward_ends`."""
+        self._drop_ended_units()
         for pg in pages:
             self._in_unit[id(pg)] = self._in_unit.get(id(pg), 0) + 1
-        self._units_under_way().append((unit, pages))
+        frame = None if torch.compiler.is_compiling() else module_call_frame()
+        self._units_under_way().append((unit, pages, frame))
 
     def unit_forward_ends(self, unit) -> list[Page]:
         """``unit``'s forward ended: returns the pages its start covered (to release them; a page
-        learned meanwhile, :meth:`_learn_owner`, is acquired by the unit from its next forward on)."""
+        learned meanwhile, :meth:`_learn_owner`, is acquired by the unit from its next forward on).
+        None when its start was never recorded (its pre-hook raised before): nothing to release."""
         stack = self._units_under_way()
         for i in range(len(stack) - 1, -1, -1):
             if stack[i][0] is unit:
                 pages = stack.pop(i)[1]
                 break
-        else:  # not started on this thread (a hook error in between): what it owns now
-            pages = unit.pages
+        else:
+            return []
+        self._uncount(pages)
+        return pages
+
+    def _uncount(self, pages: list[Page]) -> None:
         for pg in pages:
             n = self._in_unit.get(id(pg), 0) - 1
             if n > 0:
                 self._in_unit[id(pg)] = n
             else:
                 self._in_unit.pop(id(pg), None)
-        return pages
+
+    def _drop_ended_units(self) -> None:
+        """Let go of the unit forwards on this thread's stack that ended without their forward hook
+        (a ``KeyboardInterrupt`` skips PyTorch's always-called hooks): their pins and counts, so
+        their pages can be evicted again and no page is learned into a unit no longer running."""
+        stack = self._units_under_way()
+        while stack and stack[-1][2] is not None and not _on_stack(stack[-1][2]):
+            _, pages, _ = stack.pop()
+            self._uncount(pages)
+            self.pager.release(pages)
 
     def _learn_owner(self, page: Page) -> None:
         """A forward used ``page`` (a parameter's) outside the module that owns it, inside the
@@ -518,8 +546,11 @@ class PagingSession:
         page only through that hook: without it, it read an evicted parameter ("setStorage: ...
         out of bounds for storage of size 0"). Not for the model's root module, whose forward
         spans the whole pass (a tied output layer there would stay pinned all along)."""
+        if page.category is not Category.PARAM:
+            return
+        self._drop_ended_units()
         stack = self._units_under_way()
-        if not stack or page.category is not Category.PARAM:
+        if not stack:
             return
         unit = stack[-1][0]
         if not unit.name or any(pg is page for pg in unit.pages):

@@ -60,3 +60,28 @@ def test_a_parameter_written_in_its_own_forward_keeps_the_write(tmp_path, kind, 
     assert rep["memory"]["paging"]["pager"]["bytes_in"] > 0
     assert losses == ref_losses
     assert_same(ref_state, state)
+
+
+
+def test_only_the_pages_an_in_place_op_writes_are_marked_written(tmp_path):
+    """``y.add_(b)`` writes ``y``, not ``b``: a pinned page the op only reads stays clean (marking
+    every page a writing op touched wrote ``b`` out again at every eviction)."""
+    from apt_model.base.patches import PatchSet
+    from apt_model.memory.paging.session import PagingSession
+    from apt_model.memory.swap import SwapSpace
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    patches = PatchSet()
+    session = PagingSession(2 * 2**20, SwapSpace(tmp_path), patches, device="cpu")
+    try:
+        session.page_model(m, page_params=True, page_grads=False)
+        weight, bias = (session.param_pages[id(p)] for p in (m[0].weight, m[0].bias))
+        session.pager.acquire([weight, bias])  # pinned clean, as a module's pre-hook leaves them
+        session.enter([weight, bias], True, [weight])  # an op writing the weight, reading the bias
+        assert weight.dirty and not bias.dirty
+        session.enter([bias], True, None)  # writes unknown: any of its pages
+        assert bias.dirty
+        session.pager.release([weight, bias])
+    finally:
+        patches.restore_all()

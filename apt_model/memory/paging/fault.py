@@ -142,7 +142,8 @@ class PageFaultMode(TorchFunctionMode):
             for a in kwargs.values():
                 self._collect(a, hit)
             if hit:
-                held = self.handler.enter(hit, may_write(func, kwargs, args))
+                writes = may_write(func, kwargs, args)
+                held = self.handler.enter(hit, writes, self._written(func, args, kwargs) if writes else None)
                 out = None
                 before = _storage_key(args[0]) if func == _DATA_SET else None
                 try:
@@ -175,6 +176,20 @@ class PageFaultMode(TorchFunctionMode):
         if rest:
             self.__torch_function__(func, (), (rest,))
         return True, None
+
+    def _written(self, func, args, kwargs) -> list:
+        """The pages among the arguments a writing op writes: its first argument (in place by
+        name, ``.data``; a list for ``_foreach_*_``), ``out=``, and ``F.embedding``'s weight under
+        ``max_norm``. Its other arguments are only read."""
+        at = _MAX_NORM_AT.get(func)
+        if at is not None:
+            targets = [kwargs.get("weight", args[1] if len(args) > 1 else None)]
+        else:
+            targets = [args[0] if args else None, kwargs.get("out")]
+        found: list = []
+        for t in targets:
+            self._collect(t, found)
+        return found
 
     def _collect(self, a, hit: list) -> None:
         if isinstance(a, torch.Tensor):

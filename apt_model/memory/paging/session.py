@@ -464,17 +464,19 @@ class PagingSession:
             return torch._foreach_norm([g], 2.0)[0]
 
     # ------------------------------------------------------------------ faults
-    def enter(self, pages: list[Page], writes: bool = False) -> list[tuple[Page, bool]]:
-        """Fault handler, before an op (``writes``: it may write its arguments): load and pin the
-        pages nobody pinned; returns them."""
-        held, written = [], []
+    def enter(self, pages: list[Page], writes: bool = False,
+              written: list[Page] | None = None) -> list[tuple[Page, bool]]:
+        """Fault handler, before an op (``writes``: it may write its arguments; ``written``: the
+        pages it writes, None for any of them): load and pin the pages nobody pinned, and mark
+        written the pinned pages it writes; returns the pages it pinned."""
+        held, marked = [], []
         self.backward_step.touched(pages, writes)  # a value stepped inside backward, used before step(): undone
         with torch._C.DisableTorchFunction():
             for page in dict.fromkeys(pages):
                 if self.pager.sync(page) is None:
                     continue  # its tensor was dropped or replaced: the old one has its bytes back
-                if page.pins > 0 and writes:
-                    written.append(page)  # pinned (a module's hooks acquired it clean) and written in place
+                if page.pins > 0 and writes and (written is None or any(page is w for w in written)):
+                    marked.append(page)  # pinned (a module's hooks acquired it clean) and written in place
                 if page.pins > 0 or page.state is State.ABSENT:
                     continue
                 if self.forward_depth:
@@ -485,8 +487,8 @@ class PagingSession:
                     self.pager.stats.faults += 1
                 self.pager.acquire([page], for_write=True)  # unknown access: it may write through an alias
                 held.append((page, loaded))
-        if written:
-            self.pager.mark_written(written)
+        if marked:
+            self.pager.mark_written(marked)
         return held
 
     def _units_under_way(self) -> list:

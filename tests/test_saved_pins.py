@@ -443,3 +443,26 @@ def test_an_interrupted_forward_leaves_no_pins_and_teaches_no_unit(tmp_path):
         vb.disable()
     assert pinned == [], [pg.label for pg in pinned]
     assert all(len(u.pages) == len(list(u.module.parameters(recurse=False))) for u in units)
+
+
+def test_an_interrupted_forward_does_not_leave_the_next_ones_counted_as_nested(tmp_path):
+    """The root forward hook that lowers the forward depth never ran after an interrupt: every
+    later forward counted as nested, so none began a pass (an unfinished backward's pins were never
+    let go, nor an unclaimed step inside backward undone)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), _Interruptible(), torch.nn.Linear(64, 64))
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "device_budget": "64KB"}, compile="off")
+    try:
+        m.to("cpu")
+        x = torch.randn(4, 64)
+        m[1].interrupt = True
+        try:
+            m(x)
+        except KeyboardInterrupt:
+            pass
+        m[1].interrupt = False
+        m(x).sum().backward()
+        depth = vb_session().paging.forward_depth
+    finally:
+        vb.disable()
+    assert depth == 0

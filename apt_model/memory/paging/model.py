@@ -155,6 +155,7 @@ class PagedModel:
             self._hook_trainable()
         self._seen_this_pass = set()
         self.session.resume_faults()  # in case a state_dict() call raised half-way
+        self.session.root_forward_starts()  # roots an interrupt ended no longer count in forward_depth
         if not self.session.forward_depth:
             self.session.forward_starts()  # pins of a backward that never ended are let go
             if torch._C._current_graph_task_id() == -1:
@@ -165,6 +166,7 @@ class PagedModel:
         self.session.forward_depth += 1
 
     def _root_post(self) -> None:
+        self.session.root_forward_ends()
         self.session.forward_depth = max(0, self.session.forward_depth - 1)
         if not self.session.forward_depth:
             if self.session.pager.phase == "forward":

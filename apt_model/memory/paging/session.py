@@ -491,6 +491,30 @@ class PagingSession:
             self.pager.mark_written(marked)
         return held
 
+    def _roots_under_way(self) -> list:
+        """This thread's paged models' outermost forwards under way: their ``Module._call_impl`` frames."""
+        stack = getattr(self._units_tls, "roots", None)
+        if stack is None:
+            stack = self._units_tls.roots = []
+        return stack
+
+    def root_forward_starts(self) -> None:
+        """A paged model's forward begins (its root pre-hook, before ``forward_depth`` is read and
+        raised): root forwards on this thread that an interrupt ended (their forward hook, which
+        lowers ``forward_depth``, never ran) stop counting, so the next outermost forward is seen
+        as one — :meth:`forward_starts` lets go of an unfinished backward's pins and undoes a step
+        taken inside a backward nobody claimed."""
+        stack = self._roots_under_way()
+        while stack and stack[-1] is not None and not _on_stack(stack[-1]):
+            stack.pop()
+            self.forward_depth = max(0, self.forward_depth - 1)
+        stack.append(None if torch.compiler.is_compiling() else module_call_frame())
+
+    def root_forward_ends(self) -> None:
+        stack = self._roots_under_way()
+        if stack:
+            stack.pop()
+
     def _units_under_way(self) -> list:
         """This thread's units whose forward is under way, innermost last: ``(unit, pages)``."""
         stack = getattr(self._units_tls, "stack", None)

@@ -48,10 +48,10 @@ class _SavedTensorHooks:
         self._scopes = ForwardScopes()  # per thread; an interrupted call's hooks are left at the next call
 
     def enter(self, *_):
+        self._scopes.unwind()  # first: our own hooks an interrupt left entered are no script's
         if in_function_transform():  # torch.func refuses saved-tensor hooks: the forward runs as written
             self._scopes.push(None)
             return
-        self._scopes.unwind()  # first: our own hooks an interrupt left entered are no script's
         if self.defer_to_outer and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
             # the script's own saved-tensor hooks (its offload or compression, a checkpoint it wraps
             # the model in) are active: ours would hide every tensor the model saves from them

@@ -34,6 +34,16 @@ def module_call_frame():
     return f
 
 
+def on_stack(frame) -> bool:
+    """Whether ``frame`` is on the calling thread's stack (its call has not ended)."""
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
 class ForwardScopes:
     """Per-thread stack of ``(context, payload, frame)`` entries, one per hooked forward call.
 
@@ -62,13 +72,10 @@ class ForwardScopes:
         return stack
 
     def push(self, context: Any, payload: Any = None) -> None:
-        """Record what the call now starting entered (from its pre-hook). First leaves the entries
-        of calls an interrupt ended (see :meth:`unwind`). Takes no frame while anything compiles
-        (Dynamo would break the graph on it)."""
-        frame = None
-        if not torch.compiler.is_compiling():
-            self.unwind()
-            frame = module_call_frame()
+        """Record what the call now starting entered (from its pre-hook, which calls
+        :meth:`unwind` first). Takes no frame while anything compiles (Dynamo would break the graph
+        on it)."""
+        frame = None if torch.compiler.is_compiling() else module_call_frame()
         self.stack().append((context, payload, frame))
 
     def pop(self) -> tuple[Any, Any] | None:
@@ -92,18 +99,10 @@ class ForwardScopes:
         if live_only and torch.compiler.is_compiling():
             return 0  # frames are no business of a trace
         stack = self.stack()
-        if not stack:
-            return 0
-        live: set[int] = set()
-        if live_only:
-            f = sys._getframe(1)
-            while f is not None:
-                live.add(id(f))
-                f = f.f_back
         n = 0
         while stack:
             context, payload, frame = stack[-1]
-            if live_only and (frame is None or id(frame) in live):
+            if live_only and (frame is None or on_stack(frame)):
                 break
             stack.pop()
             if context is not None:

@@ -11,7 +11,6 @@ still restored and ``disable()`` raises the
 from __future__ import annotations
 
 import functools
-import sys
 import threading
 import weakref
 
@@ -19,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.errors import VBError
-from apt_model.base.forward_scope import module_call_frame
+from apt_model.base.forward_scope import module_call_frame, on_stack
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
@@ -37,16 +36,6 @@ from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
-
-
-def _on_stack(frame) -> bool:
-    """Whether ``frame`` is on the calling thread's stack."""
-    f = sys._getframe(1)
-    while f is not None:
-        if f is frame:
-            return True
-        f = f.f_back
-    return False
 
 
 class SparseGradientError(VBError, RuntimeError):
@@ -505,7 +494,7 @@ class PagingSession:
         as one — :meth:`forward_starts` lets go of an unfinished backward's pins and undoes a step
         taken inside a backward nobody claimed."""
         stack = self._roots_under_way()
-        while stack and stack[-1] is not None and not _on_stack(stack[-1]):
+        while stack and stack[-1] is not None and not on_stack(stack[-1]):
             stack.pop()
             self.forward_depth = max(0, self.forward_depth - 1)
         stack.append(None if torch.compiler.is_compiling() else module_call_frame())
@@ -558,7 +547,7 @@ class PagingSession:
         (a ``KeyboardInterrupt`` skips PyTorch's always-called hooks): their pins and counts, so
         their pages can be evicted again and no page is learned into a unit no longer running."""
         stack = self._units_under_way()
-        while stack and stack[-1][2] is not None and not _on_stack(stack[-1][2]):
+        while stack and stack[-1][2] is not None and not on_stack(stack[-1][2]):
             _, pages, _ = stack.pop()
             self._uncount(pages)
             self.pager.release(pages)

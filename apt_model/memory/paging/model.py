@@ -5,7 +5,9 @@ forward uses outside the modules that own them (``nn.MultiheadAttention`` passes
 ``out_proj.weight`` to a function and never calls ``out_proj``), learned by the fault handler at
 the first such use (``PagingSession._learn_owner``; not for the model's root module). A
 recomputation inside backward (activation checkpointing) runs without the fault handler, so it
-relies on these hooks. For each unit:
+relies on these hooks. A container unit (another unit's forward runs inside its own) acquires
+such pages only where the handler is off (``Unit.forward_pages``): pinned with it, they would stay
+through its children's forwards. For each unit:
 
 * forward pre-hook: its parameters are acquired (loaded if needed, pinned), and the next units
   in execution order — recorded during the first forward — are prefetched;
@@ -57,13 +59,31 @@ from apt_model.base.patches import SessionHook
 
 
 class Unit:
-    """A module that owns paged parameters directly."""
+    """A module that owns paged parameters directly.
+
+    ``pages`` are its own parameters'; ``learned`` the pages its forward used outside the modules
+    that own them (``PagingSession._learn_owner``). ``inner`` turns true once another unit's
+    forward ran inside its forward (a container: ``transformer`` owning a position embedding).
+    """
 
     def __init__(self, name: str, module: nn.Module, pages: list[Page]):
         self.name = name
         self.module = module
         self.pages = pages
+        self.learned: list[Page] = []
+        self.inner = False
         self.position: int | None = None  # in the recorded execution order
+
+    def forward_pages(self, handler_on: bool) -> list[Page]:
+        """The pages its forward acquires: its own, and the learned ones unless it is a container
+        running where the fault handler is on. A container's forward spans its children's, so a
+        learned page (a tied output weight applied after the blocks) pinned with it would stay
+        resident through all of them, past the plan; the handler loads it where it is used. A
+        recomputation inside backward, or a forward on a thread without the handler, has only
+        these hooks: there the learned pages come too."""
+        if not self.learned or (self.inner and handler_on):
+            return self.pages
+        return self.pages + self.learned
 
 
 class PagedModel:
@@ -188,19 +208,24 @@ class PagedModel:
         if self._recording and id(unit) not in self._seen_this_pass:
             self.order.append(unit)
         self._seen_this_pass.add(id(unit))
-        pages = unit.pages  # this call's: a page the unit learns meanwhile is acquired from its next call on
+        # this call's: a page the unit learns meanwhile is acquired from its next call on
+        pages = unit.forward_pages(unit.inner and bool(unit.learned) and self.session.fault_handler_on())
         self.session.pager.acquire(pages)
         self.session.unit_forward_starts(unit, pages)
         self._prefetch(unit, +1)
 
     def _post(self, unit: Unit, output) -> None:
-        self.session.pager.release(self.session.unit_forward_ends(unit))
+        covered = self.session.unit_forward_ends(unit)
+        self.session.pager.release(covered)
         # backward comes through this unit whenever its outputs need gradients — for its own
         # parameters' gradients, or (a frozen unit) for its input's, which needs its weights too
         if torch.is_grad_enabled():
             outs = [t for t in output_tensors(output) if t.requires_grad]
             if outs:
-                register_multi_grad_hook(outs, lambda grads, u=unit: self._backward_start(u), mode="any")
+                # backward brings back what this forward acquired: the other pages it used were
+                # saved for backward outside the unit (paging/saved.py)
+                register_multi_grad_hook(outs, lambda grads, u=unit, pages=covered or unit.pages:
+                                         self._backward_start(u, pages), mode="any")
                 if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
                     self.session.backward_step.unit_forward(id(unit))
 
@@ -214,7 +239,7 @@ class PagedModel:
         j = unit.position + direction
         k = 0
         while 0 <= j < len(self.order) and (k < self.prefetch_units or nbytes < limit):
-            pages = self.order[j].pages
+            pages = self.order[j].forward_pages(handler_on=True)  # a hint: what a forward usually acquires
             nbytes += sum(pg.nbytes for pg in pages)
             if k >= self.prefetch_units and nbytes > limit:
                 break
@@ -225,11 +250,11 @@ class PagedModel:
             self.session.pager.prefetch(ahead)
 
     # ------------------------------------------------------------------ backward
-    def _backward_start(self, unit: Unit) -> None:
-        self.session.in_backward(self._pin_for_backward, unit)
+    def _backward_start(self, unit: Unit, pages: list[Page]) -> None:
+        self.session.in_backward(self._pin_for_backward, unit, pages)
 
-    def _pin_for_backward(self, unit: Unit) -> None:
-        self.session.pin_for_backward(unit.pages)
+    def _pin_for_backward(self, unit: Unit, pages: list[Page]) -> None:
+        self.session.pin_for_backward(pages)
         self._prefetch(unit, -1)
 
     def _before_accumulate(self, p: nn.Parameter) -> None:

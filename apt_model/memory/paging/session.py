@@ -515,10 +515,13 @@ class PagingSession:
         """``unit``'s forward begins (its pre-hook acquired ``pages``): they are covered — backward
         brings them back through the unit's own hook — until :meth:`unit_forward_ends`."""
         self._drop_ended_units()
+        stack = self._units_under_way()
+        if stack:
+            stack[-1][0].inner = True  # the enclosing unit is a container (Unit.forward_pages)
         for pg in pages:
             self._in_unit[id(pg)] = self._in_unit.get(id(pg), 0) + 1
         frame = None if torch.compiler.is_compiling() else module_call_frame()
-        self._units_under_way().append((unit, pages, frame))
+        stack.append((unit, pages, frame))
 
     def unit_forward_ends(self, unit) -> list[Page]:
         """``unit``'s forward ended: returns the pages its start covered (to release them; a page
@@ -560,7 +563,8 @@ class PagingSession:
         inside backward (activation checkpointing) runs without the fault handler, and reached the
         page only through that hook: without it, it read an evicted parameter ("setStorage: ...
         out of bounds for storage of size 0"). Not for the model's root module, whose forward
-        spans the whole pass (a tied output layer there would stay pinned all along)."""
+        spans the whole pass (a tied output layer there would stay pinned all along); a container
+        unit learns it but acquires it only where the handler is off (``Unit.forward_pages``)."""
         if page.category is not Category.PARAM:
             return
         self._drop_ended_units()
@@ -568,9 +572,9 @@ class PagingSession:
         if not stack:
             return
         unit = stack[-1][0]
-        if not unit.name or any(pg is page for pg in unit.pages):
+        if not unit.name or any(pg is page for pg in unit.pages) or any(pg is page for pg in unit.learned):
             return
-        unit.pages = [*unit.pages, page]  # a new list: forwards under way release what they acquired
+        unit.learned = [*unit.learned, page]  # a new list: forwards under way release what they acquired
         log.debug("paging: %s is used inside %s's forward: loaded with it from now on", page.label, unit.name)
 
     def graph_saves(self, hit: list[Page], args, kwargs) -> SavedPins | None:
@@ -647,6 +651,13 @@ class PagingSession:
         # pager lock waiting for that thread, so it only queues the release (no lock taken here)
         if not self.pager._closed:
             self.pager.defer_release(page)
+
+    def fault_handler_on(self) -> bool:
+        """Whether the page-fault handler sees this thread's ops now: on its torch-function mode
+        stack (not on a thread without it, not inside an op it passes through, such as the
+        backward a checkpoint recomputes in), active, and torch functions not disabled."""
+        return (self.mode.active and torch._C._is_torch_function_enabled()
+                and self.mode in torch.overrides._get_current_function_mode_stack())
 
     def suspend_fault_handler(self) -> bool:
         """Take the page-fault handler off this thread's torch-function mode stack, if it is on

@@ -471,3 +471,106 @@ def test_the_scripts_own_saved_tensor_hooks_still_see_the_models_tensors(tmp_pat
     finally:
         vb.disable()
     assert plain > 10 and seen == plain and offloaded == 0
+
+
+def test_a_saved_activation_modified_in_place_raises_as_without_the_switch(tmp_path, cpu_device):
+    """A sigmoid's output (saved for its backward) changed in place afterwards: plain PyTorch
+    raises at backward. Activation offload's pack hook returned tensors too small to offload
+    bare, and autograd leaves the version check to the hook once there is one: backward used
+    the modified value, silently (wrong gradients)."""
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = torch.sigmoid(self.a(x))
+            out = self.b(h)
+            h.add_(1.0)
+            return out.sum()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        M()(torch.randn(4, 8)).backward()
+    vb.enable("memory", swap_dir=str(tmp_path), **PLAIN)
+    try:
+        m = M().to("cpu")
+        assert vb.get_report()["models"][0]["features"]["activation_offload"]["chosen"] != "off"
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            m(torch.randn(4, 8)).backward()
+    finally:
+        vb.disable()
+
+
+class _InPlaceBlock(torch.nn.Module):
+    def __init__(self, source=None):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.source = source
+        self.gen = torch.Generator().manual_seed(5) if source == "generator" else None
+
+    def forward(self, x):
+        if self.source is None:
+            x.mul_(0.5)  # in place on the block's input: allowed by autograd here
+            return self.lin(x) + x
+        import random
+
+        import numpy as np
+
+        if self.source == "python":  # LayerDrop-style: skip the layer now and then
+            return x if random.random() < 0.3 else x + torch.tanh(self.lin(x))
+        if self.source == "numpy":
+            mask = torch.from_numpy((np.random.rand(*x.shape) > 0.5).astype("float32"))
+        else:
+            mask = (torch.rand(x.shape, generator=self.gen) > 0.5).float()
+        return x + torch.tanh(self.lin(x)) * mask
+
+
+@pytest.mark.parametrize("source", [None, "python", "numpy", "generator"],
+                         ids=["input-modified-in-place", "python-random", "numpy-random", "own-generator"])
+@pytest.mark.parametrize("mode", ["memory", "checkpointing"])
+def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, cpu_device, source, mode):
+    """The recomputation in backward must start where the forward did. A block that modified its
+    input in place was recomputed from the modified input (memory mode: wrong gradients, silently;
+    checkpointing alone: torch's check raised where plain PyTorch does not). A block drawing from
+    Python's ``random``, NumPy's global generator or a ``torch.Generator`` of its own drew again:
+    different masks (wrong gradients) or a different number of saved tensors (CheckpointError).
+    The recomputation now starts from a copy of the input and from those generators' states."""
+    import random
+
+    import numpy as np
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), *[_InPlaceBlock(source) for _ in range(3)],
+                                   torch.nn.Linear(16, 1))
+
+    def train(m):
+        random.seed(3)
+        np.random.seed(3)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        grads = []
+        for _ in range(3):
+            loss = (m(torch.randn(4, 8, generator=gen)) * 1.0).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            grads.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
+            opt.step()
+        return grads, (random.random(), np.random.rand())
+
+    ref = train(build())
+    m = build()
+    vb.enable("memory" if mode == "memory" else "balanced", swap_dir=str(tmp_path), **PLAIN,
+              **({"checkpointing": True} if mode == "checkpointing" else {}))
+    try:
+        m.to("cpu")
+        got = train(m)
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    assert calls > 0  # the blocks were checkpointed
+    assert got[1] == ref[1]  # the generators end where they would have
+    for ga, gb in zip(ref[0], got[0]):
+        for a, b in zip(ga, gb):
+            assert (a is None and b is None) or torch.equal(a, b)

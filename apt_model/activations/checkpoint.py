@@ -11,8 +11,18 @@ most parameters (``GPT.blocks``, Hugging Face ``transformer.h`` / ``model.layers
 * Any other model's chosen blocks get an instance-level ``forward`` that runs the class's forward
   through ``torch.utils.checkpoint.checkpoint(use_reentrant=False, preserve_rng_state=True)`` when
   the block is training with grad enabled (plain forward otherwise). Non-reentrant checkpointing
-  stashes and restores the RNG state, so dropout draws the same masks in the recomputation and
-  gradients are bit-identical to the uncheckpointed run.
+  stashes and restores torch's RNG state, so dropout draws the same masks in the recomputation and
+  gradients are bit-identical to the uncheckpointed run. The recomputation must see what the
+  forward saw in three more ways (:class:`Replay`): Python's ``random`` and NumPy's global
+  generators and the ``torch.Generator`` objects the block holds are put back as they were when
+  its forward began (a LayerDrop decision, a NumPy mask); the block's running statistics are not
+  updated a second time; and a block that modifies its input in place (``x.mul_(0.5)``, which
+  plain PyTorch allows) is recomputed from a copy of the input as it was (learned at its first
+  call, which copies the inputs once).
+
+What cannot be replayed: Python side effects of the forward itself run again in the
+recomputation (a counter incremented in ``forward``, a forward hook on a layer inside the block
+fires twice per step). ``activation_checkpointing=False`` turns checkpointing off.
 
 Policies: ``all`` blocks; ``every:K`` (blocks 0, K, 2K, ...); ``budget`` — the first training
 forward runs unchanged while the bytes each block saves for backward are counted (saved-tensor
@@ -22,7 +32,9 @@ are checkpointed from the next step on.
 from __future__ import annotations
 
 import contextlib
+import random
 import re
+import sys
 import types
 from collections import Counter
 from dataclasses import dataclass, field
@@ -137,6 +149,80 @@ class KeepRunningStats:
         return False
 
 
+def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[object, torch.Tensor]]:
+    """``(position or keyword, tensor)`` for the tensors passed directly (not inside containers)."""
+    found = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    return found + [(k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+
+
+class Replay:
+    """What one checkpointed call's recomputation must see as its forward saw it.
+
+    ``forward()`` / ``recompute()`` are the two contexts of ``torch.utils.checkpoint``'s
+    ``context_fn``. With ``track_rng``, entering the forward one records the state of Python's
+    ``random``, of NumPy's global generator (when NumPy is imported) and of ``generators`` (the
+    ``torch.Generator`` objects the block holds); the recompute one sets them to it, and puts back
+    on exit the states they had. Either way the recompute one keeps the running statistics of
+    ``stats_layers`` (:class:`KeepRunningStats`). Tracking costs about 70 microseconds per
+    recorded state (NumPy's ``get_state`` is most of it), so a block is tracked only if its first
+    call drew from one of them (:meth:`drew`).
+    """
+
+    def __init__(self, generators: list, stats_layers: list[nn.Module], track_rng: bool):
+        self.generators = generators
+        self.stats_layers = stats_layers
+        self.track_rng = track_rng
+        self.saved: tuple | None = None
+
+    def capture(self) -> tuple:
+        numpy = sys.modules.get("numpy")
+        return (random.getstate(), numpy.random.get_state() if numpy is not None else None,
+                [g.get_state() for g in self.generators])
+
+    def _set(self, state: tuple) -> None:
+        py, np_state, gens = state
+        random.setstate(py)
+        if np_state is not None:
+            sys.modules["numpy"].random.set_state(np_state)
+        for g, st in zip(self.generators, gens):
+            g.set_state(st)
+
+    def drew(self) -> bool:
+        """Whether any tracked generator moved since the forward began (call after it)."""
+        if self.saved is None:
+            return False
+        (py0, np0, gens0), (py1, np1, gens1) = self.saved, self.capture()
+        if py0 != py1 or any(not torch.equal(a, b) for a, b in zip(gens0, gens1)):
+            return True
+        if np0 is None or np1 is None:
+            return np0 is not np1
+        numpy = sys.modules["numpy"]
+        return any(not numpy.array_equal(a, b) if isinstance(a, numpy.ndarray) else a != b for a, b in zip(np0, np1))
+
+    @contextlib.contextmanager
+    def forward(self):
+        if self.track_rng:
+            self.saved = self.capture()
+        yield
+
+    @contextlib.contextmanager
+    def recompute(self):
+        current = self.capture() if self.saved is not None else None
+        if current is not None:
+            self._set(self.saved)
+        try:
+            with KeepRunningStats(self.stats_layers):
+                yield
+        finally:
+            if current is not None:
+                self._set(current)
+
+
+def _generators(module: nn.Module) -> list:
+    """The ``torch.Generator`` objects held as attributes by ``module`` or its submodules."""
+    return [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Generator)]
+
+
 class CheckpointedForward:
     """A block's forward run through ``torch.utils.checkpoint`` (non-reentrant) while training.
 
@@ -152,15 +238,57 @@ class CheckpointedForward:
         self.forward = types.MethodType(type(module).forward, module)
         self.calls = 0
         self.stats_layers = running_stats_layers(module)
+        self.generators = _generators(module)
+        self.mutates_input: bool | None = None  # learned at the first checkpointed call
+        self.draws_rng: bool | None = None  # from Python's, NumPy's or the block's own generators: learned too
 
     def __call__(self, *args, **kwargs):
-        if self.module.training and torch.is_grad_enabled() and not in_function_transform():
-            self.calls += 1
-            if self.stats_layers:
-                layers = self.stats_layers
-                kwargs = {**kwargs, "context_fn": lambda: (contextlib.nullcontext(), KeepRunningStats(layers))}
-            return checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
-        return self.forward(*args, **kwargs)
+        if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()):
+            return self.forward(*args, **kwargs)
+        self.calls += 1
+        replay = Replay(self.generators, self.stats_layers, track_rng=self.draws_rng is not False)
+        contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
+                    if replay.track_rng or self.stats_layers else {})
+        if self.mutates_input is False:
+            out = checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True, **contexts, **kwargs)
+        else:
+            out = self._from_copies(args, kwargs, contexts)
+        if self.draws_rng is None:
+            self.draws_rng = replay.drew()
+        return out
+
+    def _from_copies(self, args: tuple, kwargs: dict, contexts: dict):
+        """A checkpointed call whose recomputation starts from copies of the tensor inputs taken
+        before the forward: for a block that modifies its input in place (the recomputation would
+        start from the modified values: wrong gradients; torch's own check raises where plain
+        PyTorch does not), and at the first call, which learns whether the block does. The forward
+        itself runs on the inputs as given, so the caller sees what it would without the switch."""
+        tensors = _tensor_args(args, kwargs)
+        versions = [t._version for _, t in tensors]
+        with torch.no_grad():
+            copies = [(key, t.detach().clone(), t.requires_grad) for key, t in tensors]
+        calls = [0]
+
+        def run():
+            calls[0] += 1
+            if calls[0] == 1 or not copies:
+                return self.forward(*args, **kwargs)
+            a, kw = list(args), dict(kwargs)
+            for key, copy, grad in copies:  # a fresh copy each time: a second recomputation starts clean
+                fresh = copy.detach().requires_grad_().clone() if grad else copy.clone()
+                if isinstance(key, int):
+                    a[key] = fresh
+                else:
+                    kw[key] = fresh
+            return self.forward(*a, **kw)
+
+        out = checkpoint(run, use_reentrant=False, preserve_rng_state=True, **contexts)
+        mutated = any(t._version != v for (_, t), v in zip(tensors, versions))
+        if self.mutates_input is None:
+            self.mutates_input = mutated
+        if not mutated:
+            copies.clear()  # the inputs are as they were: recompute from them, free the copies
+        return out
 
     def __reduce__(self):
         return (getattr, (self.module, "forward"))

@@ -86,11 +86,35 @@ class OffloadStats:
         return dict(self.__dict__)
 
 
-def _modified(h: SavedActivation) -> RuntimeError:
+class KeptActivation:
+    """The pack hook's handle for a saved tensor that is not offloaded (too small, a parameter, a
+    tensor subclass): the tensor itself and its version when saved. Autograd checks a saved
+    tensor's version (the "modified by an inplace operation" error) only for tensors saved without
+    hooks; once a pack hook handles them the check is the hook's. Returning such tensors bare, as
+    this module did until 2026-11-26, let a saved activation modified in place afterwards (a
+    sigmoid's output, ``h.add_(1)``) reach backward silently: wrong gradients where plain PyTorch
+    raises."""
+
+    __slots__ = ("tensor", "version", "shape")
+
+    def __init__(self, t: torch.Tensor, version: int):
+        self.tensor, self.version, self.shape = t, version, t.shape
+
+
+def _modified(h) -> RuntimeError:
     return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(h.shape)} saved for backward was modified in place after it was saved "
         f"(version {h.version} -> {h.tensor._version}); its gradient cannot be computed from the saved value"
     )
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """``t._version``, or None for a tensor that keeps no version counter."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
 
 
 class ActivationOffloader:
@@ -148,7 +172,8 @@ class ActivationOffloader:
         self._raise_pending()
         if not self.eligible(t):
             self.stats.kept_small += 1
-            return t
+            version = _version(t)
+            return t if version is None else KeptActivation(t, version)
         with self._lock:
             self._drain_forgotten()
             h = SavedActivation(next(self._seq), t, self._new_key())
@@ -162,6 +187,10 @@ class ActivationOffloader:
         return h
 
     def unpack(self, h):
+        if isinstance(h, KeptActivation):
+            if h.tensor._version != h.version:
+                raise _modified(h)
+            return h.tensor
         if not isinstance(h, SavedActivation):
             return h
         self._raise_pending()

@@ -368,6 +368,105 @@ def test_closure_and_unsupported_optimizers_are_refused(tmp_path):
         lbfgs.step(lambda: m(x).sum())
 
 
+class _GlobalNormAdam(torch.optim.Adam):
+    """Divides every gradient by the group's total norm: one parameter's update reads the others'."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            grads = [p.grad for p in g["params"] if p.grad is not None]
+            total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(x) for x in grads]))
+            for x in grads:
+                x.div_(total + 1e-6)
+        return super().step(closure)
+
+
+class _NamedAdamW(torch.optim.AdamW):
+    """A subclass that keeps AdamW's step (adds an attribute only)."""
+
+    def __init__(self, params, **kw):
+        super().__init__(params, **kw)
+        self.name = "mine"
+
+
+def test_a_subclass_that_overrides_step_is_refused_one_that_keeps_it_trains_bitwise(tmp_path):
+    """Stepped a chunk at a time, a subclass whose ``step`` couples the parameters (a global-norm
+    scaling) gave other results, silently. It is refused now, naming why; a subclass that keeps
+    its base's step, ASGD and Rprop (per-parameter updates) are stepped in chunks, bitwise."""
+    m = model()
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m.to("cpu")
+        opt = _GlobalNormAdam(m.parameters(), lr=1e-3)
+        m(torch.randint(0, 256, (2, 32))).sum().backward()
+        with pytest.raises(RuntimeError, match="subclasses Adam and overrides step"):
+            opt.step()
+    finally:
+        vb.disable()
+    for make in (lambda m: _NamedAdamW(m.parameters(), lr=1e-3, weight_decay=0.1),
+                 lambda m: torch.optim.ASGD(m.parameters(), lr=1e-2, t0=1),
+                 lambda m: torch.optim.Rprop(m.parameters(), lr=1e-3)):
+        ref_m = model()
+        ref_opt = make(ref_m)
+        ref = train(ref_m, ref_opt, 3, clip=0.5)
+        m = model()
+        opt = make(m)
+        vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+        try:
+            m.to("cpu")
+            got = train(m, opt, 3, clip=0.5)
+            moved = vb.get_stats()["levels"][0]["misses"]
+            state = snapshot(m, opt)
+        finally:
+            vb.disable()
+        assert got == ref and moved > 0, type(opt).__name__
+        assert_same(state, snapshot(ref_m, ref_opt))
+
+
+@pytest.mark.parametrize("step_in_backward", ["on", "off"])
+def test_the_optimizers_own_step_hooks_run_with_its_parameters(tmp_path, step_in_backward):
+    """Hooks registered on the optimizer (``register_step_pre_hook`` / ``..._post_hook``) ran,
+    under paging, after the streamed step and with every group emptied: a pre-hook scaling the
+    gradients came too late, a post-hook EMA updated nothing. They run around the step now."""
+    def build():
+        m = model(dropout=0.0)
+        opt = make_opt(m, "adamw")
+        ema = [p.detach().clone() for p in m.parameters()]
+        seen = []
+
+        def pre(o, args, kwargs):
+            seen.append(sum(1 for g in o.param_groups for p in g["params"] if p.grad is not None))
+            for g in o.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+
+        def post(o, args, kwargs):
+            with torch.no_grad():
+                for e, p in zip(ema, [p for g in o.param_groups for p in g["params"]]):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+
+        opt.register_step_pre_hook(pre)
+        opt.register_step_post_hook(post)
+        return m, opt, ema, seen
+
+    ref_m, ref_opt, ref_ema, ref_seen = build()
+    ref = train(ref_m, ref_opt, 3)
+    m, opt, ema, seen = build()
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, paging_step_in_backward=step_in_backward)
+    try:
+        m.to("cpu")
+        got = train(m, opt, 3)
+        state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    assert seen == ref_seen and seen[0] > 0
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))
+    assert all(torch.equal(a, b) for a, b in zip(ema, ref_ema))
+    assert len(opt._optimizer_step_pre_hooks) == len(opt._optimizer_step_post_hooks) == 1  # given back
+
+
 def test_peak_rss_stays_within_the_host_budget(tmp_path):
     """Measured with psutil while training (not by arithmetic): the peak RSS above the process's
     RSS right after adoption (model paged out, probes done) stays under the host budget plus the

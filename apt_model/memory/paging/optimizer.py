@@ -9,10 +9,13 @@ the chunk. Then it narrows every group to nothing for the call that is already u
 post-hook puts the lists back. New optimizer states (created on the first step) are paged.
 
 Why this is exact: the supported optimizers update each parameter from its own gradient and
-state only (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta); a chunk runs
+state only (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, and
+subclasses that override neither ``step`` nor ``_init_group``: :func:`steps_per_parameter`); a chunk runs
 the same per-tensor arithmetic — the single-tensor loop on CPU, the same ``_foreach`` kernels
 on accelerators — as the full step would. An optimizer outside that list, or a ``step(closure)``
-call, is refused with a clear error rather than stepped differently.
+call, is refused with a clear error rather than stepped differently. The optimizer's own step
+hooks (``register_step_pre_hook`` / ``register_step_post_hook``) run around the streamed step,
+with its parameters in place (:meth:`OptimizerPaging._take_own_hooks`).
 
 ``optimizer.state_dict()`` materializes paged states (copies) so it can be saved;
 ``optimizer.load_state_dict()`` pages the loaded states again.
@@ -45,6 +48,7 @@ during a step (the old ones are then reused for the next step's writes).
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 
 import torch
@@ -61,8 +65,33 @@ log = get_logger(__name__)
 #: Optimizers whose update of one parameter depends on that parameter's gradient and state only.
 PER_PARAMETER = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
-    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta,
+    torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
+    torch.optim.Rprop,
 )
+
+#: Methods through which a subclass could make one parameter's update depend on others.
+_STEP_METHODS = ("step", "_init_group")
+
+
+def steps_per_parameter(opt: torch.optim.Optimizer) -> tuple[bool, str]:
+    """Whether ``opt`` can be stepped a chunk of parameters at a time with the same result, and
+    why not: its class is one of :data:`PER_PARAMETER`, or a subclass of one that overrides none
+    of its step methods (``step``, ``_init_group``). A subclass that does (divides gradients by the
+    group's total norm, scales the learning rate by ``len(group["params"])``...) may couple the
+    parameters: stepped in chunks, it gave other results, silently, until 2026-11-26."""
+    mro = type(opt).__mro__
+    base = next((c for c in mro if c in PER_PARAMETER), None)
+    if base is None:
+        return False, "it is not known to update each parameter independently"
+    for cls in mro[:mro.index(base)]:
+        # torch wraps a class's ``step`` for its profiler and hooks in the first instance's
+        # __init__, setting it on the subclass: a wrapper around the base's own step is no override
+        overridden = [name for name in _STEP_METHODS if name in vars(cls)
+                      and inspect.unwrap(vars(cls)[name]) is not inspect.unwrap(getattr(base, name))]
+        if overridden:
+            return False, (f"it subclasses {base.__name__} and overrides {', '.join(overridden)}, "
+                           "which may make one parameter's update depend on the others")
+    return True, ""
 
 
 class CapturableFlags:
@@ -114,9 +143,9 @@ def _state_copies(opt: torch.optim.Optimizer, group: dict) -> int:
         return 1 if group.get("momentum", 0) else 0
     if isinstance(opt, torch.optim.RMSprop):
         return 1 + bool(group.get("momentum", 0)) + bool(group.get("centered"))
-    if isinstance(opt, torch.optim.Adagrad):
-        return 1
-    return 2  # Adamax (exp_avg, exp_inf), NAdam, RAdam, Adadelta (square_avg, acc_delta)
+    if isinstance(opt, (torch.optim.Adagrad, torch.optim.ASGD)):
+        return 1  # sum; ASGD's ax (its eta and mu are scalars)
+    return 2  # Adamax (exp_avg, exp_inf), NAdam, RAdam, Adadelta (square_avg, acc_delta), Rprop (prev, step_size)
 
 
 def expected_state_bytes(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> int:
@@ -161,6 +190,7 @@ class OptimizerPaging:
         self.known: weakref.WeakSet = weakref.WeakSet()
         self._dead: list[int] = []  # id() of adopted optimizers since garbage-collected (a finalizer's queue)
         self._stash: dict[int, list] = {}
+        self._own_hooks: dict[int, tuple[dict, dict]] = {}  # id(opt) -> its step hooks, taken out (_take_own_hooks)
         self._in_step = False
         self.steps = 0
         self.after_step: list = []  # callables run after each completed step, given the step count
@@ -189,11 +219,12 @@ class OptimizerPaging:
     def _adopt(self, opt: torch.optim.Optimizer, patches) -> None:
         if opt in self.known:
             return
-        if not isinstance(opt, PER_PARAMETER):
+        ok, why = steps_per_parameter(opt)
+        if not ok:
             names = ", ".join(c.__name__ for c in PER_PARAMETER)
             raise PagedOptimizerError(
-                f"{type(opt).__name__} holds paged parameters but is not known to update each parameter "
-                f"independently, so it cannot be stepped in chunks; use one of {names}, or turn paging off "
+                f"{type(opt).__name__} holds paged parameters but {why}, so it cannot be stepped in chunks; "
+                f"use one of {names} (or a subclass that keeps their step), or turn paging off "
                 "(enable(paging='off'))"
             )
         self.known.add(opt)
@@ -332,6 +363,45 @@ class OptimizerPaging:
             )
         self.capturable.remember(opt)
         self.capturable.restore(opt)
+        own = self._take_own_hooks(opt)
+        try:
+            for hook in own[0].values():  # the optimizer's own pre-hooks, with its parameters in place
+                hook(opt, args, kwargs)
+            self._step(opt)
+            for hook in own[1].values():  # and its post-hooks, after the update, before the lists go
+                hook(opt, args, kwargs)
+        except BaseException:
+            self._give_back_own_hooks(opt)
+            raise
+        self._stash[id(opt)] = [g["params"] for g in opt.param_groups]
+        for g in opt.param_groups:
+            g["params"] = []  # the step already under way has nothing left to do
+        return None
+
+    def _take_own_hooks(self, opt) -> tuple[dict, dict]:
+        """The optimizer's own step hooks (``opt.register_step_pre_hook`` / ``..._post_hook``),
+        taken out of the dicts torch is about to run them from, until :meth:`_post` (or a failure)
+        puts them back. Torch runs them after the global pre-hooks and before the global post-hooks:
+        they saw the lists this hook empties, so a pre-hook scaling the gradients ran after the
+        update and a post-hook EMA updated nothing (until 2026-11-26). :meth:`_pre` runs them
+        itself, around the step, with the parameters in place."""
+        self._give_back_own_hooks(opt)  # a step that raised between the hooks left them out
+        pre, post = opt._optimizer_step_pre_hooks, opt._optimizer_step_post_hooks
+        own = (dict(pre), dict(post))
+        if own[0] or own[1]:
+            self._own_hooks[id(opt)] = own
+            pre.clear()  # cleared in place: torch iterates views of these very dicts
+            post.clear()
+        return own
+
+    def _give_back_own_hooks(self, opt) -> None:
+        own = self._own_hooks.pop(id(opt), None)
+        if own is not None:
+            opt._optimizer_step_pre_hooks.update(own[0])
+            opt._optimizer_step_post_hooks.update(own[1])
+
+    def _step(self, opt) -> None:
+        """The step itself (inside backward already, or streamed now), and the after-step callbacks."""
         if not self.session.backward_step.claim(opt):  # else: it ran inside backward, committed now
             # every page the step touches is acquired by the step itself: its ops (the optimizer's
             # arithmetic, this bookkeeping) need no op-level fault handler
@@ -348,10 +418,6 @@ class OptimizerPaging:
         self._last_stepped = weakref.ref(opt)
         for fn in self.after_step:
             fn(self.steps)
-        self._stash[id(opt)] = [g["params"] for g in opt.param_groups]
-        for g in opt.param_groups:
-            g["params"] = []  # the step already under way has nothing left to do
-        return None
 
     def _run(self, opt) -> None:
         """The step: host-stepped parameters on the host, the rest streamed in chunks."""
@@ -371,6 +437,7 @@ class OptimizerPaging:
             self._stream(opt)
 
     def _post(self, opt, args, kwargs):
+        self._give_back_own_hooks(opt)
         saved = self._stash.pop(id(opt), None)
         if saved is not None:
             for g, params in zip(opt.param_groups, saved):

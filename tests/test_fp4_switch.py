@@ -180,3 +180,26 @@ def test_planning_reads_no_parametrized_weight(cpu_device):
     assert all(torch.equal(before[k], v) for k, v in m.state_dict().items())
     shapes = {s["name"]: s["shape"] for s in skipped}
     assert shapes["1"] == [8, 8] and shapes["2"] is None, shapes
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_a_model_cast_after_adoption_is_restored_in_its_new_dtype(cpu_device, dtype):
+    """``model.to(torch.bfloat16)`` after an FP4 layer took a frozen ``nn.Linear``'s place:
+    ``disable()`` gave the restored layer its weight back in the old fp32 beside its bf16 bias,
+    and the next forward raised ("self and mat2 must have the same dtype"). The weight follows
+    the cast now, as an ``nn.Linear``'s would."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+    m[0].requires_grad_(False)
+    vb.enable("balanced", fp4="storage", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m.to("cpu")
+        assert isinstance(m[0], FP4Linear)
+        m.to(dtype)
+        x = torch.randn(2, 128, dtype=dtype)
+        y_on = m(x)
+        assert m[0].weight.dtype == dtype
+    finally:
+        vb.disable()
+    assert type(m[0]) is nn.Linear and m[0].weight.dtype == m[0].bias.dtype == dtype
+    assert torch.equal(m(x), y_on)

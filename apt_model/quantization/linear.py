@@ -210,8 +210,13 @@ class FP4Linear(nn.Module):
 
     # ------------------------------------------------------------------ dtype moves and state
     def _apply(self, fn, recurse=True):
-        """Keep the NVFP4 tensor scale in fp32 when the module is cast (``model.half()``)."""
+        """Keep the NVFP4 tensor scale in fp32 when the module is cast (``model.half()``), and let
+        :attr:`weight_dtype` follow the cast, as an ``nn.Linear``'s weight would (until 2026-11-26 it
+        stayed, and ``disable()`` gave a model cast to bf16 an fp32 weight beside its bf16 bias)."""
         ts = self.weight_tensor_scale
+        probe = fn(torch.empty(0, dtype=self.weight_dtype, device=self.weight_data.device))
+        if isinstance(probe, torch.Tensor) and probe.is_floating_point():
+            self.weight_dtype = probe.dtype
         out = super()._apply(fn, recurse)
         if ts is not None and self.weight_tensor_scale.dtype != torch.float32:
             self.weight_tensor_scale = ts.to(self.weight_tensor_scale.device)

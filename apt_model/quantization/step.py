@@ -111,6 +111,6 @@ def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
     def undo():
         if getattr(parent, attr, None) is new:
             setattr(parent, attr, old)
-        if old.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back
-            old.weight.data = new.weight.to(old.weight.dtype)
+        if old.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
+            old.weight.data = new.weight  # in the dtype and on the device the layer has now (model.to())
     return undo

@@ -203,3 +203,50 @@ def test_a_model_cast_after_adoption_is_restored_in_its_new_dtype(cpu_device, dt
         vb.disable()
     assert type(m[0]) is nn.Linear and m[0].weight.dtype == m[0].bias.dtype == dtype
     assert torch.equal(m(x), y_on)
+
+
+def test_memory_mode_leaves_a_frozen_copy_such_as_an_ema_in_full_precision(cpu_device):
+    """An EMA of the weights (``deepcopy(model).requires_grad_(False)``) was adopted by memory mode,
+    whose default stores frozen ``nn.Linear`` layers in FP4: the usual in-place update then raised
+    ("output with shape [128] doesn't match the broadcast shape"; ``parameters()`` had lost the FP4
+    weights). A model with no trainable parameter is left alone by the mode's default, with the
+    reason; asking for ``fp4="storage"`` still converts it. The EMA ends bitwise as without the switch."""
+    import copy
+
+    def run(**enable):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
+        ema = copy.deepcopy(model).requires_grad_(False)
+        decision = None
+        if enable:
+            vb.enable(mixed_precision="off", attention="off", compile="off", banner=False, **enable)
+        try:
+            model, ema = model.to("cpu"), ema.to("cpu")
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                x = torch.randn(8, 16, generator=gen)
+                loss = F.mse_loss(model(x), x.sum(-1, keepdim=True))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                with torch.no_grad():
+                    for pe, p in zip(ema.parameters(), model.parameters()):
+                        pe.mul_(0.9).add_(p, alpha=0.1)
+            if enable:
+                decision = vb.get_report()["models"][1]["features"]["fp4"]
+        finally:
+            if enable:
+                vb.disable()
+        return ema.state_dict(), decision
+
+    ref, _ = run()
+    got, decision = run(mode="memory")
+    assert decision["chosen"] == "off" and "no parameter of the model is trainable" in decision["reason"], decision
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    vb.enable("memory", fp4="storage", banner=False)  # asked for by the script: converted
+    try:
+        frozen = nn.Sequential(nn.Linear(128, 128)).requires_grad_(False).to("cpu")
+        assert isinstance(frozen[0], FP4Linear)
+    finally:
+        vb.disable()

@@ -1,6 +1,9 @@
 """The switch's FP4 step: frozen ``nn.Linear`` layers the policy accepts are stored in FP4.
 
-Decision (per adopted model): ``fp4=off`` does nothing; ``native`` needs native FP4 matmul on
+Decision (per adopted model): ``fp4=off`` does nothing; a model with no trainable parameter is
+left alone where FP4 comes from the mode's default rather than the script (an EMA copy updated in
+place with ``p_ema.mul_(d).add_(p)`` crashed, or was silently misaligned, once its weights were
+FP4: until 2026-11-26); ``native`` needs native FP4 matmul on
 the model's device (the probe's answer; without it FP4 weights would be dequantized on every
 call, which is slower, so the layers are left alone); otherwise :func:`~apt_model.quantization.policy.plan_fp4`
 under the session's :class:`~apt_model.quantization.policy.FP4Policy` lists the layers to
@@ -60,6 +63,12 @@ class FP4Step(FeatureStep):
             return Decision(self.name, req, "off", f"native FP4 matmul is not available on {dev} ({native_why}); "
                             "without it FP4 weights would be dequantized on every call, which is slower, so "
                             "performance mode leaves the layers as they are", tried)
+        if str(ctx.config.sources.get("fp4", "")).startswith("mode:") and not any(
+                p.requires_grad for p in model.parameters()):
+            return Decision(self.name, req, "off", (
+                "no parameter of the model is trainable: a frozen copy (an EMA of the weights, a teacher, a "
+                "reference model) is often updated in place or compared exactly, which FP4 storage would break; "
+                f"the {ctx.config.mode} mode's default leaves it as it is (fp4='storage' stores it in FP4 anyway)"), tried)
         plan = plan_fp4(model, policy, "storage")
         convert = [c for c in plan if c.convert]
         skipped = [c for c in plan if not c.convert]

@@ -250,3 +250,38 @@ def test_memory_mode_leaves_a_frozen_copy_such_as_an_ema_in_full_precision(cpu_d
         assert isinstance(frozen[0], FP4Linear)
     finally:
         vb.disable()
+
+
+def test_a_checkpoint_saved_with_fp4_layers_loads_into_the_plain_model(cpu_device):
+    """Memory mode's FP4 layers listed their packed buffers in ``state_dict()``: a checkpoint saved
+    during training could not be loaded into the model's own class without the switch ("Missing
+    key(s) 0.weight; Unexpected key(s) 0.weight_data ..."). A converted layer now presents the
+    ``nn.Linear`` it replaced (its dequantized weight), the plain model computes exactly what the
+    FP4 one did, and loading the checkpoint back under the switch keeps the FP4 codes."""
+    import io
+
+    def build():
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+        m[0].requires_grad_(False)
+        return m
+
+    x = torch.randn(3, 128)
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m = build().to("cpu")
+        assert isinstance(m[0], FP4Linear)
+        codes = m[0].weight_data.clone()
+        sd = m.state_dict()
+        assert list(sd) == list(build().state_dict())  # the plain model's keys, in its order
+        buf = io.BytesIO()
+        torch.save(sd, buf)
+        y_on = m(x)
+        again = build().to("cpu")  # converted too; loading the checkpoint keeps the codes
+        again.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+        assert torch.equal(again[0].weight_data, codes)
+    finally:
+        vb.disable()
+    plain = build()
+    plain.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    assert torch.equal(plain(x), y_on)

@@ -244,6 +244,14 @@ class FP4Linear(nn.Module):
         plain = prefix + "weight"
         if plain in state_dict and prefix + "weight_data" not in state_dict:  # an nn.Linear state dict
             w = state_dict.pop(plain)
+            if self._holds(w):  # this layer's own dequantized weight (a state dict of it in nn.Linear form):
+                for name in ("weight_data", "weight_scales", "weight_tensor_scale"):  # keep the codes
+                    if getattr(self, name) is not None:
+                        state_dict[prefix + name] = getattr(self, name)
+                state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
+                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                              unexpected_keys, error_msgs)
+                return
             q = quantize(w.to(self.weight_data.device), self.format, self.scale_rule or "floor")
             state_dict[prefix + "weight_data"] = q.data
             state_dict[prefix + "weight_scales"] = q.scales
@@ -253,6 +261,29 @@ class FP4Linear(nn.Module):
                                                            "weight_dtype": str(w.dtype).replace("torch.", "")})
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
+
+
+    def _holds(self, w) -> bool:
+        """Whether ``w`` is exactly this layer's dequantized weight (shape, dtype and every value):
+        re-quantizing it could pick other scales, so the codes it came from are kept instead."""
+        if not isinstance(w, torch.Tensor) or self.weight_data.is_meta or w.dtype != self.weight_dtype:
+            return False
+        if tuple(w.shape) != (self.out_features, self.in_features):
+            return False
+        return torch.equal(w.to(self.weight_data.device), self.weight)
+
+
+def state_dict_as_linear(module: FP4Linear, state_dict: dict, prefix: str, local_metadata) -> None:
+    """A ``state_dict`` post-hook that presents an :class:`FP4Linear` as the ``nn.Linear`` it
+    replaced: ``weight`` (dequantized, in :attr:`FP4Linear.weight_dtype`) and ``bias``, in that
+    order, instead of the packed buffers. The switch puts it on the layers it converts, so a
+    checkpoint saved while it is on loads into the model's own class without it; loading one back
+    into the FP4 layer keeps its codes when the weight is its own (see ``_load_from_state_dict``)."""
+    for name in ("weight_data", "weight_scales", "weight_tensor_scale", "_extra_state"):
+        state_dict.pop(prefix + name, None)
+    state_dict[prefix + "weight"] = module.weight
+    if prefix + "bias" in state_dict and hasattr(state_dict, "move_to_end"):
+        state_dict.move_to_end(prefix + "bias")
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):

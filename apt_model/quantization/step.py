@@ -10,7 +10,10 @@ under the session's :class:`~apt_model.quantization.policy.FP4Policy` lists the 
 convert and the skipped ones with their reasons. Applying swaps each converted layer for an
 :class:`~apt_model.quantization.linear.FP4Linear` (packed weights; the fp32 storage released even
 if an optimizer holds the Parameter) and registers its undo: ``disable()`` puts the original
-``nn.Linear`` back, holding the FP4-rounded weights. It runs before paging: it shrinks frozen weights.
+``nn.Linear`` back, holding the FP4-rounded weights. While the switch is on, a converted layer's
+``state_dict`` entries are those of the ``nn.Linear`` it replaced (``weight``, dequantized; until
+2026-11-26 the packed buffers, which the model's own class could not load). It runs before
+paging: it shrinks frozen weights.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from apt_model.base.patches import PatchSet
 from apt_model.base.sizes import format_size
 from apt_model.memory.host import release_free_memory
 from apt_model.quantization.footprint import release_parameter
-from apt_model.quantization.linear import FP4Linear
+from apt_model.quantization.linear import FP4Linear, state_dict_as_linear
 from apt_model.quantization.native import native_support
 from apt_model.quantization.policy import Candidate, FP4Policy, plan_fp4
 
@@ -89,6 +92,9 @@ class FP4Step(FeatureStep):
             released = release_parameter(old.weight)
             setattr(c.parent, c.attr, new)
             patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear")
+            # checkpoints saved meanwhile load into the model's own class without the switch
+            patches.add_handle(new.register_state_dict_post_hook(state_dict_as_linear),
+                               f"fp4: {c.name} state_dict as nn.Linear")
             before += released["bytes"]
             after += new.weight_nbytes()
             if released["freed"] is False:

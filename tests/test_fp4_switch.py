@@ -285,3 +285,27 @@ def test_a_checkpoint_saved_with_fp4_layers_loads_into_the_plain_model(cpu_devic
     plain = build()
     plain.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     assert torch.equal(plain(x), y_on)
+
+
+def test_a_frozen_layer_holding_nan_is_skipped_not_a_failed_adoption(cpu_device):
+    """NVFP4 cannot encode NaN/Inf: memory mode's ``model.to()`` raised ValueError for a frozen
+    layer holding one, where plain PyTorch runs (NaN out). The layer is skipped with the reason;
+    MXFP4 plans are unchanged."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128), nn.Linear(128, 2)).requires_grad_(False)
+    m[2].requires_grad_(True)  # a trainable head: the model is trained
+    with torch.no_grad():
+        m[0].weight[3, 5] = float("nan")
+    v = verdicts(m)
+    assert v["0"] == (False, "non-finite weights: NVFP4 needs finite values; the layer keeps its NaN/Inf as they are")
+    assert v["1"][0] is True
+    assert verdicts(m, {"format": "mxfp4"})["0"][0] is True
+    x = torch.randn(2, 128)
+    ref = m(x)
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m.to("cpu")
+        assert type(m[0]) is nn.Linear and isinstance(m[1], FP4Linear)
+        assert torch.isnan(m(x)).all() and torch.isnan(ref).all()
+    finally:
+        vb.disable()

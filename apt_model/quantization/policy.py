@@ -185,6 +185,10 @@ def _judge(name: str, parent, m: nn.Module, policy: FP4Policy, use: str, shared:
         return False, f"tied weight: shared with {', '.join(t for t in tied if not t.startswith(name + '.'))}"
     if _has_hooks(m):
         return False, "hooks: the layer has hooks that a replacement would drop"
+    if use == "storage" and policy.format == "nvfp4" and not bool(torch.isfinite(w).all()):
+        # NVFP4's tensor scale is taken from the largest magnitude: quantizing raised ValueError at
+        # adoption, for a model plain PyTorch runs (NaN out, as the script would see without the switch)
+        return False, "non-finite weights: NVFP4 needs finite values; the layer keeps its NaN/Inf as they are"
     forced = _match(name, policy.include)
     if forced:
         return True, f"included: policy pattern {forced!r}"

@@ -47,3 +47,19 @@ def test_run_module_and_missing_script(tmp_path):
     assert "MOD True ['x', '--flag']" in proc.stdout
     bad = apt_vb("run", str(tmp_path / "nope.py"))
     assert bad.returncode != 0 and "not found" in bad.stderr
+
+
+def test_run_refuses_a_missing_module_and_an_unwritable_report_before_the_script_runs(tmp_path):
+    """``run -m missing`` printed the banner and a runpy traceback; ``--report`` into a folder that
+    cannot be created was found only after the whole script had run (traceback, report lost).
+    Both are one-line errors with exit status 2 now, and the script does not run."""
+    script = tmp_path / "s.py"
+    script.write_text("print('SCRIPT RAN')\n")
+    missing = apt_vb("run", "--quiet", "-m", "no_such_module_xyz")
+    assert missing.returncode == 2 and "module 'no_such_module_xyz' not found" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    bad = apt_vb("run", "--quiet", "--report", str(blocked / "sub" / "r.json"), str(script))
+    assert bad.returncode == 2 and "--report" in bad.stderr and "SCRIPT RAN" not in bad.stdout, bad.stderr
+    assert "Traceback" not in bad.stderr

@@ -22,6 +22,10 @@ def run_script(args) -> int:
     wanted = validate_mode(args.mode, source="--mode") if args.mode else None  # None: VB_MODE, .vbrc, balanced
     if args.script and not os.path.isfile(args.script):
         raise ConfigError(f"script {args.script!r} not found")
+    if args.module:
+        _check_module(args.module)
+    if args.report:
+        _check_report_path(args.report)
     current = vb.get_config()["mode"] if vb.is_enabled() else None
     if current is None or (wanted is not None and wanted != current) or args.device:
         vb.enable(wanted, device=args.device, banner=not args.quiet)
@@ -45,5 +49,34 @@ def run_script(args) -> int:
         if args.script and sys.path and old_path0 is not None and sys.path[0] != old_path0:
             sys.path.pop(0)
         if args.report:
-            vb.save_report(args.report)
+            try:
+                vb.save_report(args.report)
+            except OSError as err:  # the script ran: say so plainly, without a traceback over its output
+                print(f"apt-vb: could not write the report to {args.report}: {err}", file=sys.stderr)
+                status = status or 1
     return status
+
+
+def _check_module(name: str) -> None:
+    """Raises ConfigError when ``-m name`` names no importable module (before the switch is on and
+    the banner printed; ``runpy`` raised a traceback through this file)."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # a parent package is missing, or the name is malformed
+        found = False
+    if not found:
+        raise ConfigError(f"module {name!r} not found (python -m {name} would fail too)")
+
+
+def _check_report_path(path: str) -> None:
+    """Raises ConfigError when ``--report path`` cannot be written, before the script runs: the
+    check used to come at the end, after the whole run, with a traceback and the report lost."""
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--report {path!r}: its folder cannot be created ({err})") from None
+    if os.path.isdir(path) or not os.access(folder, os.W_OK):
+        raise ConfigError(f"--report {path!r}: not a writable file path")

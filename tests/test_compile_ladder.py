@@ -113,6 +113,40 @@ def test_an_error_the_models_own_code_raises_under_a_rung_reaches_the_script_onc
     patches.restore_all()
 
 
+def test_an_error_from_a_torch_op_the_models_code_calls_is_the_models_and_generated_code_the_compilers():
+    """A bad target in ``F.cross_entropy`` inside the model's forward raises from torch's own file:
+    classified by its innermost frame alone, it was taken for the compiler's, the forward re-run
+    eagerly (twice the side effects). The model's frame is found below torch's eager op now. An
+    error raised in generated code (an FX ``<eval_with_key>`` module) is still the compiler's: the
+    call is re-run eagerly and the rung fails."""
+    class Lossy(Net):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            out = super().forward(x)
+            F.cross_entropy(out, torch.full((x.shape[0],), 3 if x.shape[0] == 8 else 99))  # 99: out of range
+            return out
+
+    model = Lossy()
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", lambda eager, dynamic: eager)], records)
+    train(model, 1)
+    with pytest.raises(IndexError, match="out of bounds"):
+        model(torch.randn(3, 16))
+    assert model.calls == 2 and ladder.timeline == []
+    patches.restore_all()
+
+    generated = {}
+    exec(compile("def fn(*a, **k):\n    raise RuntimeError('kernel failed')\n", "<eval_with_key>.7", "exec"), generated)
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+    ladder, patches = ladder_for(model, [rung("compile", lambda eager, dynamic: generated["fn"])], records)
+    assert train(model, 3) == train(ref, 3)  # re-run eagerly: nothing lost
+    assert [(e["rung"], e["outcome"]) for e in ladder.timeline] == [("compile", "failed")]
+    patches.restore_all()
+
+
 def test_eager_concluded_puts_back_the_scripts_own_instance_forward():
     """The script wrapped ``model.forward`` itself before the switch came: when the ladder ends
     eager, that wrapper is the forward again (before, the class's forward ran without it)."""

@@ -116,26 +116,47 @@ def override_rung(overrides: dict[str, Callable]) -> Rung:
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 
 
+#: Torch files an eager op runs through when the model's own code calls it (``F.cross_entropy``,
+#: a module's forward, a tensor method): an error raised there, below the model's own frame and
+#: with no compiler frame between, is the model's.
+_EAGER_OP_FILES = tuple(os.path.join(_TORCH_DIR, f) for f in (
+    "nn" + os.sep, "functional.py", "_tensor.py", "overrides.py", "utils" + os.sep + "checkpoint.py",
+    "autograd" + os.sep, "amp" + os.sep, "random.py", "serialization.py"))
+_APT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _generated(name: str) -> bool:
+    return name.startswith("<") or "torchinductor" in name
+
+
 def raised_by_compiled_code(err: BaseException) -> bool:
     """Whether ``err``, raised by a rung's compiled call, is the compiler's (the rung failed: the
     call is re-run eagerly) rather than the model's own code's (re-raised as is: re-running would
     run the model's forward twice, its side effects too, and hide the script's error).
 
     The compiler's: a ``torch._dynamo.exc.TorchDynamoException`` (tracing and backend failures),
-    or an error whose innermost frame is in the torch package or in generated code (Inductor's
-    output files, FX's ``<eval_with_key>`` modules). The model's: an error raised from its own
-    files (Dynamo runs a ``raise`` in the traced code from the original frame)."""
+    or an error raised in generated code (Inductor's output files, FX's ``<eval_with_key>``
+    modules) or in torch's own machinery (Dynamo, Inductor, AOTAutograd...). The model's: an error
+    raised from its own files (Dynamo runs a ``raise`` in the traced code from the original
+    frame), or from an eager torch op its code called with nothing but :data:`_EAGER_OP_FILES`
+    (and apt_model's hooks) between — a bad target in ``F.cross_entropy``. Until 2026-11-26 only
+    the innermost frame counted, so that one was taken for the compiler's and re-run eagerly."""
     exc_mod = getattr(getattr(torch, "_dynamo", None), "exc", None)
     base = getattr(exc_mod, "TorchDynamoException", None)
     if base is not None and isinstance(err, base):
         return True
+    names = []
     tb = err.__traceback__
-    if tb is None:
-        return True
-    while tb.tb_next is not None:
+    while tb is not None:
+        names.append(tb.tb_frame.f_code.co_filename)
         tb = tb.tb_next
-    name = tb.tb_frame.f_code.co_filename
-    return name.startswith(_TORCH_DIR) or name.startswith("<") or "torchinductor" in name
+    if not names:
+        return True
+    for i in range(len(names) - 1, -1, -1):  # the innermost frame of the model's own code
+        name = names[i]
+        if not (name.startswith(_TORCH_DIR) or _generated(name) or name.startswith(_APT_DIR)):
+            return not all(d.startswith(_EAGER_OP_FILES) or d.startswith(_APT_DIR) for d in names[i + 1:])
+    return True
 
 
 class LadderForward:

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.errors import VBError
-from apt_model.base.forward_scope import module_call_frame, on_stack
+from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
@@ -126,7 +126,10 @@ class PagingSession:
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
         self._in_unit: dict[int, int] = {}  # id(page) -> forwards under way of units owning it
-        self._units_tls = threading.local()  # per thread: the units whose forward is under way
+        # per thread: the units whose forward is under way (payload (unit, pages)), and the paged
+        # models' outermost forwards; entries of calls an interrupt ended are let go (ForwardScopes)
+        self._unit_scopes = ForwardScopes(on_abandon=self._abandon_unit)
+        self._root_scopes = ForwardScopes(on_abandon=self._abandon_root)
         self._grad_calls = 0  # torch.autograd.grad calls under way (they accumulate into no gradient)
         self._backward_calls = 0  # torch.autograd.backward calls under way (they do)
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
@@ -480,61 +483,46 @@ class PagingSession:
             self.pager.mark_written(marked)
         return held
 
-    def _roots_under_way(self) -> list:
-        """This thread's paged models' outermost forwards under way: their ``Module._call_impl`` frames."""
-        stack = getattr(self._units_tls, "roots", None)
-        if stack is None:
-            stack = self._units_tls.roots = []
-        return stack
-
     def root_forward_starts(self) -> None:
         """A paged model's forward begins (its root pre-hook, before ``forward_depth`` is read and
         raised): root forwards on this thread that an interrupt ended (their forward hook, which
         lowers ``forward_depth``, never ran) stop counting, so the next outermost forward is seen
         as one — :meth:`forward_starts` lets go of an unfinished backward's pins and undoes a step
         taken inside a backward nobody claimed."""
-        stack = self._roots_under_way()
-        while stack and stack[-1] is not None and not on_stack(stack[-1]):
-            stack.pop()
-            self.forward_depth = max(0, self.forward_depth - 1)
-        stack.append(None if torch.compiler.is_compiling() else module_call_frame())
+        self._root_scopes.unwind()
+        self._root_scopes.push(None, True)
 
     def root_forward_ends(self) -> None:
-        stack = self._roots_under_way()
-        if stack:
-            stack.pop()
+        self._root_scopes.unwind()
+        self._root_scopes.pop()
 
-    def _units_under_way(self) -> list:
-        """This thread's units whose forward is under way, innermost last: ``(unit, pages)``."""
-        stack = getattr(self._units_tls, "stack", None)
-        if stack is None:
-            stack = self._units_tls.stack = []
-        return stack
+    def _abandon_root(self, _payload) -> None:
+        self.forward_depth = max(0, self.forward_depth - 1)
 
     def unit_forward_starts(self, unit, pages: list[Page]) -> None:
         """``unit``'s forward begins (its pre-hook acquired ``pages``): they are covered — backward
         brings them back through the unit's own hook — until :meth:`unit_forward_ends`."""
-        self._drop_ended_units()
-        stack = self._units_under_way()
+        self._unit_scopes.unwind()
+        stack = self._unit_scopes.stack()
         if stack:
-            stack[-1][0].inner = True  # the enclosing unit is a container (Unit.forward_pages)
+            stack[-1][1][0].inner = True  # the enclosing unit is a container (Unit.forward_pages)
         for pg in pages:
             self._in_unit[id(pg)] = self._in_unit.get(id(pg), 0) + 1
-        frame = None if torch.compiler.is_compiling() else module_call_frame()
-        stack.append((unit, pages, frame))
+        self._unit_scopes.push(None, (unit, pages))
 
     def unit_forward_ends(self, unit) -> list[Page]:
         """``unit``'s forward ended: returns the pages its start covered (to release them; a page
         learned meanwhile, :meth:`_learn_owner`, is acquired by the unit from its next forward on).
-        None when its start was never recorded (its pre-hook raised before): nothing to release."""
-        stack = self._units_under_way()
-        for i in range(len(stack) - 1, -1, -1):
-            if stack[i][0] is unit:
-                pages = stack.pop(i)[1]
-                break
-        else:
+        [] when its start was never recorded (its pre-hook raised before): nothing to release."""
+        self._unit_scopes.unwind()  # inner units an interrupt ended
+        entry = self._unit_scopes.pop()
+        if entry is None:
             return []
+        _, (owner, pages) = entry
         self._uncount(pages)
+        if owner is not unit:  # not this call's (cannot happen while every pre-hook pushes): let it go too
+            self.pager.release(pages)
+            return []
         return pages
 
     def _uncount(self, pages: list[Page]) -> None:
@@ -545,15 +533,13 @@ class PagingSession:
             else:
                 self._in_unit.pop(id(pg), None)
 
-    def _drop_ended_units(self) -> None:
-        """Let go of the unit forwards on this thread's stack that ended without their forward hook
-        (a ``KeyboardInterrupt`` skips PyTorch's always-called hooks): their pins and counts, so
-        their pages can be evicted again and no page is learned into a unit no longer running."""
-        stack = self._units_under_way()
-        while stack and stack[-1][2] is not None and not on_stack(stack[-1][2]):
-            _, pages, _ = stack.pop()
-            self._uncount(pages)
-            self.pager.release(pages)
+    def _abandon_unit(self, payload) -> None:
+        """A unit forward an interrupt ended (a ``KeyboardInterrupt`` skips PyTorch's always-called
+        hooks): its pins and counts go, so its pages can be evicted again and no page is learned
+        into a unit no longer running."""
+        _, pages = payload
+        self._uncount(pages)
+        self.pager.release(pages)
 
     def _learn_owner(self, page: Page) -> None:
         """A forward used ``page`` (a parameter's) outside the module that owns it, inside the
@@ -567,11 +553,11 @@ class PagingSession:
         unit learns it but acquires it only where the handler is off (``Unit.forward_pages``)."""
         if page.category is not Category.PARAM:
             return
-        self._drop_ended_units()
-        stack = self._units_under_way()
+        self._unit_scopes.unwind()
+        stack = self._unit_scopes.stack()
         if not stack:
             return
-        unit = stack[-1][0]
+        unit = stack[-1][1][0]
         if not unit.name or any(pg is page for pg in unit.pages) or any(pg is page for pg in unit.learned):
             return
         unit.learned = [*unit.learned, page]  # a new list: forwards under way release what they acquired

@@ -508,11 +508,18 @@ class _InPlaceBlock(torch.nn.Module):
         self.lin = torch.nn.Linear(16, 16)
         self.source = source
         self.gen = torch.Generator().manual_seed(5) if source == "generator" else None
+        if source == "buffer":
+            self.register_buffer("ema", torch.zeros(16))
+            self.register_buffer("count", torch.zeros((), dtype=torch.long))
 
     def forward(self, x):
         if self.source is None:
             x.mul_(0.5)  # in place on the block's input: allowed by autograd here
             return self.lin(x) + x
+        if self.source == "buffer":  # state the forward updates in place and reads
+            self.ema.mul_(0.9).add_(x.detach().mean(0), alpha=0.1)
+            self.count += 1
+            return x + torch.tanh(self.lin(x)) * self.ema
         import random
 
         import numpy as np
@@ -526,8 +533,9 @@ class _InPlaceBlock(torch.nn.Module):
         return x + torch.tanh(self.lin(x)) * mask
 
 
-@pytest.mark.parametrize("source", [None, "python", "numpy", "generator"],
-                         ids=["input-modified-in-place", "python-random", "numpy-random", "own-generator"])
+@pytest.mark.parametrize("source", [None, "python", "numpy", "generator", "buffer"],
+                         ids=["input-modified-in-place", "python-random", "numpy-random", "own-generator",
+                              "buffer-updated-in-place"])
 @pytest.mark.parametrize("mode", ["memory", "checkpointing"])
 def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, cpu_device, source, mode):
     """The recomputation in backward must start where the forward did. A block that modified its
@@ -535,7 +543,9 @@ def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, 
     checkpointing alone: torch's check raised where plain PyTorch does not). A block drawing from
     Python's ``random``, NumPy's global generator or a ``torch.Generator`` of its own drew again:
     different masks (wrong gradients) or a different number of saved tensors (CheckpointError).
-    The recomputation now starts from a copy of the input and from those generators' states."""
+    A block updating a buffer in place (an EMA it reads, a step counter) updated it again and read
+    the updated value (wrong gradients, counters at twice the steps). The recomputation now starts
+    from a copy of the input, from those generators' states and from the buffers' values."""
     import random
 
     import numpy as np
@@ -557,6 +567,7 @@ def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, 
             loss.backward()
             grads.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
             opt.step()
+        grads.append(list(m.state_dict().values()))  # the buffers too
         return grads, (random.random(), np.random.rand())
 
     ref = train(build())
@@ -574,3 +585,37 @@ def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, 
     for ga, gb in zip(ref[0], got[0]):
         for a, b in zip(ga, gb):
             assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_module_buffers_saved_for_backward_are_never_offloaded(tmp_path, cpu_device):
+    """Batch norm saves its running statistics for backward and then updates them in place
+    without bumping their version: offloading them raced that update (the write's checksum no
+    longer matched the file: an intermittent SwapCorruptionError at backward). A module's buffer
+    stays alive anyway, so offloading it freed nothing. Tensors on a buffer's storage are kept."""
+    torch.manual_seed(0)
+    c = 256
+    m = torch.nn.Sequential(torch.nn.Conv2d(c, c, 1), torch.nn.BatchNorm2d(c), torch.nn.Conv2d(c, c, 1))
+    x = torch.randn(2, c, 1, 1)
+    min_bytes = c * 4  # one channel vector: the running statistics qualify by size
+    buffers = {b.untyped_storage().data_ptr() for b in m.buffers()}
+    sizes = {"all": 0, "buffers": 0}
+
+    def pack(t):
+        if t.numel() * t.element_size() >= min_bytes and not isinstance(t, torch.nn.Parameter) \
+                and not isinstance(t._base, torch.nn.Parameter):
+            sizes["all"] += 1
+            sizes["buffers"] += t.untyped_storage().data_ptr() in buffers
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        m(x).sum()
+    assert sizes["buffers"] == 2  # running_mean and running_var are saved for backward
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="1KB", offload_min_bytes=min_bytes,
+              activation_checkpointing=False, **PLAIN)
+    try:
+        m.to("cpu")
+        m(x).sum().backward()
+        packed = vb.get_report()["activations"]["offload"]["packed"]
+    finally:
+        vb.disable()
+    assert packed == sizes["all"] - sizes["buffers"] > 0

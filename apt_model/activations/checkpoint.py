@@ -15,14 +15,15 @@ most parameters (``GPT.blocks``, Hugging Face ``transformer.h`` / ``model.layers
   gradients are bit-identical to the uncheckpointed run. The recomputation must see what the
   forward saw in three more ways (:class:`Replay`): Python's ``random`` and NumPy's global
   generators and the ``torch.Generator`` objects the block holds are put back as they were when
-  its forward began (a LayerDrop decision, a NumPy mask); the block's running statistics are not
-  updated a second time; and a block that modifies its input in place (``x.mul_(0.5)``, which
+  its forward began (a LayerDrop decision, a NumPy mask); so are the buffers the forward changes
+  in place (running statistics, an EMA, a counter tensor), given back their values afterwards;
+  and a block that modifies its input in place (``x.mul_(0.5)``, which
   plain PyTorch allows) is recomputed from a copy of the input as it was (learned at its first
   call, which copies the inputs once).
 
 What cannot be replayed: Python side effects of the forward itself run again in the
-recomputation (a counter incremented in ``forward``, a forward hook on a layer inside the block
-fires twice per step). ``activation_checkpointing=False`` turns checkpointing off.
+recomputation (a Python counter incremented in ``forward``, a forward hook on a layer inside the
+block fires twice per step). ``activation_checkpointing=False`` turns checkpointing off.
 
 Policies: ``all`` blocks; ``every:K`` (blocks 0, K, 2K, ...); ``budget`` — the first training
 forward runs unchanged while the bytes each block saves for backward are counted (saved-tensor
@@ -122,33 +123,6 @@ def running_stats_layers(module: nn.Module) -> list[nn.Module]:
             if getattr(m, "running_mean", None) is not None and getattr(m, "num_batches_tracked", None) is not None]
 
 
-class KeepRunningStats:
-    """The recomputation context of a checkpointed block: the running statistics of its
-    :func:`running_stats_layers` in training mode are put back, on exit, as they were when the
-    recomputation began. The forward already updated them once; torch's non-reentrant checkpoint
-    re-runs it in backward, which updated them a second time (``num_batches_tracked`` counted each
-    batch twice, ``running_mean`` drifted: the model evaluated differently from plain training)
-    until 2026-11-26. Costs one copy of those buffers per recomputation."""
-
-    def __init__(self, layers: list[nn.Module]):
-        self.layers = layers
-        self.saved: list = []
-
-    def __enter__(self):
-        with torch.no_grad():
-            self.saved = [(b, b.clone()) for m in self.layers if m.training
-                          for b in (m.running_mean, getattr(m, "running_var", None), m.num_batches_tracked)
-                          if isinstance(b, torch.Tensor)]
-        return self
-
-    def __exit__(self, *exc):
-        with torch.no_grad():
-            for buf, value in self.saved:
-                buf.copy_(value)
-        self.saved = []
-        return False
-
-
 def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[object, torch.Tensor]]:
     """``(position or keyword, tensor)`` for the tensors passed directly (not inside containers)."""
     found = [(i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
@@ -159,20 +133,33 @@ class Replay:
     """What one checkpointed call's recomputation must see as its forward saw it.
 
     ``forward()`` / ``recompute()`` are the two contexts of ``torch.utils.checkpoint``'s
-    ``context_fn``. With ``track_rng``, entering the forward one records the state of Python's
+    ``context_fn``. Entering the forward one records, with ``track_rng``, the state of Python's
     ``random``, of NumPy's global generator (when NumPy is imported) and of ``generators`` (the
-    ``torch.Generator`` objects the block holds); the recompute one sets them to it, and puts back
-    on exit the states they had. Either way the recompute one keeps the running statistics of
-    ``stats_layers`` (:class:`KeepRunningStats`). Tracking costs about 70 microseconds per
-    recorded state (NumPy's ``get_state`` is most of it), so a block is tracked only if its first
-    call drew from one of them (:meth:`drew`).
+    ``torch.Generator`` objects the block holds), and a copy of each of ``buffers`` (the block's
+    buffers its forward changes in place: running statistics, an EMA, a counter). The recompute one
+    sets them to what was recorded, and puts back on exit what they held when it began. Tracking
+    the generators costs about 70 microseconds per state (NumPy's ``get_state`` is most of it), so
+    a block is tracked only if its first call drew from one of them (:meth:`drew`); buffers cost a
+    copy each per call, only for those the block changes.
+
+    Without the buffers, the recomputation updated them a second time and computed from the
+    updated values: batch norm's ``num_batches_tracked`` counted every batch twice (fixed earlier
+    the same day for running statistics alone), an EMA buffer read in the forward gave other
+    gradients (a loss of 86.46 against 78.68 at step 2), until 2026-11-26.
     """
 
-    def __init__(self, generators: list, stats_layers: list[nn.Module], track_rng: bool):
+    def __init__(self, generators: list, buffers: list[torch.Tensor], track_rng: bool):
         self.generators = generators
-        self.stats_layers = stats_layers
         self.track_rng = track_rng
         self.saved: tuple | None = None
+        self.buffers = buffers
+        self.saved_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep_buffers(self, written: list[torch.Tensor]) -> None:
+        """Drop the recorded copies of buffers not in ``written`` (after a first call that recorded
+        them all to learn which the forward changes)."""
+        ids = {id(b) for b in written}
+        self.saved_buffers = [(b, c) for b, c in self.saved_buffers if id(b) in ids]
 
     def capture(self) -> tuple:
         numpy = sys.modules.get("numpy")
@@ -203,6 +190,9 @@ class Replay:
     def forward(self):
         if self.track_rng:
             self.saved = self.capture()
+        if self.buffers:
+            with torch.no_grad():
+                self.saved_buffers = [(b, b.clone()) for b in self.buffers]
         yield
 
     @contextlib.contextmanager
@@ -210,12 +200,18 @@ class Replay:
         current = self.capture() if self.saved is not None else None
         if current is not None:
             self._set(self.saved)
+        with torch.no_grad():
+            now = [(b, b.clone()) for b, _ in self.saved_buffers]
+            for b, c in self.saved_buffers:
+                b.copy_(c)
         try:
-            with KeepRunningStats(self.stats_layers):
-                yield
+            yield
         finally:
             if current is not None:
                 self._set(current)
+            with torch.no_grad():
+                for b, c in now:
+                    b.copy_(c)
 
 
 def _generators(module: nn.Module) -> list:
@@ -237,24 +233,40 @@ class CheckpointedForward:
         self.module = module
         self.forward = types.MethodType(type(module).forward, module)
         self.calls = 0
-        self.stats_layers = running_stats_layers(module)
         self.generators = _generators(module)
         self.mutates_input: bool | None = None  # learned at the first checkpointed call
         self.draws_rng: bool | None = None  # from Python's, NumPy's or the block's own generators: learned too
+        self.written_buffers: list[torch.Tensor] | None = None  # the buffers its forward changes: learned too
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """The buffers to record for this call: all of them at the first call (to learn which the
+        forward changes), then those it changed (by their version counter) and the running
+        statistics of :func:`running_stats_layers` (updated by kernels that bump no version)."""
+        if self.written_buffers is not None:
+            return self.written_buffers
+        return [b for b in self.module.buffers() if b.numel()]
 
     def __call__(self, *args, **kwargs):
         if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()):
             return self.forward(*args, **kwargs)
         self.calls += 1
-        replay = Replay(self.generators, self.stats_layers, track_rng=self.draws_rng is not False)
+        buffers = self._buffers()
+        versions = None if self.written_buffers is not None else [b._version for b in buffers]
+        replay = Replay(self.generators, buffers, track_rng=self.draws_rng is not False)
         contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
-                    if replay.track_rng or self.stats_layers else {})
+                    if replay.track_rng or buffers else {})
         if self.mutates_input is False:
             out = checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True, **contexts, **kwargs)
         else:
             out = self._from_copies(args, kwargs, contexts)
         if self.draws_rng is None:
             self.draws_rng = replay.drew()
+        if versions is not None:
+            stats = {id(b) for m in running_stats_layers(self.module)
+                     for b in (m.running_mean, getattr(m, "running_var", None), m.num_batches_tracked)
+                     if isinstance(b, torch.Tensor)}
+            self.written_buffers = [b for b, v in zip(buffers, versions) if b._version != v or id(b) in stats]
+            replay.keep_buffers(self.written_buffers)
         return out
 
     def _from_copies(self, args: tuple, kwargs: dict, contexts: dict):

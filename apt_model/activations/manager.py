@@ -235,7 +235,15 @@ class ActivationManager:
         """Wrap the model's forward in saved-tensor hooks going to its device's offloader."""
         off = self._offloader(torch.device(rec.device))
         hooks = _SavedTensorHooks(off.pack, off.unpack, defer_to_outer=True)
-        self.patches.add_handle(model.register_forward_pre_hook(SessionHook(hooks.enter)), "offload pre-hook")
+        key = id(model)
+
+        def enter(module, args):
+            # the model's buffers now (a forward may rebind them): tensors on them are not offloaded
+            off.module_storages[key] = frozenset(b.untyped_storage().data_ptr() for b in module.buffers())
+            hooks.enter(module, args)
+
+        self.patches.add_undo(lambda: off.module_storages.pop(key, None), "offload: the model's buffers")
+        self.patches.add_handle(model.register_forward_pre_hook(SessionHook(enter)), "offload pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
         self.patches.add_undo(hooks.unwind, "offload hooks an interrupted forward left entered")
         target = ("the host level (pinned), spilling to the swap files" if off.host is not None

@@ -6,8 +6,11 @@ is the handle itself, never a storage address (the first implementation keyed a 
 address, which the caching allocator reuses, so backward could receive another tensor's data).
 
 * Eligible: a dense tensor on the compute device of at least ``min_bytes`` that is neither a
-  parameter nor a view of one (parameters are the paging's business). Everything else is saved
-  as usual.
+  parameter nor a view of one (parameters are the paging's business), nor on the storage of a
+  module's buffer (:attr:`ActivationOffloader.module_storages`): the buffer stays alive anyway, so
+  offloading it frees nothing, and a kernel may change it in place after autograd saved it without
+  bumping its version (batch norm's running statistics), which raced the write to the swap file
+  (a ``SwapCorruptionError`` at backward, until 2026-11-26). Everything else is saved as usual.
 * Up to ``budget`` bytes of handles keep their tensor in memory: the most recent ones, which
   backward needs first. Older ones are offloaded: on a CPU-only run to the swap files (the level
   below host RAM), written by the I/O threads; below an accelerator to the host level first
@@ -154,6 +157,9 @@ class ActivationOffloader:
         self._forgotten: deque[tuple[int, str]] = deque()  # handles dropped on any thread, cleaned up by the next hook
         self._error: BaseException | None = None
         self.closed = False
+        #: storage data pointers of the adopted models' buffers, per model (set by the manager at
+        #: each forward): tensors on them are never offloaded
+        self.module_storages: dict[int, frozenset] = {}
 
     # ------------------------------------------------------------------ hooks
     def eligible(self, t: torch.Tensor) -> bool:
@@ -166,7 +172,13 @@ class ActivationOffloader:
             return False
         if t.numel() * t.element_size() < self.min_bytes:
             return False
-        return t.is_contiguous()  # what goes down is exactly the storage range
+        if not t.is_contiguous():  # what goes down is exactly the storage range
+            return False
+        if self.module_storages:
+            ptr = t.untyped_storage().data_ptr()
+            if any(ptr in ptrs for ptrs in self.module_storages.values()):
+                return False
+        return True
 
     def pack(self, t: torch.Tensor):
         self._raise_pending()

@@ -1561,3 +1561,19 @@ def test_torch_func_transforms_over_a_paged_model(tmp_path):
     (ref_logits, ref_grads), (logits, grads) = run(False), run(True)
     assert torch.equal(logits, ref_logits)
     assert ref_grads.keys() == grads.keys() and all(torch.equal(grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def test_a_parameter_listed_twice_in_the_optimizer_is_refused(tmp_path):
+    """Plain PyTorch warns about a parameter listed twice in a group and steps it twice; the
+    streamed step gave other results, silently. It is refused now, naming the parameter."""
+    m = model()
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m.to("cpu")
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            opt = torch.optim.SGD(list(m.parameters()) + [m.head.weight], lr=0.1)
+        m(torch.randint(0, 256, (2, 32))).sum().backward()
+        with pytest.raises(RuntimeError, match=r"tok_emb\.weight appears more than once in SGD"):
+            opt.step()
+    finally:
+        vb.disable()

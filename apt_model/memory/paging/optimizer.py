@@ -354,6 +354,7 @@ class OptimizerPaging:
         if self._in_step or not self._involves_paging(opt):
             return None
         self._adopt(opt, self.session.patches)
+        self._refuse_duplicates(opt)
         # torch passes the wrapped call's positional arguments, the optimizer itself first
         closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
         if closure is not None:
@@ -377,6 +378,22 @@ class OptimizerPaging:
         for g in opt.param_groups:
             g["params"] = []  # the step already under way has nothing left to do
         return None
+
+    def _refuse_duplicates(self, opt) -> None:
+        """Raises PagedOptimizerError when a parameter appears twice in ``opt``'s groups. Plain
+        PyTorch warns that this is deprecated and steps it twice per step, sharing one state; the
+        streamed step stepped it once per chunk it landed in, with other results (silently, until
+        2026-11-26)."""
+        seen: set[int] = set()
+        for g in opt.param_groups:
+            for p in g["params"]:
+                if id(p) in seen:
+                    label = self.session.labels.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+                    raise PagedOptimizerError(
+                        f"{label} appears more than once in {type(opt).__name__}'s parameter groups (PyTorch "
+                        "warns this is deprecated and steps it once per appearance); the paged step cannot repeat "
+                        "that: list each parameter once, or turn paging off (enable(paging='off'))")
+                seen.add(id(p))
 
     def _take_own_hooks(self, opt) -> tuple[dict, dict]:
         """The optimizer's own step hooks (``opt.register_step_pre_hook`` / ``..._post_hook``),

@@ -171,7 +171,7 @@ def test_eager_concluded_puts_back_the_scripts_own_instance_forward():
 
 
 def test_a_faster_rung_is_kept_after_its_trial_and_disable_restores_the_eager_module():
-    model = Net(delay=0.004)
+    model = Net(delay=0.02)  # a wide margin: on a loaded 2-core machine 4 ms was within the noise
     params = [id(p) for p in model.parameters()]
     records = []
     calls = []

@@ -309,3 +309,31 @@ def test_a_frozen_layer_holding_nan_is_skipped_not_a_failed_adoption(cpu_device)
         assert torch.isnan(m(x)).all() and torch.isnan(ref).all()
     finally:
         vb.disable()
+
+
+def test_unfreezing_a_layer_stored_in_fp4_says_its_weight_stays_frozen(cpu_device, caplog):
+    """A layer the switch stored in FP4 cannot train its weight (packed, not a Parameter):
+    unfreezing it trained only its bias, and nothing said so. It is logged once now, whether the
+    script unfreezes the module or loops over ``parameters()``; a layer whose bias was trainable
+    from the start (frozen weight, trained bias) says nothing."""
+    import logging
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128), nn.Linear(128, 2))
+    m[0].requires_grad_(False)
+    m[1].weight.requires_grad_(False)  # bias trained from the start
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m.to("cpu")
+        assert isinstance(m[0], FP4Linear) and isinstance(m[1], FP4Linear)
+        with caplog.at_level(logging.WARNING, logger="apt_model"):
+            m(torch.randn(2, 128))
+            assert "stays frozen" not in caplog.text
+            for p in m.parameters():
+                p.requires_grad_(True)
+            m(torch.randn(2, 128))
+            m(torch.randn(2, 128))
+    finally:
+        vb.disable()
+    warned = [r for r in caplog.records if "stays frozen" in r.getMessage()]
+    assert len(warned) == 1 and "FP4Linear(128->128)" in warned[0].getMessage()

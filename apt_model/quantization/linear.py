@@ -124,6 +124,8 @@ class FP4Linear(nn.Module):
             self.register_parameter("bias", None)
         self.compute_used: tuple[str, str] | None = None  # (path, why) of the last call
         self._native_cache: dict[str, tuple[bool, str]] = {}
+        self._bias_trainable = False  # at conversion: a bias made trainable later means "unfrozen"
+        self._warned_unfrozen = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -139,7 +141,23 @@ class FP4Linear(nn.Module):
                     compute=compute, weight_dtype=w.dtype, device="meta")
         layer.set_weight(w)
         layer.bias = linear.bias
+        layer._bias_trainable = linear.bias is not None and linear.bias.requires_grad
         return layer
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """As ``nn.Module.requires_grad_`` (the bias); unfreezing logs that the FP4 weight stays frozen."""
+        if requires_grad:
+            self._warn_unfrozen()
+        return super().requires_grad_(requires_grad)
+
+    def _warn_unfrozen(self) -> None:
+        """Say once, through logging, that this layer was unfrozen but its weight cannot train:
+        it is packed FP4, not a Parameter (only the bias trains). Silent until 2026-11-26."""
+        if not getattr(self, "_warned_unfrozen", False):
+            self._warned_unfrozen = True
+            log.warning("FP4Linear(%d->%d) was unfrozen, but its weight is stored in FP4 and stays frozen: only "
+                        "its bias trains. Train it with fp4='off', or unfreeze it before the model is adopted.",
+                        self.in_features, self.out_features)
 
     def set_weight(self, weight: torch.Tensor) -> None:
         """Quantize ``weight`` ``(out_features, in_features)`` into this layer's buffers (replacing them)."""
@@ -194,6 +212,8 @@ class FP4Linear(nn.Module):
         return True, why
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is not None and self.bias.requires_grad and not getattr(self, "_bias_trainable", True):
+            self._warn_unfrozen()  # p.requires_grad_() over model.parameters() reached only the bias
         dtype = _compute_dtype(x)
         rows = x.numel() // max(1, x.shape[-1])
         native, why = self._choose(x, rows)

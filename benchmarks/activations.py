@@ -15,7 +15,6 @@ ratios to "off", median step time and its ratio.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import sys
 import tempfile
@@ -23,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import from_worker, machine_info, write_json  # noqa: E402
+from measure import from_worker, machine_info, serve, start_worker, stop_workers, write_json  # noqa: E402
 
 VARIANTS = {
     "off": {},
@@ -79,12 +78,7 @@ def worker(conn, variant: str, args) -> None:
         th.join()
         return dt, peak[0] - base, hpeak[0] - hbase
 
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg == "stop":
-            break
-        conn.send(step(msg))
+    serve(conn, step)
     report = vb.get_report()["activations"] if vb.is_enabled() else None
     conn.send(report)
 
@@ -105,15 +99,7 @@ def main(argv=None) -> dict:
     if args.swap_dir is None:
         args.swap_dir = tempfile.gettempdir()
 
-    ctx = mp.get_context("spawn")
-    workers = {}
-    for name in VARIANTS:  # started one at a time
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, name, args), daemon=True)
-        proc.start()
-        child.close()  # the worker holds the only other end: its death ends the pipe
-        assert from_worker(parent, proc, f"{name}: starting") == "ready"
-        workers[name] = (parent, proc)
+    workers = {name: start_worker(worker, name, args, what=f"{name}: starting") for name in VARIANTS}
     results = {}
     names = list(VARIANTS)
     for seq in args.seq:
@@ -133,11 +119,7 @@ def main(argv=None) -> dict:
         results[seq] = {n: {"step_s": statistics.median(times[n]), "peak_bytes": statistics.median(peaks[n]),
                             "heap_peak_bytes": statistics.median(heaps[n]), "steps": times[n], "peaks": peaks[n],
                             "heap_peaks": heaps[n]} for n in names}
-    finals = {}
-    for name, (parent, proc) in workers.items():
-        parent.send("stop")
-        finals[name] = from_worker(parent, proc, f"{name}: stopping")
-        proc.join(timeout=60)
+    finals = stop_workers(workers)
 
     print(f"activation memory — GPT d={args.d_model} x{args.layers} (SDPA), batch {args.batch_size}, {args.threads} threads, "
           f"offload budget {args.offload_budget}, median of {args.rounds} interleaved steps")

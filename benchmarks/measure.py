@@ -85,6 +85,47 @@ def from_worker(conn, proc, what: str, timeout: float | None = None):
         raise WorkerDied(f"the worker died while {what} (exit code {proc.exitcode})") from None
 
 
+def start_worker(target, *args, what: str = "starting", timeout: float | None = None):
+    """Start ``target(conn, *args)`` in a spawned process and wait for its ``"ready"``; returns
+    ``(conn, proc)``. Workers are started one at a time by the callers, so one worker's set-up
+    (the switch's probes, a compile) never shares the cores with another's.
+
+    Raises:
+        WorkerDied: the worker ended or answered something else first (see :func:`from_worker`).
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+    proc.start()
+    child.close()  # the worker holds the only other end: its death ends the pipe
+    answer = from_worker(parent, proc, what, timeout)
+    if answer != "ready":
+        proc.terminate()
+        raise WorkerDied(f"the worker answered {answer!r} instead of 'ready' while {what}")
+    return parent, proc
+
+
+def serve(conn, handle) -> None:
+    """A worker's loop: send ``"ready"``, then answer each message with ``handle(message)`` until
+    ``"stop"``."""
+    conn.send("ready")
+    while (msg := conn.recv()) != "stop":
+        conn.send(handle(msg))
+
+
+def stop_workers(workers: dict) -> dict:
+    """Send ``"stop"`` to each ``name -> (conn, proc)`` worker; returns each one's last message
+    (its report) and joins it."""
+    finals = {}
+    for name, (conn, proc) in workers.items():
+        conn.send("stop")
+        finals[name] = from_worker(conn, proc, f"{name}: stopping")
+        proc.join(timeout=60)
+    return finals
+
+
 def cpu_and_minor_faults() -> tuple[float, int]:
     """CPU seconds of every thread of this process (``time.process_time``) and its minor page
     faults so far (``getrusage``): take two readings and subtract."""

@@ -19,13 +19,14 @@ first, for ``--rounds`` rounds. Reported: median step time per side, the speed-u
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from measure import machine_info, summarize, train_step, write_json  # noqa: E402
+from measure import (  # noqa: E402
+    from_worker, machine_info, serve, start_worker, stop_workers, summarize, train_step, write_json,
+)
 
 
 class EncoderLM:
@@ -107,12 +108,7 @@ def worker(conn, mode: str, args) -> None:
     while ladder_pending() and trial_steps < 500:
         step()  # likewise the compile ladder's warm-up and trial (docs/compile.md)
         trial_steps += 1
-    conn.send("ready")
-    while True:
-        msg = conn.recv()
-        if msg == "stop":
-            break
-        conn.send([step() for _ in range(msg)])
+    serve(conn, lambda n: [step() for _ in range(n)])
     report = vb.get_report() if vb.is_enabled() else None
     decisions = None
     if report:
@@ -143,14 +139,8 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     base = args.baseline
 
-    ctx = mp.get_context("spawn")
-    sides = {}
-    for mode in (base, args.mode):  # one at a time: the switch's probes must not share the cores
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=worker, args=(child, mode, args), daemon=True)
-        proc.start()
-        assert parent.recv() == "ready"
-        sides[mode] = (parent, proc)
+    # one at a time: the switch's probes must not share the cores
+    sides = {mode: start_worker(worker, mode, args, what=f"{mode}: starting") for mode in (base, args.mode)}
     times = {m: [] for m in sides}
     round_ratios = []
     order = list(sides)
@@ -159,14 +149,10 @@ def main(argv=None) -> dict:
         for mode in (order if r % 2 == 0 else order[::-1]):
             parent, _ = sides[mode]
             parent.send(args.steps_per_round)
-            per_round[mode] = parent.recv()
+            per_round[mode] = from_worker(parent, sides[mode][1], f"{mode}: round {r + 1}")
             times[mode].extend(per_round[mode])
         round_ratios.append(statistics.median(per_round[base]) / statistics.median(per_round[args.mode]))
-    finals = {}
-    for mode, (parent, proc) in sides.items():
-        parent.send("stop")
-        finals[mode] = parent.recv()
-        proc.join(timeout=30)
+    finals = stop_workers(sides)
 
     off, on = summarize(times[base]), summarize(times[args.mode])
     result = {

@@ -383,24 +383,29 @@ def test_a_checkpointed_block_using_a_childs_parameters_in_a_function_recomputes
     only through module hooks. ``out_proj``'s bias, used by the attention's forward but saved by
     no op, was evicted by then: "setStorage: ... out of bounds for storage of size 0" at the first
     backward. The attention unit now loads the pages its forward used outside their module."""
-    def loop(m, opt):
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            x = torch.randint(0, 256, (4, 16), generator=gen)
-            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
-
-    (ref_losses, ref_state), (losses, state), report = _both(tmp_path, loop,
+    (ref_losses, ref_state), (losses, state), report = _both(tmp_path, _lm_loop,
                                                              build=_CheckpointedEncoder, device_budget="64KB",
                                                              paging_step_in_backward="off")
     assert losses == ref_losses
     assert_same(ref_state, state)
     assert report["pager"]["bytes_in"] > 0
+
+
+def _lm_loop(m, opt, on_phase=lambda phase: None):
+    """Three next-byte training steps of ``m`` on random 4 x 16 batches; returns the losses.
+    ``on_phase("forward" | "backward")`` is called as each phase begins."""
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        opt.zero_grad()
+        x = torch.randint(0, 256, (4, 16), generator=gen)
+        on_phase("forward")
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        on_phase("backward")
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
 
 
 class _Interruptible(torch.nn.Module):
@@ -509,18 +514,7 @@ def test_a_container_unit_does_not_hold_a_page_it_uses_after_its_children(tmp_pa
     held, phase = [], ["forward"]
 
     def loop(m, opt):
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            opt.zero_grad()
-            x = torch.randint(0, 256, (4, 16), generator=gen)
-            phase[0] = "forward"
-            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
-            phase[0] = "backward"
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
+        return _lm_loop(m, opt, on_phase=lambda ph: phase.__setitem__(0, ph))
 
     def build():
         m = _Tied(checkpointed)

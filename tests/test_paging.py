@@ -1577,3 +1577,46 @@ def test_a_parameter_listed_twice_in_the_optimizer_is_refused(tmp_path):
             opt.step()
     finally:
         vb.disable()
+
+
+_SHARED_SCRIPT = '''
+import sys, tempfile, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+import apt_model.optimization.vb_global as vb
+def run(on):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if on:
+        vb.enable("balanced", swap_dir=sys.argv[1], paging="always", device_budget="16KB", banner=False,
+                  compile="off")
+    m.to("cpu")
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for s in range(4):
+        if s == 1:
+            for p in m.parameters():
+                p.share_memory_()  # what torch.multiprocessing does to tensors it sends to spawn workers
+        x = torch.randn(8, 64, generator=gen)
+        loss = F.mse_loss(m(x), x[:, :1])
+        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+    if on:
+        vb.disable()
+    return losses, [p.detach().clone() for p in m.parameters()]
+a, b = run(False), run(True)
+print("SAME" if a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) else "DIFFERENT")
+'''
+
+
+def test_a_parameter_moved_to_shared_memory_is_paged_through_a_copy(tmp_path):
+    """Sending a model to a DataLoader's spawn workers moves its tensors' storages to shared memory
+    (``share_memory_()``). Paging then resized that memory to free and reload the page, and the
+    process died (SIGSEGV, at the latest in ``disable()``). Such a parameter gets a private copy to
+    page, as one exported to NumPy does; training stays bitwise. In a subprocess: a crash must fail
+    this test, not end the test session."""
+    from conftest import clean_env
+
+    proc = subprocess.run([sys.executable, "-c", _SHARED_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=clean_env(), timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip().endswith("SAME"), proc.stdout

@@ -674,9 +674,12 @@ class Pager:
         if self._live(page) is None or page.state is not State.RESIDENT:
             return  # its tensor is gone (or was replaced and is being written): nothing to free here
         storage = page.storage()
-        if not storage.resizable():
+        if not storage.resizable() or storage.is_shared():
             # exported to NumPy (``p.detach().numpy()``: TensorBoard histograms), which fixes the
-            # storage's size for good: the tensor gets its own copy to page, the export keeps the old
+            # storage's size for good, or moved to shared memory (a DataLoader's spawn workers were
+            # sent a model: torch.multiprocessing shares its tensors' storages; resizing that memory
+            # crashed the process, until 2026-11-26): the tensor gets its own copy to page, the
+            # export or the workers keep the old
             _own_storage(page.bound())
             storage = page.storage()
             page.dirty = True

@@ -152,6 +152,7 @@ class PagingSession:
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
         norm, value = self._noting_clip(norm), self._noting_clip(value)
         self._patch_backward()
+        self._patch_pickling()
         backward_hooks.install(self.mode, self.patches)  # user hooks in backward see the fault handler
         compiled.install(self.patches)  # torch.compile runs paged models eagerly
         compiled.install_graph_inputs(self, self.patches)  # and loads pages a compiled graph reads directly
@@ -168,6 +169,31 @@ class PagingSession:
         for mod in (nn_utils, clip_mod):
             self.patches.set_attr(mod, "clip_grad_norm_", norm, label=f"{mod.__name__}.clip_grad_norm_")
             self.patches.set_attr(mod, "clip_grad_value_", value, label=f"{mod.__name__}.clip_grad_value_")
+
+    def _patch_pickling(self) -> None:
+        """``Tensor.__reduce_ex__`` (pickling: ``torch.save``, ``copy``) of a paged tensor loads its
+        page and keeps it pinned while the storage it hands to the pickler lives. A plain tensor's
+        ``__reduce_ex__`` takes a fast path that no torch function sees: ``torch.save(optimizer)``
+        (or its ``state``, or a checkpoint dict holding it) wrote 0-byte records for paged-out
+        optimizer states, and ``torch.load`` failed ("record size (0 bytes) does not match"),
+        until 2026-11-26. Parameters pickle through ``.data``, which the fault handler sees."""
+        real = torch.Tensor.__reduce_ex__
+        lookup = self.pager.by_tensor
+
+        @functools.wraps(real)
+        def __reduce_ex__(t, proto):
+            page = lookup.get(id(t)) if self.mode.active else None
+            if page is None:
+                return real(t, proto)
+            held = self.enter([page])
+            out = None
+            try:
+                out = real(t, proto)
+            finally:
+                self.exit(held, out, [page])
+            return out
+
+        self.patches.set_attr(torch.Tensor, "__reduce_ex__", __reduce_ex__, label="torch.Tensor.__reduce_ex__")
 
     def _patch_backward(self) -> None:
         """``torch.autograd.backward`` (which ``Tensor.backward`` calls) and ``torch.autograd.grad``
@@ -620,6 +646,13 @@ class PagingSession:
                 if st is not None and st.nbytes():
                     by_ptr[st.data_ptr()] = page
             for t in tree_leaves(output):
+                if isinstance(t, (torch.TypedStorage, torch.UntypedStorage)):  # pickling hands out the storage
+                    st = t._untyped_storage if isinstance(t, torch.TypedStorage) else t
+                    page = by_ptr.get(st.data_ptr()) if st.device.type == self.pager.device.type else None
+                    if page is not None:
+                        self.pager.acquire([page])
+                        weakref.finalize(t, self._release_alias, page)
+                    continue
                 if isinstance(t, torch.Tensor) and t.device.type == self.pager.device.type:
                     page = by_ptr.get(_storage_ptr(t))
                     # an in-place op returns the paged tensor itself (``p.grad.zero_()``): that is

@@ -321,3 +321,18 @@ def test_adopt_names_what_it_was_given_when_it_is_no_module(cpu_device):
             vb.adopt(torch.ones(2))
     finally:
         vb.disable()
+
+
+def test_a_compiled_wrapper_of_an_adopted_model_is_not_a_second_model(cpu_device):
+    """``torch.compile(model)`` after the model was adopted: its ``OptimizedModule`` was adopted
+    again at its first call, the same parameters reported and counted twice."""
+    vb.enable("balanced", compile="off", mixed_precision="off", banner=False)
+    try:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to("cpu")
+        compiled = torch.compile(m, backend="eager")
+        compiled(torch.randn(2, 8)).sum().backward()
+        models = [(r["name"], r["trigger"]) for r in vb.get_report()["models"]]
+    finally:
+        vb.disable()
+    assert models == [("Sequential", "to()")]

@@ -96,7 +96,10 @@ def _inert_hook():
 
 class SessionHook:
     """A hook bound to this process's switch session. Pickling it (``torch.save(model)``,
-    ``copy.deepcopy``) yields a no-op hook: a saved or copied model is a plain model."""
+    ``copy.deepcopy``) yields a no-op hook: a saved or copied model runs as a plain model. The
+    no-op is a function of apt_model (a hook must be a picklable callable that returns None, and
+    the standard library offers none that takes a hook's arguments), so loading a whole model
+    pickled while the switch was on needs apt_model importable; a ``state_dict`` needs nothing."""
 
     def __init__(self, fn: Callable):
         self.fn = fn

@@ -725,6 +725,12 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
         dev = model_device(module)
         if skip_adoption(module, st.seen):  # a DataParallel replica, or a DDP wrapper of an adopted model
             return False
+        inner = getattr(module, "_orig_mod", None)  # torch.compile(model)'s OptimizedModule
+        if isinstance(inner, nn.Module) and inner in st.seen:
+            # the script compiled a model already adopted: the same parameters, not a second model
+            # (it was reported twice, its parameters counted twice, until 2026-11-26)
+            st.seen.add(module)
+            return False
         if getattr(module, "_vb_internal", False):  # one of our probes, with everything inside it
             for m in module.modules():
                 st.seen.add(m)

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
-from apt_model.base.patches import PatchSet
+from apt_model.base.patches import PatchSet, SessionHook
 
 #: How PyTorch words a device mismatch: the CUDA/ATen checks, and the generic device guard
 #: ("Tensor on device cpu is not on the expected device meta!") other backends raise.
@@ -77,7 +77,7 @@ class DeviceMismatchHint:
 
 def attach_mismatch_hint(model: nn.Module, patches: PatchSet) -> None:
     """Attach :class:`DeviceMismatchHint` to ``model``; removed when ``patches`` is restored."""
-    handle = model.register_forward_hook(DeviceMismatchHint(model), always_call=True)
+    handle = model.register_forward_hook(SessionHook(DeviceMismatchHint(model)), always_call=True)
     patches.add_handle(handle, f"device-mismatch hint {type(model).__name__}")
 
 

@@ -231,6 +231,7 @@ print("PEAK", peak[0] - base)
 """
 
 
+@pytest.mark.slow  # ~34 s on 2 cores (two fresh processes at seq 1024); the default suite keeps to its 15 minutes
 def test_memory_mode_cuts_peak_rss_at_seq_1024(tmp_path):
     """Peak RSS above the pre-step level during one training step of a GPT at seq 1024, measured
     with psutil (sampled every 0.5 ms) in fresh processes: memory mode vs the switch off."""

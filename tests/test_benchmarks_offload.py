@@ -188,6 +188,7 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
         assert "aten::" in prof.read_text()
 
 
+@pytest.mark.slow  # ~35 s on 2 cores: three worker processes; the default suite keeps to its 15 minutes
 def test_cpu_mode_without_clipping_measures_the_step_inside_backward_against_after(tmp_path):
     """--clip 0: a third worker keeps the step after backward; the paged worker steps inside
     backward (armed), reads fewer bytes (no gradient comes back) and says so in the JSON."""

@@ -359,7 +359,10 @@ def snapshot_states(opt):
 # ------------------------------------------------------------------ 2. a failure inside optimizer.step
 class FailingAdamW(torch.optim.AdamW):
     """AdamW whose ``fail_on``-th step call raises — before updating, or after updating its
-    parameters (``after``). The paging session calls the step once per chunk."""
+    parameters (``after``). The paging session calls the step once per chunk; ``vb_per_parameter``
+    tells it the overridden step still updates each parameter alone."""
+
+    vb_per_parameter = True
 
     def __init__(self, params, **kw):
         super().__init__(params, **kw)

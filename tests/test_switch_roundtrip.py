@@ -42,10 +42,12 @@ def test_adopted_model_is_unpatched_by_disable_and_keeps_working():
     vb.enable("balanced", attention="sdpa", mixed_precision="bf16", compile="off", banner=False)
     model.to("cpu")
     assert all(b.attn.attn_implementation == "sdpa" for b in model.blocks)
+    from apt_model.base.patches import SessionHook
     from apt_model.switch.placement import DeviceMismatchHint
 
     assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 2  # autocast + mismatch hint
-    assert sum(isinstance(h, DeviceMismatchHint) for h in model._forward_hooks.values()) == 1
+    assert sum(isinstance(h, SessionHook) and isinstance(h.fn, DeviceMismatchHint)
+               for h in model._forward_hooks.values()) == 1
     during = model(x)
     assert not torch.equal(during, ref)  # bf16 autocast really ran
     vb.disable()

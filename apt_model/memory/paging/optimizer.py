@@ -78,11 +78,16 @@ def steps_per_parameter(opt: torch.optim.Optimizer) -> tuple[bool, str]:
     why not: its class is one of :data:`PER_PARAMETER`, or a subclass of one that overrides none
     of its step methods (``step``, ``_init_group``). A subclass that does (divides gradients by the
     group's total norm, scales the learning rate by ``len(group["params"])``...) may couple the
-    parameters: stepped in chunks, it gave other results, silently, until 2026-11-26."""
+    parameters: stepped in chunks, it gave other results, silently, until 2026-11-26. A subclass
+    whose author knows its step still updates each parameter alone (it counts calls, logs, injects
+    a fault) says so with the attribute ``vb_per_parameter = True``; the step then runs once per
+    chunk, so side effects in it run once per chunk too."""
     mro = type(opt).__mro__
     base = next((c for c in mro if c in PER_PARAMETER), None)
     if base is None:
         return False, "it is not known to update each parameter independently"
+    if getattr(opt, "vb_per_parameter", False) is True:
+        return True, ""  # the script says its subclass's step keeps the base's per-parameter update
     for cls in mro[:mro.index(base)]:
         # torch wraps a class's ``step`` for its profiler and hooks in the first instance's
         # __init__, setting it on the subclass: a wrapper around the base's own step is no override
@@ -224,7 +229,8 @@ class OptimizerPaging:
             names = ", ".join(c.__name__ for c in PER_PARAMETER)
             raise PagedOptimizerError(
                 f"{type(opt).__name__} holds paged parameters but {why}, so it cannot be stepped in chunks; "
-                f"use one of {names} (or a subclass that keeps their step), or turn paging off "
+                f"use one of {names} (or a subclass that keeps their step, or set vb_per_parameter = True on "
+                "a subclass whose step still updates each parameter alone), or turn paging off "
                 "(enable(paging='off'))"
             )
         self.known.add(opt)

@@ -620,3 +620,38 @@ def test_module_buffers_saved_for_backward_are_never_offloaded(tmp_path, cpu_dev
     finally:
         vb.disable()
     assert packed == sizes["all"] - sizes["buffers"] > 0
+
+
+def test_buffers_replayed_after_the_model_is_cast_are_its_new_ones(cpu_device):
+    """A block's changed buffers are learned at its first call. ``model.double()`` afterwards puts
+    new tensors in the modules' buffers: the replay held the old ones, so the recomputation updated
+    the running statistics a second time again (``num_batches_tracked`` 5 for 3 steps)."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+                                     for _ in range(3)])
+
+    def train(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for step in range(3):
+            if step == 1:
+                m.double()
+            loss = m(torch.randn(8, 16, generator=gen, dtype=next(m.parameters()).dtype)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return m
+
+    ref = train(build())
+    m = build()
+    vb.enable("balanced", checkpointing=True, **PLAIN)
+    try:
+        m.to("cpu")
+        train(m)
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    assert calls > 3
+    assert m[0][1].num_batches_tracked.item() == 3
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))

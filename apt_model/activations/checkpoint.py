@@ -236,21 +236,24 @@ class CheckpointedForward:
         self.generators = _generators(module)
         self.mutates_input: bool | None = None  # learned at the first checkpointed call
         self.draws_rng: bool | None = None  # from Python's, NumPy's or the block's own generators: learned too
-        self.written_buffers: list[torch.Tensor] | None = None  # the buffers its forward changes: learned too
+        # the buffers its forward changes, learned too: (module, name), looked up at each call, since
+        # model.to() / .half() put new tensors in a module's buffers
+        self.written_buffers: list[tuple[nn.Module, str]] | None = None
 
-    def _buffers(self) -> list[torch.Tensor]:
+    def _buffers(self) -> list[tuple[nn.Module, str]]:
         """The buffers to record for this call: all of them at the first call (to learn which the
         forward changes), then those it changed (by their version counter) and the running
         statistics of :func:`running_stats_layers` (updated by kernels that bump no version)."""
         if self.written_buffers is not None:
             return self.written_buffers
-        return [b for b in self.module.buffers() if b.numel()]
+        return [(m, name) for m in self.module.modules() for name, b in m.named_buffers(recurse=False) if b.numel()]
 
     def __call__(self, *args, **kwargs):
         if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()):
             return self.forward(*args, **kwargs)
         self.calls += 1
-        buffers = self._buffers()
+        named = self._buffers()
+        buffers = [getattr(m, name) for m, name in named]
         versions = None if self.written_buffers is not None else [b._version for b in buffers]
         replay = Replay(self.generators, buffers, track_rng=self.draws_rng is not False)
         contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
@@ -265,8 +268,9 @@ class CheckpointedForward:
             stats = {id(b) for m in running_stats_layers(self.module)
                      for b in (m.running_mean, getattr(m, "running_var", None), m.num_batches_tracked)
                      if isinstance(b, torch.Tensor)}
-            self.written_buffers = [b for b, v in zip(buffers, versions) if b._version != v or id(b) in stats]
-            replay.keep_buffers(self.written_buffers)
+            written = [i for i, (b, v) in enumerate(zip(buffers, versions)) if b._version != v or id(b) in stats]
+            self.written_buffers = [named[i] for i in written]
+            replay.keep_buffers([buffers[i] for i in written])
         return out
 
     def _from_copies(self, args: tuple, kwargs: dict, contexts: dict):

@@ -264,15 +264,9 @@ class FP4Linear(nn.Module):
         plain = prefix + "weight"
         if plain in state_dict and prefix + "weight_data" not in state_dict:  # an nn.Linear state dict
             w = state_dict.pop(plain)
-            if self._holds(w):  # this layer's own dequantized weight (a state dict of it in nn.Linear form):
-                for name in ("weight_data", "weight_scales", "weight_tensor_scale"):  # keep the codes
-                    if getattr(self, name) is not None:
-                        state_dict[prefix + name] = getattr(self, name)
-                state_dict.setdefault(prefix + "_extra_state", self.get_extra_state())
-                super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                              unexpected_keys, error_msgs)
-                return
-            q = quantize(w.to(self.weight_data.device), self.format, self.scale_rule or "floor")
+            # this layer's own dequantized weight (its state dict in nn.Linear form) keeps its codes
+            q = self.fp4_weight if self._holds(w) else quantize(w.to(self.weight_data.device), self.format,
+                                                                self.scale_rule or "floor")
             state_dict[prefix + "weight_data"] = q.data
             state_dict[prefix + "weight_scales"] = q.scales
             if q.tensor_scale is not None:
@@ -281,7 +275,6 @@ class FP4Linear(nn.Module):
                                                            "weight_dtype": str(w.dtype).replace("torch.", "")})
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-
 
     def _holds(self, w) -> bool:
         """Whether ``w`` is exactly this layer's dequantized weight (shape, dtype and every value):

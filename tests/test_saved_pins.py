@@ -422,10 +422,9 @@ class _Interruptible(torch.nn.Module):
         return y
 
 
-def test_an_interrupted_forward_leaves_no_pins_and_teaches_no_unit(tmp_path):
-    """The units whose forward an interrupt ended kept their pages pinned (never evicted again),
-    and a page used outside its module later was learned into such a unit no longer running.
-    The next forward lets them go."""
+def _paged_and_interrupted(tmp_path):
+    """A three-layer model paged under the switch (on, for the caller to turn off), whose first
+    forward a ``KeyboardInterrupt`` ended inside its middle unit; returns it and its input."""
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(64, 64), _Interruptible(), torch.nn.Linear(64, 64))
     vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "device_budget": "64KB"}, compile="off")
@@ -437,8 +436,20 @@ def test_an_interrupted_forward_leaves_no_pins_and_teaches_no_unit(tmp_path):
             m(x)
         except KeyboardInterrupt:
             pass
-        assert _pinned_pages()  # the interrupted units' pins (a unit's forward hook never ran)
         m[1].interrupt = False
+    except BaseException:
+        vb.disable()
+        raise
+    return m, x
+
+
+def test_an_interrupted_forward_leaves_no_pins_and_teaches_no_unit(tmp_path):
+    """The units whose forward an interrupt ended kept their pages pinned (never evicted again),
+    and a page used outside its module later was learned into such a unit no longer running.
+    The next forward lets them go."""
+    m, x = _paged_and_interrupted(tmp_path)
+    try:
+        assert _pinned_pages()  # the interrupted units' pins (a unit's forward hook never ran)
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         (m(x).sum() + torch.nn.functional.linear(x, m[0].weight).sum()).backward()  # a use outside any unit
         opt.step()
@@ -447,25 +458,15 @@ def test_an_interrupted_forward_leaves_no_pins_and_teaches_no_unit(tmp_path):
     finally:
         vb.disable()
     assert pinned == [], [pg.label for pg in pinned]
-    assert all(len(u.pages) == len(list(u.module.parameters(recurse=False))) for u in units)
+    assert all(len(u.pages) + len(u.learned) == len(list(u.module.parameters(recurse=False))) for u in units)
 
 
 def test_an_interrupted_forward_does_not_leave_the_next_ones_counted_as_nested(tmp_path):
     """The root forward hook that lowers the forward depth never ran after an interrupt: every
     later forward counted as nested, so none began a pass (an unfinished backward's pins were never
     let go, nor an unclaimed step inside backward undone)."""
-    torch.manual_seed(0)
-    m = torch.nn.Sequential(torch.nn.Linear(64, 64), _Interruptible(), torch.nn.Linear(64, 64))
-    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "device_budget": "64KB"}, compile="off")
+    m, x = _paged_and_interrupted(tmp_path)
     try:
-        m.to("cpu")
-        x = torch.randn(4, 64)
-        m[1].interrupt = True
-        try:
-            m(x)
-        except KeyboardInterrupt:
-            pass
-        m[1].interrupt = False
         m(x).sum().backward()
         depth = vb_session().paging.forward_depth
     finally:

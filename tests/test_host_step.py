@@ -22,10 +22,10 @@ from apt_model.memory.swap import SwapSpace
 from test_paging import assert_same, make_opt, model, snapshot, train
 
 
-def _session(tmp_path, host_budget=64 * 2**20):
+def _session(tmp_path, host_budget=64 * 2**20, level_budget=2 * 2**20):
     tmp_path.mkdir(parents=True, exist_ok=True)
     patches = PatchSet()
-    session = PagingSession(2 * 2**20, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget,
+    session = PagingSession(level_budget, SwapSpace(tmp_path), patches, device="cpu", host_budget=host_budget,
                             host_level=True)
     return session, patches
 
@@ -117,7 +117,10 @@ def test_the_host_step_in_chunks_is_bitwise_the_whole_step(tmp_path, monkeypatch
     ref = train(ref_m, ref_opt, 4, clip=0.5)
     m = model()
     opt = make_opt(m, "adamw")
-    session, patches = _session(tmp_path, host_budget=host_budget)
+    p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    # level 0 with room for the kept parameters and a few gradients: the others are evicted (their
+    # host copies, or where those spilled, their files, are what the step reads)
+    session, patches = _session(tmp_path, host_budget=host_budget, level_budget=p_bytes + 160 * 2**10)
     try:
         session.page_model(m, page_params=False, page_grads=True)
         session.step_on_host(m, exact=True)

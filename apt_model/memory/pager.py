@@ -15,6 +15,12 @@ Policy:
   as ``over_budget_bytes``.
 * **Pins.** A page pinned by a running forward, backward or optimizer chunk is never evicted.
 * **Prefetch.** Loads can start ahead of use on the reader thread; ``acquire`` waits for them.
+* **Written, then cached.** :meth:`write_behind` writes a page out as :meth:`evict_now` would but
+  keeps its memory: once the write lands the page is resident and clean, and eviction drops it
+  with no I/O (least recently used first) when room is needed. Gradients, the states a step
+  created or updated and the parameters it updated go down this way, so with room in the budget
+  the next use reads nothing back. A clean page's scaling (gradient clipping) is applied in
+  memory and also owed by its lower copy (``page.scales``), so the page stays clean.
 * **Writes never race compute.** Acquiring a page whose write is in flight waits for the write.
   A write that completed at once (the host level's copy with the CPU standing in for a device)
   frees the page at once; an accelerator's device-to-host copy runs on a copy stream, and the
@@ -339,7 +345,7 @@ class Pager:
             except BaseException:
                 if not fut.done():
                     raise
-            page.future = None
+            page.future, page.retain = None, False
             self._set(page, State.RESIDENT)
             if fut.exception() is None:
                 page.dirty = False
@@ -635,14 +641,19 @@ class Pager:
         t = page.bound() if t is None else t
         if t is None:
             return
+        for factor, foreach in page.scales:
+            Pager._apply_scale(t, factor, foreach)
+
+    @staticmethod
+    def _apply_scale(t: torch.Tensor, factor, foreach: bool) -> None:
+        """``t *= factor`` with the op the caller would have used (see :meth:`_apply_scales`)."""
         with torch.no_grad(), torch._C.DisableTorchFunction():
-            for factor, foreach in page.scales:
-                if isinstance(factor, torch.Tensor) and factor.device != t.device:
-                    factor = factor.to(t.device)
-                if foreach:
-                    torch._foreach_mul_([t], factor)
-                else:
-                    t.mul_(factor)
+            if isinstance(factor, torch.Tensor) and factor.device != t.device:
+                factor = factor.to(t.device)
+            if foreach:
+                torch._foreach_mul_([t], factor)
+            else:
+                t.mul_(factor)
 
     def zero_lower(self, page: Page) -> bool:
         """Zero a paged-out page without reading it (``grad.zero_()`` by ``zero_grad(set_to_none=False)``):
@@ -655,22 +666,33 @@ class Pager:
             return True
 
     def defer_scale(self, page: Page, factor: torch.Tensor, foreach: bool) -> bool:
-        """Multiply a paged-out page by ``factor`` lazily (on its next load). Returns False if the
-        page is resident (the caller multiplies it in place instead)."""
+        """Multiply a page by ``factor`` without making it dirty: a paged-out page lazily (on its
+        next load); a clean resident one (a gradient :meth:`write_behind` kept) in memory now, the
+        factor also owed by its lower copy, so that dropping it still costs no write. Returns False
+        if the page is dirty and resident (the caller multiplies it in place instead)."""
         with self._lock:
-            if self._live(page) is None:
+            t = self._live(page)
+            if t is None:
                 return False
             if page.state is State.WRITING and page.future is not None:
                 # scaling it in place would wait for this write too, then dirty the page and write
                 # it again: wait (bounded) here and defer instead (an async device-to-host copy)
                 self._finish_write(page, wait=True)
+            if page.state is State.RESIDENT and not page.dirty and not page.zero_on_load and self.store.has(page):
+                page.scales.append((factor, foreach))
+                self._apply_scale(t, factor, foreach)
+                page.cached_norm = None
+                return True
             if page.state is not State.LOWER:
                 return False
             page.scales.append((factor, foreach))
             page.cached_norm = None
             return True
 
-    def _evict(self, page: Page) -> None:
+    def _evict(self, page: Page, retain: bool = False) -> None:
+        """Write ``page`` out if it is dirty and free it; with ``retain`` (:meth:`write_behind`) its
+        memory is kept: the page ends resident and clean once the write lands."""
+        page.retain = retain
         if self._live(page) is None or page.state is not State.RESIDENT:
             return  # its tensor is gone (or was replaced and is being written): nothing to free here
         storage = page.storage()
@@ -688,7 +710,7 @@ class Pager:
             self._set(page, State.WRITING)
             if page.future.done():  # a synchronous copy (CPU host level): free the bytes now; an
                 self._finish_write(page, wait=False)  # async one is freed by reap() once its event completed
-        else:
+        elif not retain:
             self._free(page)
 
     def _alloc(self, storage: torch.UntypedStorage, nbytes: int) -> None:
@@ -714,8 +736,9 @@ class Pager:
         if self.device.type == "cpu" and self._freed_since_trim >= _TRIM_EVERY:
             self.trim()
 
-    def _finish_write(self, page: Page, wait: bool) -> bool:
-        """Complete a page's write; frees it unless pinned. Returns False if still running."""
+    def _finish_write(self, page: Page, wait: bool, free: bool = False) -> bool:
+        """Complete a page's write; frees it unless pinned or retained (:meth:`write_behind`; with
+        ``free``, a retained page is freed too: its room is needed). Returns False if still running."""
         fut = page.future
         if fut is None:
             return True
@@ -732,7 +755,8 @@ class Pager:
             raise
         page.future = None
         page.scales = []  # the new lower copy already has every scaling applied
-        if page.pins > 0 or page.bound() is None:
+        retained, page.retain = page.retain and not free, False
+        if page.pins > 0 or page.bound() is None or retained:
             self._set(page, State.RESIDENT)
             page.dirty = False
             if page.bound() is None:
@@ -792,7 +816,7 @@ class Pager:
             for page in sorted(self._writing_pages.values(), key=lambda p: p.last_use):
                 if self.resident_bytes + nbytes <= self.budget:
                     break
-                self._finish_write(page, wait=True)
+                self._finish_write(page, wait=True, free=True)
             if self.resident_bytes + nbytes <= self.budget:
                 return
             # prefetches nobody has used hold room too (the step's first chunk, prefetched after a
@@ -923,6 +947,20 @@ class Pager:
                 self._touch(p)
             self._note_resident()
 
+    def write_behind(self, pages: Iterable[Page]) -> None:
+        """Start writing unpinned dirty resident ``pages`` to the level below and keep their memory:
+        once a write lands the page is resident and clean — a cached copy that :meth:`make_room`
+        drops without I/O when it needs the room, and that the next :meth:`acquire` finds resident
+        (a hit, no read). A gradient is the case this is for: written as backward produces it (as
+        :meth:`evict_now` would), read again by the optimizer step soon after, when the level often
+        still has room for it. A clean page is left as it is.
+        """
+        with self._lock:
+            self._drain_deferred()
+            for p in pages:
+                if p is not None and p.pins == 0 and not p.keep and p.state is State.RESIDENT:
+                    self._evict(p, retain=True)
+
     def evict_now(self, pages: Iterable[Page]) -> None:
         """Write out (if dirty) and free unpinned ``pages`` now."""
         with self._lock:
@@ -997,17 +1035,20 @@ class Pager:
 
     def host_copy(self, page: Page) -> torch.Tensor | None:
         """The page's current data as a CPU tensor sharing its lower copy in host memory (no copy),
-        for reading at once; None where that is not the current data as is — the page is resident,
-        owes deferred scalings or zeroing, or its copy is not in host memory (use
-        :meth:`materialize`, with ``settle=False``: this already waited). A write to the host level
-        still running is waited for (:meth:`_settle_write`; never raises).
+        for reading at once; None where that is not the current data as is — the page is resident
+        and dirty (or loading), owes deferred scalings or zeroing, or its copy is not in host memory
+        (use :meth:`materialize`, with ``settle=False``: this already waited). A clean resident page
+        (kept by :meth:`write_behind`) is read from its lower copy too: on an accelerator that spares
+        a device-to-host copy. A write to the host level still running is waited for
+        (:meth:`_settle_write`; never raises).
         """
         with self._lock:
             t = self._live(page)
             if t is None:
                 return None
             self._settle_write(page)
-            if page.state is not State.LOWER or page.scales or page.zero_on_load:
+            clean = page.state is State.LOWER or (page.state is State.RESIDENT and not page.dirty)
+            if not clean or page.scales or page.zero_on_load:
                 return None
             return self.store.host_tensor(page, t)
 

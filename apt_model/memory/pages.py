@@ -60,6 +60,8 @@ class Page:
         dirty: the resident bytes differ from the lower copy (or there is none).
         pins: users that need the bytes resident right now.
         keep: never evicted (the placement plan keeps this category resident).
+        retain: its write in flight was started by :meth:`Pager.write_behind`: once it lands the
+            page stays resident and clean (a cached copy) instead of being freed.
     """
 
     category: Category
@@ -71,6 +73,7 @@ class Page:
     dirty: bool = True
     pins: int = 0
     keep: bool = False
+    retain: bool = False
     last_use: int = 0
     future: Future | None = None
     zero_on_load: bool = False  # a gradient zeroed in place while paged: load as zeros

@@ -561,9 +561,11 @@ class OptimizerPaging:
             pages = self._page_new_states(opt, p)
             undo.created += [(p, pg) for pg in pages]
             new += pages
-        pager.release(read, evict=True)
-        pager.release(write, evict=bool(self.page_states))
-        pager.evict_now(new)
+        pager.release(read, evict=True)  # gradients: a clean copy is dropped, no I/O
+        pager.release(write)
+        if self.page_states:  # written now, their memory kept while level 0 has room for it
+            pager.write_behind(write)
+        pager.write_behind(new)
 
     def begin_transaction(self, opt) -> "_StepUndo":
         """Open a step transaction for ``opt`` outside ``optimizer.step()`` (the step inside backward,

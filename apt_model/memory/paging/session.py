@@ -465,7 +465,7 @@ class PagingSession:
             self.grad_pages[id(p)] = page
             page.cached_norm = norm
             self.backward_step.grad_landed(p)  # stepped now where the step runs inside backward
-            self.pager.evict_now([page])  # moved down as it is produced
+            self.pager.write_behind([page])  # written as it is produced, kept in memory while there is room
             return
         self.pager.sync(page)  # a new tensor (autograd's, or the first after a None) is bound now
         page.dirty = True
@@ -473,7 +473,7 @@ class PagingSession:
             self.pager.release([page], evict=False)
         page.cached_norm = norm  # set after release: the page is unpinned, its data final for now
         self.backward_step.grad_landed(p)
-        self.pager.evict_now([page])
+        self.pager.write_behind([page])
 
     @staticmethod
     def _norm(g: torch.Tensor) -> torch.Tensor:

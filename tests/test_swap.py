@@ -252,3 +252,59 @@ def test_enable_on_the_cpu_asks_torch_for_aligned_big_blocks_unless_the_user_cho
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == (["True", "True"] if user is None else ["False", "False"])
+
+
+def test_a_forked_child_neither_removes_the_swap_folder_nor_waits_for_threads_it_lacks(tmp_path):
+    """A child made by ``os.fork()`` after paging started runs the same exit handlers: until
+    2026-11-26 its normal exit removed the parent's swap folder (the parent's next load found its
+    files missing, and its state was lost); a read it asked for waited the whole timeout for I/O
+    threads that exist only in the parent. Now the child's exit leaves the folder, and its use of
+    the I/O engine fails at once with a ForkedPagingError."""
+    from apt_model.memory.io_engine import IOEngine
+    from apt_model.memory.swap import ForkedPagingError
+
+    space = SwapSpace(tmp_path)
+    engine = IOEngine(readers=1, writers=1)
+    space.write("a", memoryview(b"x" * 4096))
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: close as its atexit would, try a read, report by exit status
+            code = 3
+            try:
+                space.close()
+                try:
+                    engine.submit_read(4096, lambda: None, "a read").result(timeout=5)
+                    code = 1
+                except ForkedPagingError as err:
+                    code = 0 if "forked" in str(err) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert space.folder.is_dir()
+        out = bytearray(4096)
+        space.read_into("a", memoryview(out))  # the parent's file is intact
+        assert bytes(out) == b"x" * 4096
+        assert engine.submit_read(1, lambda: 7, "a read").result(timeout=30) == 7  # the parent's threads serve it
+    finally:
+        engine.close()
+        space.close()
+    assert not space.folder.exists()  # the owner's close removes it
+
+
+def test_a_relative_swap_dir_survives_a_change_of_working_directory(tmp_path, monkeypatch):
+    """``VB_SWAP_DIR=relsw`` and a script that changes directory later (Hydra does): the folder is
+    resolved once, so its files are found again (until 2026-11-26 they were reported missing)."""
+    (tmp_path / "relsw").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    space = SwapSpace("relsw")
+    try:
+        assert space.folder.is_absolute() and space.folder.parent == tmp_path / "relsw"
+        space.write("a", memoryview(b"y" * 4096))
+        monkeypatch.chdir(tmp_path / "elsewhere")
+        out = bytearray(4096)
+        space.read_into("a", memoryview(out))
+        assert bytes(out) == b"y" * 4096
+    finally:
+        space.close()

@@ -14,6 +14,7 @@ reported with a :class:`~apt_model.memory.swap.SwapTimeoutError`, not joined for
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,7 @@ class _Direction:
 
     def __init__(self, name: str, threads: int):
         self.name = name
+        self.pid = os.getpid()  # the pool's threads exist in this process only (not in a forked child)
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"vb-swap-{name}")
         self.stats = IOStats()
         self._lock = threading.Lock()
@@ -59,6 +61,15 @@ class _Direction:
         self.running: dict[str, str] = {}  # thread name -> label of the job it runs
 
     def submit(self, nbytes: int, fn: Callable[[], Any], label: str) -> Future:
+        if os.getpid() != self.pid:
+            from apt_model.memory.swap import ForkedPagingError
+
+            raise ForkedPagingError(
+                f"{label}: this process (pid {os.getpid()}) was forked by the process that pages the model (pid "
+                f"{self.pid}) and uses its paged state; the swap I/O threads exist only there. Use the model in the "
+                "parent, fork before enable(), or start workers with the 'spawn' method (they then load their own "
+                "copy); DataLoader workers that do not touch the model are fine")
+
         def job():
             me = threading.current_thread().name
             with self._lock:

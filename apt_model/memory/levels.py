@@ -190,6 +190,14 @@ class VGPUStack:
         """Bytes of training state Level 0 may hold."""
         return self.levels[0].capacity
 
+    @property
+    def budget_setting(self) -> str:
+        """The setting that sets level 0's capacity, as errors name it: on a CPU-only run the
+        smaller of ``device_budget`` and ``host_budget`` (the same memory), else ``device_budget``."""
+        if self.shared_host and self.host_budget and not (self.device_budget and self.device_budget <= self.host_budget):
+            return "host_budget (VB_HOST_BUDGET)"
+        return "device_budget (VB_DEVICE_BUDGET)"
+
     def _build(self) -> None:
         avail = int(psutil.virtual_memory().available)
         host_cap = self.host_budget or int(avail * (1 - self.headroom))

@@ -188,7 +188,8 @@ def _io_estimate(plan: PlacementPlan, disk: dict | None, levels, device) -> str:
 
 
 def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_factor: float = 2.0,
-                   force: bool = False, levels=None, device=None) -> PlacementPlan:
+                   force: bool = False, levels=None, device=None,
+                   budget_setting: str = "device_budget (VB_DEVICE_BUDGET)") -> PlacementPlan:
     """Plan paging for ``model`` under a level-0 ``budget``.
 
     Args:
@@ -202,6 +203,8 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
         levels: the VGPU stack's levels (:class:`~apt_model.memory.levels.Level`); with
             ``device``, decides which levels the pages move to for the time estimate.
         device: the device the model's training state is on (None: as on a CPU).
+        budget_setting: the setting that sets ``budget``, as the error names it (on a CPU-only run
+            ``host_budget`` where it is the smaller; see ``VGPUStack.budget_setting``).
 
     Raises:
         PagingBudgetError: paging is needed but no plan can hold ``budget`` (its smallest working
@@ -241,7 +244,7 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
         raise PagingBudgetError(
             f"the level-0 budget {format_size(budget)} cannot be held while paging {type(model).__name__} "
             f"(training state {format_size(total)}): {what} needs {format_size(ws)} resident at once, more than "
-            f"the budget plus the largest page ({format_size(largest)}) allows; set device_budget (VB_DEVICE_BUDGET) "
+            f"the budget plus the largest page ({format_size(largest)}) allows; set {budget_setting} "
             f"to at least {format_size(ws - largest)} ({ws - largest} bytes), or page anyway with paging='always' "
             "(level 0 will then go over the budget)"
         )

@@ -152,6 +152,13 @@ class PagingRecoveryError(SwapError):
         self.folder = folder
 
 
+class ForkedPagingError(SwapError):
+    """A process made by ``os.fork()`` after paging started used the paged state: its swap I/O
+    threads exist only in the parent (a fork copies the calling thread alone), so paging cannot
+    serve the child. The parent's paging is untouched; the child's exit no longer removes the
+    parent's swap folder (until 2026-11-26 it did, and the parent's state was lost)."""
+
+
 class SwapTimeoutError(SwapError):
     """A wait of the memory stack (a page's read or write, a lock) did not end within
     ``VB_SWAP_TIMEOUT`` seconds; the message names what was awaited (see :mod:`apt_model.memory.waits`)."""
@@ -297,10 +304,12 @@ class _Owner:
         self.folder = folder
         self.fd = fd
         self.keep = False
+        self.pid = os.getpid()  # a child made by os.fork() runs the same atexit/finalizer: it is no owner
 
     def release(self) -> None:
-        """Delete the folder (unless it is kept), then drop the lock."""
-        if not self.keep:
+        """Delete the folder (unless it is kept), then drop the lock; in a forked child, only
+        close the child's copy of the lock descriptor (the parent keeps the lock and the folder)."""
+        if not self.keep and os.getpid() == self.pid:
             shutil.rmtree(self.folder, ignore_errors=True)
         if self.fd is not None:
             try:
@@ -359,7 +368,8 @@ class SwapSpace:
 
     def __init__(self, root: str | os.PathLike | None = None, budget: int | None = None):
         explicit = root is not None or read_env(SWAP_DIR) is not None
-        self.root = Path(root) if root is not None else default_swap_root()
+        # absolute: a script that changes its working directory later (Hydra does) must find its files
+        self.root = Path(os.path.abspath(root)) if root is not None else default_swap_root()
         if not self.root.exists():
             if explicit:
                 raise ConfigError(f"swap directory {str(self.root)!r} does not exist; create it or set VB_SWAP_DIR to a folder that does")

@@ -74,11 +74,12 @@ class PagingStep(FeatureStep):
                 log.warning("paging='always' not applied: %s", reason)
             return Decision(self.name, req, "off", reason)
         budget = stack.compute_budget
-        plan = plan_placement(model, budget, None, force=req == "always")
+        plan = plan_placement(model, budget, None, force=req == "always", budget_setting=stack.budget_setting)
         if not plan.paged:
             return Decision(self.name, req, "resident", plan.reason, details={"plan": plan.to_dict()})
         bw = stack.measure()
-        plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=stack.levels, device=ctx.device)
+        plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=stack.levels, device=ctx.device,
+                              budget_setting=stack.budget_setting)
         step = self._step_placement(plan, ctx)
         return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
                         plan=plan, details={"plan": plan.to_dict(), "optimizer_step": step.to_dict()},

@@ -50,6 +50,38 @@ def reference_run() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def reference_unfreeze() -> dict[str, torch.Tensor]:
+    """Plain PyTorch, one process, the global batch: the model frozen but its head, and its first
+    layer unfrozen from step 2 (``scenario_unfreeze``'s schedule)."""
+    model = make_model().requires_grad_(False)
+    _unfreeze_train(model, lambda k: slice(k * GLOBAL, (k + 1) * GLOBAL))
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def reference_alone(rank: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch, one process, training on rank ``rank``'s shard only (a model per rank)."""
+    model = make_model()
+    _train(model, model, rank)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _unfreeze_train(model: nn.Module, rows) -> list[float]:
+    model[4].requires_grad_(True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    x, y = make_data()
+    losses = []
+    for k in range(STEPS):
+        if k == 2:
+            model[0].requires_grad_(True)
+        sl = rows(k)
+        loss = F.mse_loss(model(x[sl]), y[sl])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _shard(k: int, rank: int):
     x, y = make_data()
     sl = slice(k * GLOBAL + rank * LOCAL, k * GLOBAL + (rank + 1) * LOCAL)
@@ -110,6 +142,63 @@ def scenario_nested(vb, rank):
     out = {"losses": losses, "params": _full_params(model), "models": rep["distributed"]["models"]}
     vb.disable()
     return out
+
+
+def scenario_unfreeze(vb, rank):
+    """Fine-tuning: the model frozen when moved (its head unfrozen after), its first layer unfrozen
+    at step 2. The switch's DDP is attached at the first training forward with a trainable
+    parameter and rebuilt when the trainable set grows."""
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    model = make_model().requires_grad_(False).to(vb.device())
+    losses = _unfreeze_train(model, lambda k: slice(k * GLOBAL + rank * LOCAL, k * GLOBAL + (rank + 1) * LOCAL))
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "model_features": rep["models"][0]["features"],
+           "models": rep["distributed"]["models"]}
+    vb.disable()
+    return out
+
+
+def scenario_script_group(vb, rank):
+    """The script initializes the process group itself (a script that runs a model per rank: an
+    ensemble, a sweep) and never wraps its model: left as written, each rank trains on its own."""
+    import torch.distributed as dist
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    model = make_model().to(vb.device())
+    losses = _train(model, model, rank)
+    rep = vb.get_report()
+    out = {"losses": losses, "params": _full_params(model), "model_features": rep["models"][0]["features"]}
+    vb.disable()
+    return out
+
+
+class _Branchy(nn.Module):
+    """A model whose forward never uses one of its submodules (``b``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def scenario_unused(vb, rank):
+    """A single-process script whose model has a submodule the forward skips, under torchrun: the
+    switch's DDP refuses at the second step; the error says which setting fixes it."""
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    torch.manual_seed(0)
+    model = _Branchy().to(vb.device())
+    error = None
+    try:
+        _train(model, model, rank)
+    except Exception as err:  # noqa: BLE001 - reported to the test
+        error = f"{type(err).__name__}: {err}"
+    vb.disable()
+    return {"error": error}
 
 
 def scenario_script_ddp(vb, rank):

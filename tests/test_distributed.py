@@ -454,8 +454,8 @@ def scenarios(tmp_path_factory):
     """All CPU scenarios of tests/dist_worker.py in one torchrun job (two ranks, gloo; the switch pinned
     to the CPU and CUDA hidden, so they mean the same on a machine with a GPU)."""
     out = tmp_path_factory.mktemp("ddp")
-    torchrun([str(ROOT / "tests" / "dist_worker.py"), str(out), "switch_ddp", "nested", "script_ddp", "fsdp2",
-              "accelerate"], out, env=CPU_ONLY)
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), str(out), "switch_ddp", "nested", "unfreeze", "unused",
+              "script_ddp", "script_group", "fsdp2", "accelerate"], out, env=CPU_ONLY)
     ref_losses, ref_params = dist_worker.reference_run()
 
     def load(name, rank):
@@ -497,6 +497,35 @@ def test_a_submodule_adopted_first_is_reduced_once_by_the_whole_models_ddp(scena
     assert rows["model:Linear#1"]["wrapper"] == "part of a DDP model"
     assert "reduced by the DDP of model:Sequential#2" in rows["model:Linear#1"]["reason"]
     assert rows["model:Sequential#2"]["wrapper"] == "DDP"
+
+
+def test_a_model_frozen_when_moved_and_unfrozen_later_is_reduced_over_what_trains(scenarios):
+    """Until 2026-11-26 a model with no trainable parameter when moved was never wrapped, and a
+    layer unfrozen after the first step was never reduced: the ranks trained apart, silently."""
+    r0, r1 = scenarios.load("unfreeze", 0), scenarios.load("unfreeze", 1)
+    for n, ref in dist_worker.reference_unfreeze().items():
+        p0, p1 = torch.tensor(r0["params"][n]), torch.tensor(r1["params"][n])
+        assert torch.equal(p0, p1), f"{n} differs between ranks"
+        torch.testing.assert_close(p0, ref, rtol=0, atol=PARAM_ATOL, msg=f"{n} vs one process")
+    feat = r0["model_features"]["distributed"]
+    assert feat["chosen"] == "DDP" and "rebuilt (2 builds)" in feat["reason"], feat
+
+
+def test_a_scripts_own_group_with_an_unwrapped_model_is_left_as_written(scenarios):
+    """A script that initializes the group itself and trains a model per rank (an ensemble): the
+    switch attaches no DDP (until 2026-11-26 it did: the members came out identical, and a
+    pipeline-parallel script hung in DDP's constructor); each rank trains exactly as alone."""
+    for rank in (0, 1):
+        r = scenarios.load("script_group", rank)
+        for n, ref in dist_worker.reference_alone(rank).items():
+            assert torch.equal(torch.tensor(r["params"][n]), ref), (rank, n)
+        feat = r["model_features"]["distributed"]
+        assert feat["chosen"] == "as written" and "initialized the process group itself" in feat["reason"], feat
+
+
+def test_a_submodule_the_forward_skips_is_an_error_that_names_the_switchs_setting(scenarios):
+    err = scenarios.load("unused", 0)["error"]
+    assert err.startswith("DistributedError: the DDP the switch attached") and "find_unused_parameters': True" in err
 
 
 def test_a_scripts_nccl_becomes_gloo_on_cpu_and_its_own_ddp_is_not_doubled(scenarios):

@@ -56,6 +56,11 @@ def _ddp_class():
     return DistributedDataParallel
 
 
+def trainable_ids(model: nn.Module) -> tuple[int, ...]:
+    """id() of ``model``'s parameters that require grad, in order: what a DDP built now reduces."""
+    return tuple(id(p) for p in model.parameters() if p.requires_grad)
+
+
 class InPlaceDDP:
     """DDP semantics attached to ``model`` itself.
 
@@ -80,6 +85,8 @@ class InPlaceDDP:
         finally:
             _internal.depth -= 1
         self.ddp._vb_internal = True  # never adopted as a model of its own
+        #: id() of the parameters the reducer reduces (those requiring grad when it was built)
+        self.trainable = trainable_ids(model)
         self.device_ids = device_ids
         self._pending = False
         self._prev_active = None
@@ -96,6 +103,17 @@ class InPlaceDDP:
         DDP._active_ddp_module = self.ddp  # what torch.compile's DDP optimizer looks for
         try:
             args, kwargs = self.ddp._pre_forward(*args, **kwargs)
+        except RuntimeError as err:
+            DDP._active_ddp_module = self._prev_active
+            if "find_unused_parameters" not in str(err):
+                raise
+            from apt_model.base.errors import DistributedError
+
+            raise DistributedError(
+                "the DDP the switch attached to this model in place found parameters that got no gradient in the "
+                "last backward (a submodule the forward skipped). Enable the switch with "
+                "ddp_options={'find_unused_parameters': True}, or with distributed='off' (VB_DISTRIBUTED=off) if the "
+                f"script handles its ranks itself. torch's message: {err}") from err
         except BaseException:
             DDP._active_ddp_module = self._prev_active
             raise
@@ -125,12 +143,18 @@ class DistributedModelHook:
 
     Until the model's first forward with gradients enabled it is undecided; then
     ``decide(hook, module)`` (the session's policy) either attaches an :class:`InPlaceDDP` or
-    leaves the model alone. Replicas made by ``nn.DataParallel`` (which copy hooks) are ignored.
+    leaves the model alone. A model with no trainable parameters yet stays undecided (a fine-tuning
+    script that unfreezes after moving it). Where the set of parameters that require grad differs at
+    a training forward from the one the DDP was built over (a layer unfrozen or frozen mid-training),
+    ``decide`` runs again and builds a new one: a reducer only ever reduces the parameters it was
+    built with (the others would train apart on each rank, or the reducer waits for gradients that
+    never come). Replicas made by ``nn.DataParallel`` (which copy hooks) are ignored.
     """
 
     def __init__(self, decide, rec, record):
         self.state = "undecided"
         self.ddp: InPlaceDDP | None = None
+        self.builds = 0  # InPlaceDDP objects built for the model (more than one: its trainable set changed)
         self._decide = decide
         self.rec = rec  # the model's adoption record
         self.record = record  # record(rec, chosen, reason): the model's "distributed" decision
@@ -138,10 +162,11 @@ class DistributedModelHook:
     def pre(self, module: nn.Module, args: tuple, kwargs: dict):
         if getattr(module, "_is_replica", False):
             return None
-        if self.state == "undecided":
+        if self.state == "undecided" or (self.state == "ddp" and torch.is_grad_enabled()
+                                           and trainable_ids(module) != self.ddp.trainable):
             if not torch.is_grad_enabled():
                 return None
-            self._decide(self, module)
+            self._decide(self, module)  # first decision, or DDP rebuilt over the parameters trainable now
         if self.state == "ddp":
             return self.ddp.pre(module, args, kwargs)
         return None

@@ -17,10 +17,14 @@ The policy, per adopted model (the ``distributed`` setting is ``auto``):
 
 1. already under a wrapper (DDP, FSDP2, FSDP, DataParallel, DTensor parameters): left to it;
 2. a single process (no launcher, ``WORLD_SIZE=1``, no multi-rank group): nothing to do;
-3. otherwise DDP is attached in place at the model's first training forward
-   (:mod:`apt_model.distributed.ddp`) — unless by then the script wrapped it itself, which is
-   then respected — after initializing the default process group if the script has not
-   (:mod:`apt_model.distributed.process_group`).
+3. the script initialized the default process group itself and has not wrapped the model by its
+   first training forward: left as written — such a script manages its ranks (pipeline stages,
+   a model per rank, its own gradient all-reduce), and DDP's collectives would hang or change it;
+4. otherwise DDP is attached in place at the model's first training forward with a trainable
+   parameter (:mod:`apt_model.distributed.ddp`) — unless by then the script wrapped it itself,
+   which is then respected — after initializing the default process group
+   (:mod:`apt_model.distributed.process_group`); it is rebuilt where the set of trainable
+   parameters changes.
 
 Paging (``apt_model.memory``) frees parameter and gradient storage and assumes one process;
 DDP's reducer, FSDP's sharding and DataParallel's replicas read that storage. So a model that
@@ -41,7 +45,7 @@ from apt_model.devices.binding import set_current_device
 from apt_model.distributed.data_parallel import check_device_ids, visible_data_parallel_devices
 from apt_model.distributed.ddp import DistributedModelHook, InPlaceDDP
 from apt_model.base.launch import read_launch_env
-from apt_model.distributed.process_group import ProcessGroupManager
+from apt_model.distributed.process_group import BY_SWITCH, ProcessGroupManager
 from apt_model.distributed.wrappers import install_guards, wrapper_kind
 from apt_model.base.errors import DistributedError
 from apt_model.base.feature import Decision
@@ -210,10 +214,6 @@ class DistributedSession:
             reason = f"distributed=off: the script's own wrapping applies ({why})"
             self._row(rec, "as written", reason)
             return Decision("distributed", "off", "as written", reason, facts=block)
-        if not any(p.requires_grad for p in model.parameters()):
-            reason = "no trainable parameters: nothing to synchronize"
-            self._row(rec, "not wrapped", reason)
-            return Decision("distributed", "auto", "not wrapped", reason)
         self._row(rec, "pending", "DDP at first training forward")
         return Decision("distributed", "auto", "DDP at first training forward",
                         f"{why}; DDP is attached in place (same object, state_dict keys and optimizer) at the model's "
@@ -251,10 +251,31 @@ class DistributedSession:
                                 "Trainer): left to it, not wrapped twice")
         if kind is not None:
             return leave(kind, f"under {kind}, applied by the script: left to it, not wrapped twice")
+        if hook.ddp is not None:  # the trainable parameters changed since DDP was built over them: rebuilt
+            old, hook.ddp = hook.ddp, None
+            old.remove()
+            for key in old.trainable:
+                if self._ddp_owner.get(key) == rec.scope:
+                    del self._ddp_owner[key]
+            hook.state = "undecided"
         params = [p for p in module.parameters() if p.requires_grad]
+        if not params:  # frozen for now (fine-tuning that unfreezes later): decided at a training forward with some
+            if not any(r["model"] == rec.scope and r["wrapper"] == "not wrapped yet" for r in self.models):
+                reason = ("no trainable parameters at this training forward: nothing to synchronize yet; DDP is "
+                          "attached at the first training forward where some parameter requires grad")
+                hook.record(rec, "not wrapped yet", reason)
+                self._row(rec, "not wrapped yet", reason)
+            return None
         owned = {self._ddp_owner[id(p)] for p in params if id(p) in self._ddp_owner}
         if params and all(id(p) in self._ddp_owner for p in params):
             return leave("part of a DDP model", f"its parameters are reduced by the DDP of {', '.join(sorted(owned))}")
+        if self.pg.initialized and self.pg.status != BY_SWITCH:
+            return leave("as written", (
+                f"the script initialized the process group itself ({self.pg.world_size()} ranks, backend "
+                f"{self.pg.backend()}) and runs this model unwrapped: left as written, since such a script manages "
+                "its ranks itself (pipeline stages, a model per rank, its own gradient all-reduce). For the "
+                "switch's DDP let the switch create the group (drop the script's init_process_group, or call "
+                "vb.ensure_process_group() instead), or wrap the model in DistributedDataParallel"))
         if not self.pg.ensure(f"first training forward of {rec.scope}"):
             return leave("single process", self.pg.reason if self.pg.status != "not initialized"
                          else "the process group has a single rank")
@@ -271,13 +292,17 @@ class DistributedSession:
                                    f"backend {dist.get_backend()}): {type(err).__name__}: {err}") from err
         for p in params:
             self._ddp_owner.setdefault(id(p), rec.scope)
+        rebuilt = hook.builds > 0
+        hook.builds += 1
         hook.state = "ddp"
         opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items())) or "DDP defaults"
         reason = (f"DDP over {dist.get_world_size()} ranks (backend {dist.get_backend()}, rank {dist.get_rank()}): "
                   f"parameters and buffers broadcast from rank 0 now, gradients averaged across ranks in buckets "
                   f"during backward; attached in place ({opts})"
                   + (f"; {len(ignore)} parameter(s) left to {', '.join(sorted(owned))}" if ignore else "")
-                  + "; forwards without gradients run locally")
+                  + "; forwards without gradients run locally"
+                  + (f"; rebuilt ({hook.builds} builds) because the set of trainable parameters changed (now "
+                     f"{len(params)}): DDP reduces the parameters that required grad when it was built" if rebuilt else ""))
         hook.record(rec, "DDP", reason)
         self._row(rec, "DDP", reason)
 

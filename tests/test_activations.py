@@ -376,6 +376,48 @@ def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device)
     assert m[0][1].num_batches_tracked.item() == 3
 
 
+def checkpointed_and_plain(build, train):
+    """``train(build())`` in plain PyTorch, then again with the switch checkpointing the blocks:
+    (the plain model, the checkpointed one, the checkpointed calls its blocks made)."""
+    ref = train(build())
+    m = build()
+    vb.enable("balanced", checkpointing=True, **PLAIN)
+    try:
+        m.to("cpu")
+        train(m)
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    return ref, m, calls
+
+
+def test_a_graph_backpropagated_twice_recomputes_its_checkpointed_blocks_twice(cpu_device):
+    """``backward(retain_graph=True)`` then a second backward through the same graph (a penalty on
+    the output): each backward recomputes every checkpointed block, with the RNG state and buffers
+    its forward saw. Until 2026-11-26 the second recomputation raised ``AttributeError:
+    '_GeneratorContextManager' object has no attribute 'args'`` at the first step."""
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16),
+                                                         torch.nn.Dropout(0.2)) for _ in range(3)])
+
+    def train(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        torch.manual_seed(2)  # dropout
+        for _ in range(3):
+            out = m(torch.randn(8, 16, generator=gen))
+            opt.zero_grad()
+            out.square().mean().backward(retain_graph=True)
+            out.abs().mean().backward()
+            opt.step()
+        return m
+
+    ref, m, calls = checkpointed_and_plain(build, train)
+    assert calls > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
+
+
 def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path, cpu_device):
     """``torch.func.grad`` refuses saved-tensor hooks, which non-reentrant checkpointing and
     activation offload are built on: it raised "torch.func.{grad, vjp, jacrev, hessian} don't yet
@@ -643,15 +685,7 @@ def test_buffers_replayed_after_the_model_is_cast_are_its_new_ones(cpu_device):
             opt.step()
         return m
 
-    ref = train(build())
-    m = build()
-    vb.enable("balanced", checkpointing=True, **PLAIN)
-    try:
-        m.to("cpu")
-        train(m)
-        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
-    finally:
-        vb.disable()
+    ref, m, calls = checkpointed_and_plain(build, train)
     assert calls > 3
     assert m[0][1].num_batches_tracked.item() == 3
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))

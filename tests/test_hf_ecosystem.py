@@ -89,6 +89,30 @@ def test_hf_model_trains_in_every_mode_exactly_like_plain_pytorch(name, mode, cp
     assert tuple(losses) == plain(name)  # nothing numerics-changing applied: bit-identical losses
 
 
+def test_the_scripts_own_checkpointing_is_left_as_configured_and_survives_disable(cpu_device):
+    """A script that enabled Hugging Face activation checkpointing itself, on every other layer:
+    memory mode leaves it as configured (not its own every-block policy), and ``disable()`` does
+    not switch it off (until 2026-11-26 it did: training after disable() kept full activations)."""
+    model = build("llama")
+    if hasattr(model, "activation_checkpointing_enable"):  # the name since transformers 5
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=2)
+    layers = list(model.model.layers)
+    before = [(layer.gradient_checkpointing, layer._gradient_checkpointing_func) for layer in layers]
+    assert [flag for flag, _ in before] == [True, False]
+    vb.enable("memory", banner=False, mixed_precision="off", compile="off")
+    model.to(vb.device()).train()
+    x = batch()
+    model(input_ids=x, labels=x).loss.backward()
+    feats = vb.get_report()["models"][0]["features"]
+    vb.disable()
+    assert feats["activation_checkpointing"]["chosen"] == "the script's own"
+    assert "left as it configured it" in feats["activation_checkpointing"]["reason"]
+    assert [(layer.gradient_checkpointing, layer._gradient_checkpointing_func) for layer in layers] == before
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
+
+
 @pytest.mark.parametrize("name,mode", [("gpt2", "balanced"), ("llama", "memory"), ("bert", "balanced"), ("bert", "memory")])
 def test_hf_model_trains_with_the_modes_own_requests(name, mode):
     losses, feats = train(name, mode)  # mixed precision as the mode and the probes decide

@@ -195,8 +195,15 @@ class Replay:
                 self.saved_buffers = [(b, b.clone()) for b in self.buffers]
         yield
 
+    def recompute(self) -> "_EachEntry":
+        """The recomputation's context: may be entered once per recomputation — a graph
+        backpropagated twice (``retain_graph=True``, a gradient penalty, double backward) recomputes
+        the block again with the same object, which a generator's one-shot context manager refused
+        until 2026-11-26 (``AttributeError: '_GeneratorContextManager' object has no attribute 'args'``)."""
+        return _EachEntry(self._recompute)
+
     @contextlib.contextmanager
-    def recompute(self):
+    def _recompute(self):
         current = self.capture() if self.saved is not None else None
         if current is not None:
             self._set(self.saved)
@@ -212,6 +219,24 @@ class Replay:
             with torch.no_grad():
                 for b, c in now:
                     b.copy_(c)
+
+
+class _EachEntry:
+    """A context manager entered any number of times (also nested): each entry runs a fresh
+    ``make()`` context manager, exited in the reverse order."""
+
+    def __init__(self, make):
+        self.make = make
+        self.active: list = []
+
+    def __enter__(self):
+        cm = self.make()
+        value = cm.__enter__()
+        self.active.append(cm)
+        return value
+
+    def __exit__(self, *exc):
+        return self.active.pop().__exit__(*exc)
 
 
 def _generators(module: nn.Module) -> list:
@@ -335,9 +360,21 @@ def blocks_for_budget(per_block: list[int], inputs: list[int], outside: int, bud
     return sorted(chosen)
 
 
+def checkpointed_by_script(blocks: Blocks) -> list[int]:
+    """Indices of the blocks a Hugging Face model checkpoints already, by the script's own
+    ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` (their
+    ``gradient_checkpointing`` flag is set); empty for any other model."""
+    return [i for i, layer in enumerate(blocks.modules) if getattr(layer, "gradient_checkpointing", False) is True]
+
+
 def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patches) -> str:
-    """Checkpoint ``blocks.modules[i]`` for ``i`` in ``indices``; returns how (``hf`` or ``wrapped``)."""
+    """Checkpoint ``blocks.modules[i]`` for ``i`` in ``indices``; returns how: ``hf`` (Hugging Face's
+    own checkpointing, switched on here and off again by ``disable()``), ``script`` (a Hugging Face
+    model the script already checkpoints: left exactly as the script configured it, and still so
+    after ``disable()``; see :func:`checkpointed_by_script`) or ``wrapped``."""
     hf = _hf_checkpointing(model)
+    if hf is not None and checkpointed_by_script(blocks):
+        return "script"
     GradientCheckpointingLayer = None
     if hf is not None:  # a Hugging Face model: transformers is imported already; never import it otherwise
         try:

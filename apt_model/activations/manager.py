@@ -24,6 +24,7 @@ from apt_model.activations.checkpoint import (
     BlockMeter,
     apply_to_blocks,
     blocks_for_budget,
+    checkpointed_by_script,
     choose_blocks,
     find_blocks,
     in_function_transform,
@@ -34,6 +35,11 @@ from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.sizes import format_size
 from apt_model.base.feature import Decision
 from apt_model.base.patches import SessionHook
+
+
+#: How :func:`apply_to_blocks` checkpointed, in the report's words.
+_HOW = {"hf": "Hugging Face activation checkpointing", "wrapped": "torch.utils.checkpoint",
+        "script": "the script's own Hugging Face activation checkpointing, left as it configured it"}
 
 
 class _SavedTensorHooks:
@@ -175,6 +181,11 @@ class ActivationManager:
             self._measure_then_choose(model, blocks, arg, record, record_later)
             return decision
         how = apply_to_blocks(model, blocks, arg, self.patches)
+        if how == "script":
+            record["checkpointed"] = [f"{blocks.name}.{i}" for i in checkpointed_by_script(blocks)]
+            return decision.amend(chosen="the script's own", reason=(
+                f"the script already enabled Hugging Face activation checkpointing on {len(record['checkpointed'])} "
+                f"of {len(blocks.modules)} {blocks.kind} block(s): left as it configured it (and so after disable())"))
         record["checkpointed"] = [f"{blocks.name}.{i}" for i in arg]
         return decision.amend(reason=f"{decision.reason} "
                               f"({'Hugging Face activation checkpointing' if how == 'hf' else 'torch.utils.checkpoint, non-reentrant'})")
@@ -202,7 +213,8 @@ class ActivationManager:
             total = meter.outside + sum(meter.per_block)
             if chosen:
                 how = apply_to_blocks(model, blocks, chosen, self.patches)
-                record["checkpointed"] = [f"{blocks.name}.{i}" for i in chosen]
+                record["checkpointed"] = [f"{blocks.name}.{i}" for i in
+                                          (checkpointed_by_script(blocks) if how == "script" else chosen)]
             after = total - sum(meter.per_block[i] - meter.inputs[i] for i in chosen)
             record["measured"] = {"per_block": meter.per_block, "block_inputs": meter.inputs, "outside": meter.outside,
                                   "total": total, "after": after, "budget": budget}
@@ -212,8 +224,7 @@ class ActivationManager:
                 f"({format_size(max(meter.per_block))} in the largest {blocks.kind}); checkpointing "
                 f"{len(chosen)} block(s) from the next step brings it to about {format_size(after)} "
                 f"(budget {format_size(budget)})"
-                + (f" via {'Hugging Face activation checkpointing' if chosen and how == 'hf' else 'torch.utils.checkpoint'}"
-                   if chosen else "")))
+                + (f" via {_HOW[how]}" if chosen else "")))
 
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(root_pre)), "checkpoint meter pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(root_post), always_call=True),

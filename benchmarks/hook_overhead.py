@@ -7,8 +7,9 @@ paging forced and a level-0 budget larger than the training state, so parameters
 states stay resident after the first step. What remains is what a paged model pays on every step
 whatever its budget: the unit hooks around each layer's forward and backward (acquire, release,
 the forward-scope frames), the gradient hooks, the page-fault handler on every tensor op, the
-streamed optimizer step, and the gradients, which are written behind as they land and read back
-for the step (the pager's design, so the swap disk's speed is in it too; the bytes are printed).
+streamed optimizer step, and the writes of the gradients, states and updated parameters, which
+are written behind as they are produced (kept in memory too while the budget has room, so after
+the first step nothing is read back; the swap disk's write speed is in it; the bytes are printed).
 The layers are small so that this, not the arithmetic, shows. After a warm-up the workers take turns — never at the same time — running
 ``--steps-per-round`` steps each, alternating which goes first, for ``--rounds`` rounds.
 

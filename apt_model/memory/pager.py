@@ -17,7 +17,8 @@ Policy:
 * **Prefetch.** Loads can start ahead of use on the reader thread; ``acquire`` waits for them.
 * **Written, then cached.** :meth:`write_behind` writes a page out as :meth:`evict_now` would but
   keeps its memory: once the write lands the page is resident and clean, and eviction drops it
-  with no I/O (least recently used first) when room is needed. Gradients, the states a step
+  with no I/O when room is needed — such copies first, before pages in use (least recently used
+  first among each). Gradients, the states a step
   created or updated and the parameters it updated go down this way, so with room in the budget
   the next use reads nothing back. A clean page's scaling (gradient clipping) is applied in
   memory and also owed by its lower copy (``page.scales``), so the page stays clean.
@@ -724,6 +725,7 @@ class Pager:
 
     def _free(self, page: Page) -> None:
         storage = page.storage()
+        page.cached = False
         self._set(page, State.LOWER)
         page.dirty = False
         self.stats.bytes_out += page.nbytes
@@ -759,6 +761,7 @@ class Pager:
         if page.pins > 0 or page.bound() is None or retained:
             self._set(page, State.RESIDENT)
             page.dirty = False
+            page.cached = retained and page.pins == 0
             if page.bound() is None:
                 self._live(page)  # the tensor was dropped while it was written: settle the page now
         else:
@@ -799,9 +802,11 @@ class Pager:
             need = self.resident_bytes + nbytes - self.budget
             if need <= 0:
                 return
+            # written-behind copies nobody used since first (dropping them costs no I/O, and they are
+            # what eviction at once would have freed), then least recently used
             victims = sorted((p for p in self.pages.values()
                               if p.state is State.RESIDENT and p.pins == 0 and not p.keep and id(p) not in protected),
-                             key=lambda p: p.last_use)
+                             key=lambda p: (not p.cached, p.last_use))
             for victim in victims:
                 if need <= 0:
                     break
@@ -877,6 +882,7 @@ class Pager:
                 if p.state is not State.RESIDENT:
                     continue  # dropped meanwhile
                 p.pins += 1
+                p.cached = False
                 pinned.append(p)
                 if for_write:
                     p.dirty = True

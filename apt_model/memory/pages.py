@@ -62,6 +62,8 @@ class Page:
         keep: never evicted (the placement plan keeps this category resident).
         retain: its write in flight was started by :meth:`Pager.write_behind`: once it lands the
             page stays resident and clean (a cached copy) instead of being freed.
+        cached: resident and clean after such a write, not used since: eviction drops these
+            first (no I/O), before the least recently used pages in use.
     """
 
     category: Category
@@ -74,6 +76,7 @@ class Page:
     pins: int = 0
     keep: bool = False
     retain: bool = False
+    cached: bool = False
     last_use: int = 0
     future: Future | None = None
     zero_on_load: bool = False  # a gradient zeroed in place while paged: load as zeros

@@ -18,7 +18,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
-_PATTERN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")  # ASCII digits only: "١٦MB" is no size
 
 
 _FORMS = "write a whole number of bytes with an optional unit, e.g. 512MB, 4GiB, 1.5GB or 1048576"

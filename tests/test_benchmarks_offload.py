@@ -204,6 +204,7 @@ def test_cpu_mode_without_clipping_measures_the_step_inside_backward_against_aft
     assert "step after backward" in res.stdout
 
 
+@pytest.mark.slow  # 9 s: a full benchmark start-up whose worker is killed
 def test_cpu_mode_reports_a_worker_that_dies_instead_of_waiting_for_it(tmp_path):
     """A worker that fails at start (here: a swap folder that does not exist) used to leave the
     parent waiting on the pipe forever; now the run ends with status 1 and a line naming the worker."""

@@ -244,6 +244,7 @@ RESUME = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 15 s (a second interpreter); test_checkpoint_saved_while_paged_resumes_bitwise covers it in-process
 def test_checkpoint_resumes_bitwise_in_a_fresh_process(tmp_path):
     from conftest import ROOT
 

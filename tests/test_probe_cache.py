@@ -215,6 +215,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow  # 11 s: two fresh interpreters running the switch
 def test_the_switch_in_a_fresh_process_uses_the_cached_result(tmp_path):
     """Two processes, one cache folder: the first probes and writes, the second probes nothing
     (no probe function is called) and decides the same way from the cached figures."""

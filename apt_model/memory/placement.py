@@ -247,6 +247,9 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
             f"the budget plus the largest page ({format_size(largest)}) allows; set {budget_setting} "
             f"to at least {format_size(ws - largest)} ({ws - largest} bytes), or page anyway with paging='always' "
             "(level 0 will then go over the budget)"
+            + ("; the plan assumes the model trains (AdamW: a gradient and two states per trainable parameter): a "
+               "model that is only evaluated needs its parameters alone, so call model.requires_grad_(False) "
+               "before moving it" if what.startswith("the optimizer step") else "")
         )
     plan.paged = True
     plan.page_params = "parameters" in paged

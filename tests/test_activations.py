@@ -342,6 +342,23 @@ def test_offload_on_the_accelerator_goes_to_pinned_host_memory_and_is_exact(tmp_
     assert rep["offloaded_bytes"] > 0 and rep["loaded_bytes"] > 0
 
 
+def checkpointed_and_plain(build, train):
+    """``train(build())`` in plain PyTorch, then again with the switch checkpointing the blocks:
+    (the plain model, the checkpointed one, the checkpointed calls its blocks made, the model's
+    ``activation_checkpointing`` decision)."""
+    ref = train(build())
+    m = build()
+    vb.enable("balanced", checkpointing=True, **PLAIN)
+    try:
+        m.to("cpu")
+        train(m)
+        feat = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    return ref, m, calls, feat
+
+
 def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device):
     """The recomputation in backward re-runs the block's batch norm in training mode: its running
     statistics were updated twice per step (``num_batches_tracked`` 6 for 3 steps). They are put
@@ -361,34 +378,10 @@ def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device)
             opt.step()
         return m
 
-    ref = train(build())
-    m = build()
-    vb.enable("balanced", checkpointing=True, **PLAIN)
-    try:
-        m.to("cpu")
-        train(m)
-        feat = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
-        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
-    finally:
-        vb.disable()
+    ref, m, calls, feat = checkpointed_and_plain(build, train)
     assert feat["chosen"] != "off" and calls > 0, feat
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
     assert m[0][1].num_batches_tracked.item() == 3
-
-
-def checkpointed_and_plain(build, train):
-    """``train(build())`` in plain PyTorch, then again with the switch checkpointing the blocks:
-    (the plain model, the checkpointed one, the checkpointed calls its blocks made)."""
-    ref = train(build())
-    m = build()
-    vb.enable("balanced", checkpointing=True, **PLAIN)
-    try:
-        m.to("cpu")
-        train(m)
-        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
-    finally:
-        vb.disable()
-    return ref, m, calls
 
 
 def test_a_graph_backpropagated_twice_recomputes_its_checkpointed_blocks_twice(cpu_device):
@@ -413,7 +406,7 @@ def test_a_graph_backpropagated_twice_recomputes_its_checkpointed_blocks_twice(c
             opt.step()
         return m
 
-    ref, m, calls = checkpointed_and_plain(build, train)
+    ref, m, calls, _ = checkpointed_and_plain(build, train)
     assert calls > 0
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
 
@@ -685,7 +678,7 @@ def test_buffers_replayed_after_the_model_is_cast_are_its_new_ones(cpu_device):
             opt.step()
         return m
 
-    ref, m, calls = checkpointed_and_plain(build, train)
+    ref, m, calls, _ = checkpointed_and_plain(build, train)
     assert calls > 3
     assert m[0][1].num_batches_tracked.item() == 3
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))

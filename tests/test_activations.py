@@ -342,6 +342,13 @@ def test_offload_on_the_accelerator_goes_to_pinned_host_memory_and_is_exact(tmp_
     assert rep["offloaded_bytes"] > 0 and rep["loaded_bytes"] > 0
 
 
+def bn_blocks():
+    """Three ``Linear`` + ``BatchNorm1d`` blocks, seeded: the blocks checkpointing finds."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+                                 for _ in range(3)])
+
+
 def checkpointed_and_plain(build, train):
     """``train(build())`` in plain PyTorch, then again with the switch checkpointing the blocks:
     (the plain model, the checkpointed one, the checkpointed calls its blocks made, the model's
@@ -363,11 +370,6 @@ def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device)
     """The recomputation in backward re-runs the block's batch norm in training mode: its running
     statistics were updated twice per step (``num_batches_tracked`` 6 for 3 steps). They are put
     back after the recomputation, so the model evaluates exactly as after plain training."""
-    def build():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
-                                     for _ in range(3)])
-
     def train(m):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(1)
@@ -378,7 +380,7 @@ def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device)
             opt.step()
         return m
 
-    ref, m, calls, feat = checkpointed_and_plain(build, train)
+    ref, m, calls, feat = checkpointed_and_plain(bn_blocks, train)
     assert feat["chosen"] != "off" and calls > 0, feat
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
     assert m[0][1].num_batches_tracked.item() == 3
@@ -661,11 +663,6 @@ def test_buffers_replayed_after_the_model_is_cast_are_its_new_ones(cpu_device):
     """A block's changed buffers are learned at its first call. ``model.double()`` afterwards puts
     new tensors in the modules' buffers: the replay held the old ones, so the recomputation updated
     the running statistics a second time again (``num_batches_tracked`` 5 for 3 steps)."""
-    def build():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
-                                     for _ in range(3)])
-
     def train(m):
         opt = torch.optim.SGD(m.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(1)
@@ -678,7 +675,7 @@ def test_buffers_replayed_after_the_model_is_cast_are_its_new_ones(cpu_device):
             opt.step()
         return m
 
-    ref, m, calls, _ = checkpointed_and_plain(build, train)
+    ref, m, calls, _ = checkpointed_and_plain(bn_blocks, train)
     assert calls > 3
     assert m[0][1].num_batches_tracked.item() == 3
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))

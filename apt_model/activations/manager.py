@@ -38,7 +38,7 @@ from apt_model.base.patches import SessionHook
 
 
 #: How :func:`apply_to_blocks` checkpointed, in the report's words.
-_HOW = {"hf": "Hugging Face activation checkpointing", "wrapped": "torch.utils.checkpoint",
+_HOW = {"hf": "Hugging Face activation checkpointing", "wrapped": "torch.utils.checkpoint, non-reentrant",
         "script": "the script's own Hugging Face activation checkpointing, left as it configured it"}
 
 
@@ -187,8 +187,7 @@ class ActivationManager:
                 f"the script already enabled Hugging Face activation checkpointing on {len(record['checkpointed'])} "
                 f"of {len(blocks.modules)} {blocks.kind} block(s): left as it configured it (and so after disable())"))
         record["checkpointed"] = [f"{blocks.name}.{i}" for i in arg]
-        return decision.amend(reason=f"{decision.reason} "
-                              f"({'Hugging Face activation checkpointing' if how == 'hf' else 'torch.utils.checkpoint, non-reentrant'})")
+        return decision.amend(reason=f"{decision.reason} ({_HOW[how]})")
 
     def _measure_then_choose(self, model, blocks, budget, record, record_later) -> None:
         meter = BlockMeter(blocks)

@@ -267,7 +267,7 @@ class DistributedSession:
                 self._row(rec, "not wrapped yet", reason)
             return None
         owned = {self._ddp_owner[id(p)] for p in params if id(p) in self._ddp_owner}
-        if params and all(id(p) in self._ddp_owner for p in params):
+        if all(id(p) in self._ddp_owner for p in params):
             return leave("part of a DDP model", f"its parameters are reduced by the DDP of {', '.join(sorted(owned))}")
         if self.pg.initialized and self.pg.status != BY_SWITCH:
             return leave("as written", (

@@ -18,9 +18,8 @@ Policy:
 * **Written, then cached.** :meth:`write_behind` writes a page out as :meth:`evict_now` would but
   keeps its memory: once the write lands the page is resident and clean, and eviction drops it
   with no I/O when room is needed — such copies first, before pages in use (least recently used
-  first among each). Gradients, the states a step
-  created or updated and the parameters it updated go down this way, so with room in the budget
-  the next use reads nothing back. A clean page's scaling (gradient clipping) is applied in
+  first among each). Gradients, the states a step created or updated and the parameters it
+  updated go down this way, so with room in the budget the next use reads nothing back. A clean page's scaling (gradient clipping) is applied in
   memory and also owed by its lower copy (``page.scales``), so the page stays clean.
 * **Writes never race compute.** Acquiring a page whose write is in flight waits for the write.
   A write that completed at once (the host level's copy with the CPU standing in for a device)
@@ -679,14 +678,13 @@ class Pager:
                 # scaling it in place would wait for this write too, then dirty the page and write
                 # it again: wait (bounded) here and defer instead (an async device-to-host copy)
                 self._finish_write(page, wait=True)
-            if page.state is State.RESIDENT and not page.dirty and not page.zero_on_load and self.store.has(page):
-                page.scales.append((factor, foreach))
-                self._apply_scale(t, factor, foreach)
-                page.cached_norm = None
-                return True
-            if page.state is not State.LOWER:
+            clean_resident = (page.state is State.RESIDENT and not page.dirty and not page.zero_on_load
+                              and self.store.has(page))
+            if not clean_resident and page.state is not State.LOWER:
                 return False
             page.scales.append((factor, foreach))
+            if clean_resident:
+                self._apply_scale(t, factor, foreach)
             page.cached_norm = None
             return True
 
@@ -961,19 +959,18 @@ class Pager:
         :meth:`evict_now` would), read again by the optimizer step soon after, when the level often
         still has room for it. A clean page is left as it is.
         """
-        with self._lock:
-            self._drain_deferred()
-            for p in pages:
-                if p is not None and p.pins == 0 and not p.keep and p.state is State.RESIDENT:
-                    self._evict(p, retain=True)
+        self._evict_unpinned(pages, retain=True)
 
     def evict_now(self, pages: Iterable[Page]) -> None:
         """Write out (if dirty) and free unpinned ``pages`` now."""
+        self._evict_unpinned(pages, retain=False)
+
+    def _evict_unpinned(self, pages: Iterable[Page], retain: bool) -> None:
         with self._lock:
             self._drain_deferred()
             for p in pages:
                 if p is not None and p.pins == 0 and not p.keep and p.state is State.RESIDENT:
-                    self._evict(p)
+                    self._evict(p, retain=retain)
 
     def drop(self, page: Page) -> None:
         """Forget the page's data (its tensor was set to None): see :meth:`sync`, which settles a

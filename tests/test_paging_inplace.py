@@ -85,3 +85,58 @@ def test_only_the_pages_an_in_place_op_writes_are_marked_written(tmp_path):
         session.pager.release([weight, bias])
     finally:
         patches.restore_all()
+
+
+class _LayerScaleBlock(nn.Module):
+    """``fc1 -> relu_ -> fc2`` scaled by a parameter the block owns itself (LayerScale). On a 3-D
+    input ``fc1``'s output is an autograd view, and the in-place ``relu_`` rebases its history:
+    a gradient hook on that output never fires."""
+
+    def __init__(self, d=64, how="relu_"):
+        super().__init__()
+        self.fc1, self.fc2, self.how = nn.Linear(d, d), nn.Linear(d, d), how
+        self.gamma = nn.Parameter(torch.full((d,), 0.5))
+
+    def forward(self, x):
+        h = self.fc1(x)
+        if self.how == "relu_":
+            h.relu_()
+        else:
+            h.mul_(0.5)
+        return x + self.gamma * self.fc2(h)
+
+
+@pytest.mark.parametrize("how", ["relu_", "mul_"])
+def test_an_in_place_op_on_a_units_view_output_still_brings_its_weights_back_for_backward(tmp_path, how):
+    """A unit's backward starts at the first gradient that reaches its outputs — or their bases:
+    hooked on a view that is later modified in place, it never fired, and ``fc1``'s evicted weight
+    was read as 0-byte storage in backward ("setStorage ... out of bounds")."""
+
+    def run(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            loss = m(torch.randn(4, 8, 64, generator=gen)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses, snapshot(m, opt)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(_LayerScaleBlock(how=how), _LayerScaleBlock(how=how))
+
+    ref_losses, ref_state = run(build())
+    m = build()
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "device_budget": "64KB"})
+    try:
+        m.to("cpu")
+        losses, state = run(m)
+        paged = vb.get_report()["memory"]["paging"]["pager"]["bytes_in"]
+    finally:
+        vb.disable()
+    assert paged > 0
+    assert losses == ref_losses
+    assert_same(ref_state, state)

@@ -54,3 +54,21 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
         return new
 
     return tree_map(leaf, convert_to_fp32(output))
+
+
+def gradient_watch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` plus the base of each one that is an autograd view, for a hook that must see
+    the first gradient reaching them (``register_multi_grad_hook(..., mode="any")``).
+
+    An in-place op on a view (``h = linear(x3d); h.relu_()``) rebases its history onto its base:
+    a hook on the view itself then never fires, while the base's still does, just before the
+    node that produced it runs. Adding bases can only make an "any" hook fire earlier, never later.
+    """
+    found = list(tensors)
+    seen = {id(t) for t in found}
+    for t in tensors:
+        base = t._base if t._is_view() else None
+        if base is not None and base.requires_grad and id(base) not in seen:
+            seen.add(id(base))
+            found.append(base)
+    return found

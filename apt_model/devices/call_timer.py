@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from apt_model.base.outputs import output_tensors
+from apt_model.base.outputs import gradient_watch, output_tensors
 from apt_model.devices.timing import clock_for
 from apt_model.devices.trial import SpeedTrial
 
@@ -210,7 +210,7 @@ class CallTimer:
                 sample.b1 = clock.mark()
             self._finish(sample)
 
-        sample.handles = [register_multi_grad_hook(outs, backward_started, mode="any"),
+        sample.handles = [register_multi_grad_hook(gradient_watch(outs), backward_started, mode="any"),
                           register_multi_grad_hook(params, backward_done, mode="all")]
         with self._lock:
             self._pending = sample

@@ -12,7 +12,8 @@ through its children's forwards. For each unit:
 * forward pre-hook: its parameters are acquired (loaded if needed, pinned), and the next units
   in execution order — recorded during the first forward — are prefetched;
 * forward hook: the parameters are released (evictable again); if autograd will come back
-  through this unit, a hook on its outputs' gradients (``register_multi_grad_hook``, "any")
+  through this unit, a hook on its outputs' gradients (``register_multi_grad_hook``, "any";
+  the bases of outputs that are views too: an in-place op on a view silences the view's hook)
   marks the start of its backward: the parameters are acquired again and the units before it
   are prefetched (backward runs the recorded order in reverse);
 * a parameter's post-accumulate-grad hook releases it once its gradient is complete; anything
@@ -53,7 +54,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
-from apt_model.base.outputs import output_tensors
+from apt_model.base.outputs import gradient_watch, output_tensors
 from apt_model.memory.pages import Category, Page, State
 from apt_model.base.patches import SessionHook
 
@@ -224,7 +225,7 @@ class PagedModel:
             if outs:
                 # backward brings back what this forward acquired: the other pages it used were
                 # saved for backward outside the unit (paging/saved.py)
-                register_multi_grad_hook(outs, lambda grads, u=unit, pages=covered or unit.pages:
+                register_multi_grad_hook(gradient_watch(outs), lambda grads, u=unit, pages=covered or unit.pages:
                                          self._backward_start(u, pages), mode="any")
                 if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
                     self.session.backward_step.unit_forward(id(unit))

@@ -482,3 +482,31 @@ def test_a_chunk_raising_mid_step_names_the_parameters_already_updated(tmp_path,
     assert all(n in notes[0] for n in changed[:8]), (changed, notes)
     assert len(changed) < len(before)  # the third chunk and those after it were not updated
 
+
+
+def test_a_dropped_model_and_optimizer_leave_the_host_step(tmp_path):
+    """Models trained in turn in one session: the host side of a dropped optimizer (a copy of its
+    model's parameters, gradient buffers and states in host memory) goes, and the next model
+    still trains bitwise like plain training."""
+    import gc
+
+    ref_m = model(seed=1)
+    ref = train(ref_m, make_opt(ref_m, "adamw"), 2)
+    session, patches = _session(tmp_path)
+    try:
+        sizes = []
+        for seed in (0, 1):
+            m = model(seed=seed)
+            opt = make_opt(m, "adamw")
+            session.page_model(m, page_params=False, page_grads=True)
+            session.step_on_host(m, exact=True)
+            got = train(m, opt, 2)
+            sizes.append(session.report()["host_step"]["host_bytes"])
+            del m, opt
+            gc.collect()
+        assert got == ref
+        assert sizes[1] == sizes[0] > 0, sizes  # the first model's host copies went with it
+        assert session.report()["host_step"]["host_bytes"] == 0
+        assert session.report()["models_released"] == 2
+    finally:
+        patches.restore_all()

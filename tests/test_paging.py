@@ -1691,3 +1691,52 @@ def test_torch_save_of_the_optimizer_object_writes_its_paged_states(tmp_path):
     got, pinned = trained(True)
     assert pinned == []
     assert len(got) == len(ref) > 0 and all(torch.equal(torch.as_tensor(a), torch.as_tensor(b)) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("keep_optimizer,in_backward", [(False, "off"), (True, "off"), (False, "auto")],
+                         ids=["all_dropped", "optimizer_kept_a_while", "step_in_backward"])
+def test_a_dropped_model_is_freed_and_the_next_one_trains_like_plain(tmp_path, keep_optimizer, in_backward):
+    """A sweep trains models in turn with the switch on: a model the script dropped (with its
+    optimizer, at once or one model later) is freed — its parameters, pages, swap files and the
+    bytes its plan kept resident — and each new model is paged and trains bit-identically to
+    plain training (a dead parameter's id, reused by a new one, must not pass for adopted)."""
+    import collections
+    import gc
+    import weakref
+
+    plain = []
+    for phase in range(3):
+        m = model(seed=phase, dropout=0.0)
+        plain.append(train(m, make_opt(m, "adamw"), 2, seed=phase))
+    vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, "paging_step_in_backward": in_backward})
+    try:
+        from apt_model.switch.controller import session as vb_session
+
+        refs, pages, old_opt = [], [], None
+        for phase in range(3):
+            m = model(seed=phase, dropout=0.0).to("cpu")
+            opt = make_opt(m, "adamw")
+            assert train(m, opt, 2, seed=phase) == plain[phase], phase
+            s = vb_session().paging
+            report = s.report()
+            assert report["models"][-1]["paged_parameters"] == len(list(m.parameters()))
+            assert report["models_released"] == phase
+            pages.append(collections.Counter(pg.category.value for pg in s.pager.pages.values()))
+            refs.append((weakref.ref(m), weakref.ref(next(m.parameters()))))
+            if keep_optimizer:
+                old_opt, opt = opt, None  # dropped one model later
+            del m, opt
+            gc.collect()
+            assert refs[-1][0]() is None, "the paged model outlived the script's last reference"
+        del old_opt
+        gc.collect()
+        assert all(r() is None for _, r in refs), "a dropped model's parameters are still alive"
+        # a kept optimizer keeps its parameters (and their pages) until it goes too
+        twice = collections.Counter({k: 2 * v for k, v in pages[0].items()})
+        assert pages == [pages[0]] + [twice if keep_optimizer else pages[0]] * 2 and pages[0]["state"] > 0, pages
+        report = s.report()
+        assert report["models_released"] == 3 and report["models"] == [] and not s.pager.pages
+        assert not list(s.swap.folder.glob("*.bin")), "a dropped model's swap files were left"
+        assert s.pager.budget == s.level_budget  # no dropped plan's kept bytes still count
+    finally:
+        vb.disable()

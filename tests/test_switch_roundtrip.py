@@ -131,3 +131,59 @@ def test_speed_alias_and_mode_functions():
         cfg = fn(banner=False)
         assert cfg.mode == mode and vb.get_config()["mode"] == mode
     vb.disable()
+
+
+class _SoftmaxBlock(nn.Module):
+    """Calls ``F.softmax`` itself: balanced mode puts its compile ladder (override rung) on such a model."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(64, 64))
+
+    def forward(self, x):
+        return x + torch.nn.functional.softmax(self.mlp(x), dim=-1)
+
+
+class _SoftmaxModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(_SoftmaxBlock() for _ in range(2))
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("mode,make,patched", [
+    ("balanced", _SoftmaxModel, lambda m: type(vars(m).get("forward")).__name__ == "LadderForward"),  # compile ladder
+    ("memory", lambda: GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)),
+     lambda m: "forward" in vars(m.blocks[0])),  # checkpointed blocks
+])
+def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make, patched):
+    """A sweep (k-fold, a grid) trains model after model with the switch on: each one the script
+    drops is freed, though the switch patched it (the undo stack, the compile ladder and the
+    global optimizer hook hold it weakly)."""
+    import gc
+    import weakref
+
+    vb.enable(mode, banner=False, paging="off")
+    try:
+        refs = []
+        for seed in range(2):
+            torch.manual_seed(seed)
+            model = make().to("cpu")
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            x = torch.randint(0, 256, (2, 32)) if isinstance(model, GPT) else torch.randn(2, 8, 64)
+            for _ in range(2):
+                model(x).float().pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            assert patched(model), f"{mode}: the switch did not patch the model, so this test proves nothing"
+            refs.append((weakref.ref(model), weakref.ref(model.blocks[0].mlp[0].weight)))
+            del model, opt
+            gc.collect()
+        assert [(m() is None, p() is None) for m, p in refs] == [(True, True)] * 2
+    finally:
+        vb.disable()
+

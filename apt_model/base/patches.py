@@ -12,9 +12,15 @@ raised from :meth:`PatchSet.restore_all`, so ``vb.disable()`` raises it (a
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable
 
 _MISSING = object()
+
+
+def _same(obj: Any) -> Any:
+    return obj
 
 
 class PatchSet:
@@ -28,11 +34,21 @@ class PatchSet:
         return len(self._undo)
 
     def set_attr(self, obj: Any, name: str, value: Any, label: str | None = None) -> None:
-        """``setattr(obj, name, value)``, remembering what was there (in ``obj.__dict__``) before."""
+        """``setattr(obj, name, value)``, remembering what was there (in ``obj.__dict__``) before.
+
+        ``obj`` is held weakly where it can be (a module, a class): patching a model's blocks
+        must not keep a model the script dropped alive; once it is gone there is nothing to undo."""
         previous = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
         setattr(obj, name, value)
+        try:
+            target = weakref.ref(obj)
+        except TypeError:  # no weak references to it: held
+            target = functools.partial(_same, obj)
 
         def undo():
+            obj = target()
+            if obj is None:
+                return
             if previous is _MISSING:
                 try:
                     delattr(obj, name)

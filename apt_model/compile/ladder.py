@@ -43,6 +43,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -176,6 +177,17 @@ class LadderForward:
         return {"ladder": None, "model": self.model}
 
 
+class _WeakStepHook:
+    """An optimizer-step post-hook that calls ``ladder._after_step`` while the ladder lives."""
+
+    def __init__(self, ladder):
+        self.ref = weakref.ref(ladder)
+
+    def __call__(self, opt, args, kwargs):
+        ladder = self.ref()
+        return None if ladder is None else ladder._after_step(opt, args, kwargs)
+
+
 class CompileLadder:
     """Climbs the rungs for one model (see the module docstring).
 
@@ -240,7 +252,8 @@ class CompileLadder:
         pre = model.register_forward_pre_hook(self._pre)
         post = model.register_forward_hook(self._post, always_call=True)
         self._params = {id(p) for p in model.parameters()}
-        self._step_hook = register_optimizer_step_post_hook(self._after_step)
+        # a global hook: it holds the ladder weakly, so a model the script drops is freed
+        self._step_hook = register_optimizer_step_post_hook(_WeakStepHook(self))
         self._handles = [pre, post, self._step_hook]
         patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
         patches.add_handle(post, f"compile ladder hook {self.tag}")

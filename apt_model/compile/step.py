@@ -24,6 +24,8 @@ memory) or ``off``:
 """
 from __future__ import annotations
 
+import weakref
+
 import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
@@ -77,7 +79,9 @@ class CompileStep(FeatureStep):
 
     def __init__(self, session: StepSession):
         super().__init__(session)
-        self.ladders: list[CompileLadder] = []
+        # weakly: a ladder lives as long as its model (which holds it through its forward and
+        # hooks), so a model the script drops is freed, and its ladder leaves the report
+        self.ladders: list[weakref.ref] = []
 
     def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
         req = ctx.config.compile
@@ -138,8 +142,8 @@ class CompileStep(FeatureStep):
 
         ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope)
         ladder.attach(patches)
-        self.ladders.append(ladder)
+        self.ladders = [r for r in self.ladders if r() is not None] + [weakref.ref(ladder)]
         return decision.amend(details={"timeline": ladder.timeline})
 
     def report(self) -> dict:
-        return {"ladders": [ladder.describe() for ladder in self.ladders]}
+        return {"ladders": [ladder.describe() for ladder in map(lambda r: r(), self.ladders) if ladder is not None]}

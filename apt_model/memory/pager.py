@@ -494,7 +494,7 @@ class Pager:
                 self._forget(page)
 
     def _forget(self, page: Page) -> None:
-        self.store.remove(page)
+        self.store.forget(page)
         if self._txn is not None:
             self._txn.pop(page.key, None)
         if self.pages.pop(page.key, None) is not None:

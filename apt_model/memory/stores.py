@@ -111,6 +111,10 @@ class DiskStore:
     def remove(self, page: Page) -> None:
         self.swap.remove(page.key)
 
+    def forget(self, page: Page) -> None:
+        """Drop ``page``'s copy and its file for good: the page is no longer managed."""
+        self.swap.delete(page.key)
+
     def stats(self) -> dict:
         return {"bytes_on_disk": self.swap.bytes_on_disk, "written": self.io.write_stats.to_dict(),
                 "read": self.io.read_stats.to_dict()}
@@ -537,6 +541,11 @@ class HostStore:
 
     def remove(self, page: Page) -> None:
         self.discard(page.key)
+
+    def forget(self, page: Page) -> None:
+        """Drop ``page``'s copies (host and disk, its file included) for good: it is no longer managed."""
+        self.discard(page.key)
+        self.disk.forget(page)
 
     def discard(self, key: str) -> None:
         """Forget the copies (host and disk) stored under ``key``."""

@@ -640,6 +640,24 @@ class SwapSpace:
         with self._lock:
             self._drop_record_locked(key)
 
+    def delete(self, key: str) -> None:
+        """Forget page ``key``'s copy and delete its files: for a page gone for good (its tensor
+        was garbage-collected, or it is no longer paged), whose key is never written again.
+        :meth:`remove` would leave the file for a next write that never comes, so a script that
+        drops model after model would fill the folder. A file another record holds (a renamed
+        version, see :meth:`rename`) stays. One ``unlink`` per file on the caller's thread."""
+        with self._lock:
+            self._drop_record_locked(key)
+            held = {r.path for r in self._records.values()}
+            mine = [path for path in self._stale
+                    if path not in held and (path.name == f"{key}.bin" or path.name.startswith(f"{key}."))]
+            for path in mine:
+                self.stale_bytes -= self._stale.pop(path)
+                try:
+                    path.unlink()
+                except OSError:  # gone already, or the folder is read-only: close() removes it
+                    pass
+
     def _drop_record_locked(self, key: str) -> None:
         rec = self._records.pop(key, None)
         if rec is not None:

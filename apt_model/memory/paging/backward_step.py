@@ -364,6 +364,19 @@ class BackwardStep:
         for i in pending.watched:
             watched.pop(i, None)
 
+    def forget(self, pid: int) -> None:
+        """The parameter with id ``pid`` was garbage-collected (a finalizer calls this): its id
+        leaves the learned order's maps at once, so a new parameter given the id is learned anew
+        (``order`` itself is compacted by :meth:`retire_dead`)."""
+        self._rank.pop(pid, None)
+        self._grads.pop(pid, None)
+
+    def retire_dead(self) -> None:
+        """Drop forgotten parameters from the learned order (see :meth:`forget`)."""
+        if len(self._rank) != len(self.order):
+            self.order = [pid for pid in self.order if pid in self._rank]
+            self._rank = {pid: i for i, pid in enumerate(self.order)}
+
     def _ahead(self, p: torch.Tensor) -> list:
         """The state pages of the parameters whose gradients came after ``p``'s on the first step
         (up to four parameters, and a sixth of the page budget)."""

@@ -241,6 +241,9 @@ def add_model(model: nn.Module, patches) -> None:
     ids = {id(m) for m in model.modules()}
     new = ids - _PAGED
     _PAGED.update(new)
+    for m in model.modules():
+        if id(m) in new:  # a dropped model's ids leave at once: a new module may get one
+            weakref.finalize(m, _PAGED.discard, id(m)).atexit = False
     patches.add_undo(functools.partial(_PAGED.difference_update, new), "paged modules under torch.compile")
 
 

@@ -178,6 +178,15 @@ class HostStep:
         """Step these parameters (resident on the compute device) on the host from now on."""
         self.params.update(id(p) for p in params)
 
+    def retire_dead(self) -> None:
+        """Drop the host side of optimizers that were garbage-collected (their parameter copies,
+        gradient buffers and states: a model's size in host memory each) and the landing order of
+        parameters no longer stepped here (the session calls it; see ``PagingSession.retire_dead``)."""
+        if any(sh.opt_ref() is None for sh in self.shadows.values()):
+            self.shadows = {k: sh for k, sh in self.shadows.items() if sh.opt_ref() is not None}
+        if any(k not in self.params for k in self._landed):
+            self._landed = {k: None for k in self._landed if k in self.params}
+
     def landed(self, p: torch.Tensor) -> None:
         """``p``'s gradient is complete (called by the session as each one lands in backward)."""
         if id(p) in self.params:

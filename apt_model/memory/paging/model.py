@@ -49,6 +49,7 @@ registered at the next forward.
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 import torch.nn as nn
@@ -100,7 +101,7 @@ class PagedModel:
 
     def __init__(self, session, model: nn.Module, page_params: bool, page_grads: bool, prefetch_units: int = 2):
         self.session = session
-        self.model = model
+        self._model = weakref.ref(model)  # the session must not keep a model the script dropped
         self.page_params = page_params
         self.page_grads = page_grads
         self.prefetch_units = prefetch_units
@@ -113,6 +114,18 @@ class PagedModel:
         self.clean_forwards: dict[tuple[bool, bool], int] = {}  # kind -> forwards without an uncovered access; -1: seen one
         self._kind: tuple[bool, bool] | None = None  # the outermost forward's kind while it runs
         self._uncovered_mark = 0
+        self.kept: dict = {}  # what its plan keeps resident on level 0 (the session's entry)
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The adopted model, or None once the script dropped it (see :meth:`PagingSession.forget_model`)."""
+        return self._model()
+
+    def release(self) -> None:
+        """Let go of the units and parameters: the script dropped the model. The lists are
+        replaced, not cleared (this runs in a finalizer, possibly inside an iteration over them).
+        Hooks left on modules the script still holds keep working (each holds its own unit)."""
+        self.units, self.order, self.params = [], [], []
 
     # ------------------------------------------------------------------ setup
     def install(self, patches) -> None:
@@ -134,7 +147,7 @@ class PagedModel:
                         if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
                             with torch.no_grad():
                                 p.data = p.data.clone()
-                        page = pager.register(Category.PARAM, (lambda p=p: p), label)
+                        page = pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
                         self.session.param_pages[id(p)] = page
                     seen[id(p)] = page
                 if seen[id(p)] is not None:

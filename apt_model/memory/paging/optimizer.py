@@ -178,10 +178,11 @@ def marked_copy(pager, t: torch.Tensor, label: str) -> Page:
     return copy
 
 
-def _state_of(opt_ref, p, key):
-    """The optimizer's live state tensor ``key`` of ``p`` (None once the optimizer is gone)."""
-    opt = opt_ref()
-    return None if opt is None else opt.state[p].get(key)
+def _state_of(opt_ref, p_ref, key):
+    """The optimizer's live state tensor ``key`` of the parameter ``p_ref()`` (None once the
+    optimizer or the parameter is gone: a page holds neither, so a dropped model is freed)."""
+    opt, p = opt_ref(), p_ref()
+    return None if opt is None or p is None else opt.state[p].get(key)
 
 
 class OptimizerPaging:
@@ -234,7 +235,7 @@ class OptimizerPaging:
                 "(enable(paging='off'))"
             )
         self.known.add(opt)
-        # its pages go when it does (another optimizer may later get its id): see _retire_dead
+        # its pages go when it does (another optimizer may later get its id): see retire_dead
         weakref.finalize(opt, self._dead.append, id(opt))
         patches.add_handle(opt.register_state_dict_pre_hook(self._before_state_dict),
                            f"{type(opt).__name__} state_dict pre-hook")
@@ -253,10 +254,10 @@ class OptimizerPaging:
     @property
     def last_stepped(self):
         """The optimizer whose step ran last (for the after_step callbacks), None once it is gone
-        (held weakly: a dropped optimizer's pages are retired, see :meth:`_retire_dead`)."""
+        (held weakly: a dropped optimizer's pages are retired, see :meth:`retire_dead`)."""
         return self._last_stepped() if self._last_stepped is not None else None
 
-    def _retire_dead(self) -> None:
+    def retire_dead(self) -> None:
         """Forget the state pages of optimizers that were garbage-collected (their states died
         with them): without this a loop that makes a new optimizer per phase grows the pager and
         the swap space, and a new optimizer could inherit a dead one's id."""
@@ -267,7 +268,7 @@ class OptimizerPaging:
                     self.session.pager.discard(page)
 
     def _page_new_states(self, opt: torch.optim.Optimizer, p: torch.Tensor) -> list[Page]:
-        self._retire_dead()
+        self.retire_dead()
         host = self.session.host_step
         if not self.page_states or (host is not None and id(p) in host.params):
             return []  # resident, or kept on the host by the host step
@@ -283,7 +284,7 @@ class OptimizerPaging:
                 if not v.untyped_storage().resizable():  # e.g. loaded from a checkpoint buffer
                     v = opt.state[p][k] = v.clone()
                 label = f"{self.session.param_label(p)}:{k}"
-                page = self.session.pager.register(Category.STATE, functools.partial(_state_of, weakref.ref(opt), p, k),
+                page = self.session.pager.register(Category.STATE, functools.partial(_state_of, weakref.ref(opt), weakref.ref(p), k),
                                                    label)
                 pages[k] = page
                 new.append(page)

@@ -66,6 +66,12 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def _grad_of(ref: weakref.ref) -> torch.Tensor | None:
+    """A gradient page's tensor: the parameter's ``.grad`` (None once the parameter is gone)."""
+    p = ref()
+    return None if p is None else p.grad
+
+
 class PagingSession:
     """Pages parameters, gradients and optimizer states of adopted models.
 
@@ -107,11 +113,18 @@ class PagingSession:
         self.host_rss = RSSWatch()  # the process's RSS from the first page-out on (report: host_rss)
         self.pager.rss = self.host_rss
         self.patches = patches
-        self.models: list[PagedModel] = []
+        # Models and parameters are held weakly: a model the script drops is freed (see
+        # :meth:`retire_dead`). The id-keyed maps lose a parameter's entries the moment it dies,
+        # so a new tensor given its id is never taken for it.
+        self.models: list[PagedModel] = []  # live ones (replaced, never mutated: a finalizer edits it)
         self.param_pages: dict[int, Page] = {}
         self.grad_pages: dict[int, Page] = {}
-        self.params: dict[int, nn.Parameter] = {}
+        self.params: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(p) -> p
         self.labels: dict[int, str] = {}
+        self.released_models = 0  # paged models the script dropped, freed
+        self._dead_pages: list[Page] = []  # pages of parameters since garbage-collected (finalizers' queue)
+        self._released: list[PagedModel] = []  # dropped models whose kept bytes still count (finalizers' queue)
+        self._finalizers: list[weakref.finalize] = []
         self.optimizers = OptimizerPaging(self, page_states)
         self.host_step = None  # a HostStep once a model's plan steps its optimizer on the host
         self.backward_step = BackwardStep(self, step_in_backward)
@@ -263,15 +276,18 @@ class PagingSession:
         Adam's m and v by default) when states are not paged — stays on level 0 outside the
         pages, so the pages get the budget minus those bytes: level 0 as a whole keeps the budget.
         """
-        self._keep_resident(model, page_params, page_grads, state_factor)
+        self.retire_dead()
         pm = PagedModel(self, model, page_params, page_grads)
+        pm.kept = self._keep_resident(model, page_params, page_grads, state_factor)
         pm.install(self.patches)
         backward_hooks.wrap_existing(model, self.patches)  # hooks registered before paging
         compiled.add_model(model, self.patches)  # runs eagerly under torch.compile
         for p in pm.params:
             self.params[id(p)] = p
             self.labels[id(p)] = pm.names[id(p)]
-        self.models.append(pm)
+            self._on_death(p, self._param_died, id(p))
+        self.models = self.models + [pm]
+        self._on_death(model, self._model_died, pm)
         # state_dict() detaches every parameter; for paged ones the post-hook swaps in materialized
         # copies, so the fault handler stays out of the way meanwhile (no load, no dirty mark).
         # torch tags the hook object itself, which a bound method does not allow: wrap it
@@ -312,20 +328,74 @@ class PagingSession:
             need = p_bytes + 3 * t_bytes  # host copies, gradient buffers, Adam's m and v
             pool.shrink(need)
 
-    def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> None:
+    def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> dict:
+        """Count what ``model``'s plan keeps resident against level 0; returns its entry in ``kept``."""
         from apt_model.memory.placement import model_state_sizes
 
         p_bytes, t_bytes = model_state_sizes(model)
         kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
                 "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
-        self.kept.append({k: v for k, v in kept.items() if v})
-        total = sum(sum(k.values()) for k in self.kept)
-        self.pager.kept_bytes = total
-        self.pager.budget = max(self.level_budget - total, 0)
+        entry = {k: v for k, v in kept.items() if v}
+        self.kept.append(entry)
+        total = self._fit_kept()
         if total >= self.level_budget:
             log.warning("the training state kept resident (%s) fills the level-0 budget %s: pages get no room "
                         "and every paged tensor will be loaded over it", format_size(total),
                         format_size(self.level_budget))
+        return entry
+
+    def _fit_kept(self) -> int:
+        """Give the pages the level's budget minus the bytes kept resident; returns those bytes."""
+        total = sum(sum(k.values()) for k in self.kept)
+        self.pager.kept_bytes = total
+        self.pager.budget = max(self.level_budget - total, 0)
+        return total
+
+    # ------------------------------------------------------------------ dropped models
+    def _on_death(self, obj, fn, *args) -> None:
+        f = weakref.finalize(obj, fn, *args)
+        f.atexit = False  # nothing to free at exit
+        self._finalizers.append(f)
+
+    def _model_died(self, pm: PagedModel) -> None:
+        """A finalizer: the script dropped ``pm``'s model. The session lets go of its units and
+        parameters at once (lists are replaced, not mutated: this may run inside any iteration,
+        on any thread the garbage collector runs on); its kept bytes go at :meth:`retire_dead`."""
+        self.models = [m for m in self.models if m is not pm]
+        pm.release()
+        self._released.append(pm)
+
+    def _param_died(self, pid: int) -> None:
+        """A finalizer: a paged parameter was garbage-collected. Its id leaves every id-keyed map
+        now (a new tensor may get the id next); its pages are discarded at :meth:`retire_dead`
+        (that takes the pager's lock, which this thread may hold)."""
+        for pages in (self.param_pages, self.grad_pages):
+            page = pages.pop(pid, None)
+            if page is not None:
+                self._dead_pages.append(page)
+        self.labels.pop(pid, None)
+        self._accumulating.discard(pid)
+        self.backward_step.forget(pid)
+        if self.host_step is not None:
+            self.host_step.params.discard(pid)
+
+    def retire_dead(self) -> None:
+        """Free what dropped models left: their parameters' pages (memory and swap files, without
+        reading anything back: nobody holds the tensors) and the bytes their plans kept resident.
+        Runs where no pager call is under way on this thread: when a model is adopted, when a
+        paged model's forward starts, and in the report."""
+        self.optimizers.retire_dead()
+        self.backward_step.retire_dead()
+        if self.host_step is not None:
+            self.host_step.retire_dead()
+        while self._dead_pages:
+            self.pager.discard(self._dead_pages.pop())
+        if self._released:
+            released, self._released = self._released, []
+            self.kept = [k for k in self.kept if not any(k is pm.kept for pm in released)]
+            self._fit_kept()
+            self.released_models += len(released)
+            log.info("freed %d paged model(s) the script dropped", len(released))
 
     def param_label(self, p: torch.Tensor) -> str:
         return self.labels.get(id(p), f"param@{id(p):x}")
@@ -461,7 +531,7 @@ class PagingSession:
             return
         norm = self._norm(g)
         if page is None:
-            page = self.pager.register(Category.GRAD, (lambda p=p: p.grad), f"{label}:grad")
+            page = self.pager.register(Category.GRAD, functools.partial(_grad_of, weakref.ref(p)), f"{label}:grad")
             self.grad_pages[id(p)] = page
             page.cached_norm = norm
             self.backward_step.grad_landed(p)  # stepped now where the step runs inside backward
@@ -517,6 +587,8 @@ class PagingSession:
         taken inside a backward nobody claimed."""
         self._root_scopes.unwind()
         self._root_scopes.push(None, True)
+        if self._dead_pages or self._released:
+            self.retire_dead()
 
     def root_forward_ends(self) -> None:
         self._root_scopes.unwind()
@@ -750,6 +822,9 @@ class PagingSession:
             log.debug("could not release the backward pins", exc_info=True)
         self._bw_pinned.clear()
         self._saved_pinned.clear()
+        for f in self._finalizers:
+            f.detach()  # a model dropped after disable() has nothing left here to free
+        self._finalizers.clear()
         try:
             self.optimizers.drop_early()
             self.backward_step.close()
@@ -757,6 +832,7 @@ class PagingSession:
             self.pager.close()
 
     def report(self) -> dict:
+        self.retire_dead()
         store = self.pager.store
         return {
             "pager": self.pager.report(),
@@ -765,6 +841,7 @@ class PagingSession:
                      "stale_bytes": self.swap.stale_bytes,
                      "written": self.pager.io.write_stats.to_dict(), "read": self.pager.io.read_stats.to_dict()},
             "models": [m.describe() for m in self.models],
+            "models_released": self.released_models,
             "kept_resident": self.kept,
             "optimizer_steps": self.optimizers.steps,
             "host_rss": self.host_rss_report(),

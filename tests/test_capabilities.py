@@ -211,3 +211,16 @@ def test_quiet_catches_warnings_raised_outside_any_trial():
         assert probes.try_run(lambda: warnings.warn("inside", UserWarning), notes, "t") is None
     assert escaped == [] and texts == ["RuntimeWarning: first"]
     assert notes == {"other": ["RuntimeWarning: first"], "t": ["UserWarning: inside"]}
+
+
+def test_each_autocast_dtype_is_probed_with_its_own_casts():
+    """Probes run inside ``isolated()``, whose outer ``autocast(enabled=False)`` keeps autocast's
+    cast cache alive across the workloads: the float16 workload reused bf16 weight casts and
+    failed ("mat1 and mat2 must have the same dtype, but got Half and BFloat16"), so a forced
+    fp16 was refused on the CPU ("fp16 autocast does not run on cpu"); and every timed call but
+    the first skipped its weight casts."""
+    dev = torch.device("cpu")
+    with probes.isolated(dev):
+        out = probes.probe_autocast_speed(dev, 64, 16, 1, reps=2, dtypes=("bfloat16", "float16"))
+    assert "error" not in out["bfloat16"] and "error" not in out["float16"], out
+    assert out["float16"]["autocast_ms"] > 0

@@ -47,7 +47,7 @@ from apt_model.devices.settings import CACHE_DIR, PROBE_CACHE
 log = get_logger(__name__)
 
 #: Bump when a probe's method or its record format changes: older files are then stale.
-SCHEMA = 2
+SCHEMA = 3  # 3: autocast probes pay their weight casts on every call (2026-11-27)
 ENV_DIR = CACHE_DIR.env
 ENV_MODE = PROBE_CACHE.env
 _FORMAT = "apt_model probe cache"

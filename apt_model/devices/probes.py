@@ -494,8 +494,14 @@ def _autocast_workloads(block: nn.Module, device: torch.device, width: int, seq:
     fns: dict[str, Callable[[], None]] = {"fp32": fp32}
     for dname in dtypes:
         def amp(dt=getattr(torch, dname)):
-            with torch.autocast(device.type, dtype=dt):
-                y = block(x, src_mask=mask, is_causal=True)
+            try:
+                with torch.autocast(device.type, dtype=dt):
+                    y = block(x, src_mask=mask, is_causal=True)
+            finally:
+                # autocast empties its cache of weight casts only when the outermost autocast exits,
+                # and isolated() holds one open: every call must pay its own casts (as a training
+                # step does), and one dtype must never find another's casts
+                torch.clear_autocast_cache()
             y.float().sum().backward()
 
         fns[dname] = amp

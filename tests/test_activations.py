@@ -413,10 +413,14 @@ def test_a_graph_backpropagated_twice_recomputes_its_checkpointed_blocks_twice(c
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
 
 
-def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path, cpu_device):
+@pytest.mark.parametrize("moved", [True, False], ids=["adopted_before", "first_call_in_the_transform"])
+def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path, cpu_device, moved):
     """``torch.func.grad`` refuses saved-tensor hooks, which non-reentrant checkpointing and
     activation offload are built on: it raised "torch.func.{grad, vjp, jacrev, hessian} don't yet
-    support saved tensor hooks" in memory mode. Inside a ``torch.func`` transform both stand aside."""
+    support saved tensor hooks" in memory mode. Inside a ``torch.func`` transform both stand aside.
+    A model whose first call runs inside the transform (per-sample gradients, DP-SGD style) is
+    adopted at its first ordinary call: adopting it there crashed on the transform's tensor
+    wrappers ("Cannot access storage of TensorWrapper")."""
     from torch.func import functional_call, grad
 
     def build():
@@ -433,10 +437,12 @@ def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path
     m = build()
     vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096, **PLAIN)
     try:
-        m.to("cpu")
+        if moved:
+            m.to("cpu")
         got = grads(m)
-        feats = vb.get_report()["models"][0]["features"]
+        assert len(vb.get_report()["models"]) == (1 if moved else 0)
         m(x).sum().backward()  # outside a transform the features still work
+        feats = vb.get_report()["models"][0]["features"]
         calls = [b.forward.calls for b in m.blocks]
     finally:
         vb.disable()

@@ -27,6 +27,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from apt_model.activations.checkpoint import in_function_transform
 from apt_model.base.version import __version__
 from apt_model.devices.ranking import Selection, select_device
 from apt_model.distributed.wrappers import skip_adoption
@@ -604,6 +605,11 @@ def _global_pre_hook(module: nn.Module, args: tuple):
         return None
     st = _state
     if st.suspended or module in st.seen:
+        return None
+    if in_function_transform():
+        # torch.func (grad, vmap, functional_call inside them): the module's parameters are the
+        # transform's wrappers for now, with no storage to plan with; it is adopted at its first
+        # ordinary call (inside a transform the features stand aside anyway)
         return None
     ctx = _maybe_adopt(module, "first forward")
     if ctx:  # PyTorch listed this call's pre-hooks before adoption added the steps' own: run them now

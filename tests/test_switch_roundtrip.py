@@ -187,3 +187,18 @@ def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make,
     finally:
         vb.disable()
 
+
+def test_a_reconfiguration_refused_for_its_swap_folder_leaves_the_running_session_on(tmp_path):
+    """Like any other bad value, a missing swap folder in a second ``enable()`` is refused with
+    nothing half-applied: the swap folder was checked after the running session was let go, so
+    the switch ended off while ``get_config()`` still showed the old session."""
+    vb.enable("memory", banner=False, swap_dir=str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match="does not exist"):
+            vb.enable("memory", banner=False, swap_dir=str(tmp_path / "missing"))
+        assert vb.is_enabled() and vb.get_config()["mode"] == "memory"
+        model = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)).to("cpu")
+        assert len(vb.get_report()["models"]) == 1, "the session still on adopts models"
+        del model
+    finally:
+        vb.disable()

@@ -100,20 +100,20 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
 
     distributed = DistributedSession(config, selection)  # reads the launcher variables; changes nothing yet
     with _state.lock:
-        if _state.enabled:
-            _disable(forget_banner=False)  # a reconfiguration: the banner then shows only what changed
-        st = _state
         stack = None
         if config.paging != "off" or config.activation_offload:  # the swap folder is checked now: errors at enable
             from apt_model.memory.levels import HEADROOM, VGPUStack
 
-            try:
+            try:  # before a running session is let go: a bad swap folder leaves it on, as any bad value does
                 stack = VGPUStack(selection.device, config.device_budget, config.host_budget,
                                   distributed.swap_dir(config.swap_dir), config.swap_budget,
                                   headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"], measure=False)
             except BaseException:
                 distributed.release_swap_dir()
                 raise
+        if _state.enabled:
+            _disable(forget_banner=False)  # a reconfiguration: the banner then shows only what changed
+        st = _state
         st.config, st.selection, st.source = config, selection, source
         st.log = DecisionLog(echo=config.verbose)
         st.patches = PatchSet()

@@ -82,3 +82,21 @@ def test_launcher_enables_for_an_unmodified_script(tmp_path):
     assert r == {"argv": ["--lr", "1"], "enabled": True, "mode": "memory", "device": "cpu"}
     rep = json.loads(report.read_text())
     assert rep["stats"]["cuda_redirects"] >= 1 and rep["models"][0]["name"] == "Linear"
+
+
+def test_the_command_line_is_not_switched_on_by_the_environment(tmp_path):
+    """``ENABLE_VIRTUAL_BLACKWELL=1`` in the shell (as the README suggests) must not turn the
+    switch on when the process is apt_model's own CLI: its banner went to stdout ahead of every
+    ``--json`` document, and ``apt-vb run --quiet --mode balanced`` printed a banner for the
+    environment's mode. ``apt-vb run`` enables the switch itself, with its own flags."""
+    env = clean_env(ENABLE_VIRTUAL_BLACKWELL="1", VB_MODE="memory", VB_DEVICE="cpu")
+    proc = subprocess.run([sys.executable, "-m", "apt_model", "config", "show", "--json"], capture_output=True,
+                          text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout)["config"]["mode"] == "memory"  # the environment still configures
+    script = tmp_path / "s.py"
+    script.write_text("import apt_model.optimization.vb_global as vb\nprint('MODE', vb.get_config()['mode'])\n")
+    proc = subprocess.run([sys.executable, "-m", "apt_model", "run", "--quiet", "--mode", "balanced", str(script)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "MODE balanced" and "enabled" not in proc.stderr, (proc.stdout, proc.stderr)

@@ -5,6 +5,9 @@ Read once when :mod:`apt_model` is imported (and by ``apt-vb run``). Invalid val
 """
 from __future__ import annotations
 
+import os
+import sys
+
 from apt_model.base.settings import read_env
 from apt_model.switch.settings import ENABLE, MODE
 
@@ -20,10 +23,35 @@ def env_mode() -> str | None:
     return None if found is None else found[0]
 
 
+def launched_as_cli() -> bool:
+    """Whether this process is apt_model's own command line: ``apt-vb ...`` (the console script)
+    or ``python -m apt_model ...``. Read from ``sys.argv[0]`` and ``sys.orig_argv``: the package
+    is imported before the command line's code runs, so nothing else can tell yet."""
+    if sys.argv and os.path.basename(sys.argv[0]) in ("apt-vb", "apt-vb.exe"):
+        return True
+    orig = list(getattr(sys, "orig_argv", ()))
+    i = 1
+    while i < len(orig):
+        arg = orig[i]
+        if arg in ("-X", "-W", "--check-hash-based-pycs"):  # interpreter options that take a value
+            i += 2
+            continue
+        if arg.startswith("-m"):  # -m module, or -mmodule
+            target = arg[2:] or (orig[i + 1] if i + 1 < len(orig) else "")
+            return target == "apt_model" or target.startswith("apt_model.cli")
+        if arg == "-c" or arg == "-" or not arg.startswith("-"):  # code, stdin or a script: not us
+            return False
+        i += 1
+    return False
+
+
 def activate_from_environment() -> bool:
     """Enable the switch when ``ENABLE_VIRTUAL_BLACKWELL`` says so. Returns whether it did.
 
-    Both variables are validated even when the switch stays off, so a typo fails loudly.
+    Both variables are validated even when the switch stays off, so a typo fails loudly. In
+    apt_model's own command line (:func:`launched_as_cli`) nothing is enabled here: ``apt-vb run``
+    enables the switch itself with its flags (``--mode``, ``--quiet``), and the other commands
+    print data (``--json``) that a banner would corrupt.
     """
     from apt_model.base.log import apply_env_log_level
 
@@ -31,7 +59,7 @@ def activate_from_environment() -> bool:
     found = read_env(ENABLE)
     wanted = ENABLE.default if found is None else found[0]
     env_mode()  # validated even when the switch stays off
-    if not wanted:
+    if not wanted or launched_as_cli():
         return False
     from apt_model.switch import controller
 

@@ -206,10 +206,18 @@ def _state_dicts(m, opt, x):
     _state_dicts.saved = copy.deepcopy((m.state_dict(), opt.state_dict()))  # the values now (plain ones alias)
 
 
+def _add_group(m, opt, x):
+    if len(opt.param_groups) == 1:  # once, as a script unfreezing a part mid-training does
+        extra = torch.nn.Parameter(torch.zeros(3))
+        extra.grad = torch.ones(3)
+        opt.add_param_group({"params": [extra], "lr": 0.5})
+
+
 CHANGES = {  # what comes between backward and step from step 3 on -> words of the reason
     "clip": (_clip, "clips"),
     "accumulation": (_accumulate, "forward ran"),
     "lr-changed": (_lr, "hyperparameters"),
+    "group-added": (_add_group, "parameter group was added"),
     "grad-scaled": (_scale_one_grad, "wrote a gradient"),
     "grad-data-edited": (_divide_grads_through_data, "wrote a gradient"),
     "grad-alias-edited": (_edit_grads_through_an_alias, "wrote a gradient"),

@@ -427,13 +427,18 @@ class BackwardStep:
     def _changed(self, opt, pending: "_Pending") -> str | None:
         """Why the step in backward is not the step the user asks for now (None: it is)."""
         now = _hyper(opt)
-        if len(now) != len(pending.hyper) or any(
+        if len(now) != len(pending.hyper):
+            return "a parameter group was added (add_param_group) between backward and optimizer.step()"
+        if any(
                 a.keys() != b.keys() or not all(_same(a[k], b[k]) for k in a) for a, b in zip(now, pending.hyper)):
             return "hyperparameters changed between backward and optimizer.step()"
         for g in opt.param_groups:
             for p in g["params"]:
                 seen = pending.stepped.get(id(p))
                 if seen is None:
+                    if p.grad is not None and id(p) not in self._group_of:
+                        return (f"{self.session.param_label(p)} is in a parameter group added (add_param_group) after "
+                                "the step inside backward was armed")
                     if p.grad is not None:
                         return f"{self.session.param_label(p)} has a gradient that did not come from the last backward"
                 elif seen != self._fingerprint(p):

@@ -133,3 +133,22 @@ def test_real_detection_lists_every_kind_with_a_reason():
     if not torch.backends.cuda.is_built():
         cuda = next(c for c in cands if c.kind == "cuda")
         assert cuda.status == NOT_INSTALLED and "no CUDA support" in cuda.reason
+
+
+def test_every_name_of_a_kind_is_known_whatever_was_detected():
+    """``dcu`` is a documented ``VB_DEVICE`` value: on a machine without one it is "not usable
+    here", with the ROCm detection's reason, never "unknown kind" (it was known only where a DCU
+    had been detected); and a detected DCU still answers to ``rocm``."""
+    from apt_model.devices.backends.cuda import RocmBackend
+
+    real = [c for c in detect_devices() if c.kind in ("rocm", "dcu")]
+    assert real, "the ROCm backend is always a candidate"
+    if not real[0].available:
+        for name in ("dcu", "rocm"):
+            with pytest.raises(DeviceSelectionError, match=f"asks for {name}, which is not usable here .*rocm"):
+                select_device(device=name)
+    dcu = Candidate(kind="dcu", device_type="cuda", vendor="Hygon", status=AVAILABLE, reason="r", count=2, names=(),
+                    priority=1, dist_backend="nccl", visible_devices_env=None, backend=RocmBackend())
+    machine = [dcu, cand("cpu", priority=100)]
+    assert select_device(device="rocm:1", candidates=machine).device == torch.device("cuda", 1)
+    assert rank(machine, prefer=("rocm",))[0] is dcu

@@ -65,6 +65,8 @@ class AcceleratorBackend:
     Class attributes:
         kind: name used in reports, ``VB_DEVICE`` and ``prefer=``: ``cuda``, ``rocm``, ``npu``...
         device_type: the torch device type this kind runs on (``rocm`` and ``dcu`` use ``cuda``).
+        refined_kinds: other kinds :meth:`detect` may report for its devices (``rocm`` -> ``dcu``):
+            each names this kind too, in ``VB_DEVICE`` and ``prefer=``, whatever was detected.
         vendor: vendor and product family, for reports.
         priority: ranking position; lower is preferred (CUDA 0 ... CPU 100).
         package: the Python package that provides the device (``torch_npu``), or None when
@@ -75,6 +77,7 @@ class AcceleratorBackend:
 
     kind: ClassVar[str] = ""
     device_type: ClassVar[str] = ""
+    refined_kinds: ClassVar[tuple[str, ...]] = ()
     vendor: ClassVar[str] = ""
     priority: ClassVar[int] = 50
     package: ClassVar[str | None] = None

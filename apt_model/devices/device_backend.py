@@ -19,7 +19,7 @@ import torch
 from apt_model.devices.backend import AcceleratorBackend
 from apt_model.devices.detection import Candidate, detect_devices
 from apt_model.devices.plugins import describe_exception
-from apt_model.devices.ranking import parse_device_spec, select_device
+from apt_model.devices.ranking import candidate_names, parse_device_spec, select_device
 from apt_model.base.errors import DeviceSelectionError
 
 
@@ -49,7 +49,7 @@ class DeviceBackend:
             self.device, self.candidate = sel.device, sel.candidate
         else:
             name, index = parse_device_spec(device, cands)
-            matching = sorted((c for c in cands if name in (c.kind, c.device_type)),
+            matching = sorted((c for c in cands if name in candidate_names(c)),
                               key=lambda c: (not c.available, c.priority))
             self.candidate: Candidate = matching[0]
             dtype = self.candidate.device_type

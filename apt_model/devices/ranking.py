@@ -58,8 +58,17 @@ class Selection:
         }
 
 
+def candidate_names(c: Candidate) -> set[str]:
+    """Every name that addresses candidate ``c``: its detected kind, its torch device type, and
+    its backend's class kind and refined kinds (``rocm`` and ``dcu`` whichever was detected)."""
+    names = {c.kind, c.device_type}
+    if c.backend is not None:
+        names |= {type(c.backend).kind, *type(c.backend).refined_kinds} - {""}
+    return names
+
+
 def _known_names(candidates: list[Candidate]) -> list[str]:
-    return sorted({c.kind for c in candidates} | {c.device_type for c in candidates})
+    return sorted(set().union(*(candidate_names(c) for c in candidates)))
 
 
 def normalize_prefer(prefer: str | Iterable[str] | None, candidates: list[Candidate]) -> tuple[str, ...]:
@@ -83,7 +92,7 @@ def rank(candidates: list[Candidate], prefer: tuple[str, ...] = ()) -> list[Cand
 
     def key(c: Candidate):
         for i, p in enumerate(prefer):
-            if p in (c.kind, c.device_type):
+            if p in candidate_names(c):
                 return (i, c.priority, c.kind)
         return (len(prefer), c.priority, c.kind)
 
@@ -115,7 +124,7 @@ def parse_device_spec(spec: str | torch.device, candidates: list[Candidate] | No
 
 def _resolve(spec: str | torch.device, candidates: list[Candidate], label: str, source: str, order: tuple[str, ...]) -> Selection:
     name, index = parse_device_spec(spec, candidates, label)
-    matching = [c for c in candidates if name in (c.kind, c.device_type)]
+    matching = [c for c in candidates if name in candidate_names(c)]
     usable = [c for c in matching if c.available]
     if not usable:
         why = "; ".join(f"{c.kind}: {c.status} - {c.reason}" for c in matching)

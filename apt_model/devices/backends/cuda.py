@@ -97,6 +97,7 @@ class RocmBackend(AcceleratorBackend):
 
     kind = "rocm"
     device_type = "cuda"
+    refined_kinds = ("dcu",)
     vendor = "AMD ROCm (HIP)"
     priority = 1
     dist_backend = "nccl"  # RCCL, exposed under the nccl name

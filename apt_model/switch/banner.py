@@ -95,7 +95,7 @@ def feature_effect(name: str, value, config: dict, facts: dict) -> str:
             return f"{dev} has no FP4 matmul: no layer changes"
         if native_here:
             return storage + "; FP4 matmul where the probe finds FP4 units"
-        return f"frozen nn.Linear weights in {fmt} ({dev} has no FP4 matmul); none frozen: unchanged"
+        return f"frozen nn.Linear weights in {fmt} ({dev} has no FP4 matmul); a model with no frozen layer is unchanged"
     if name == "activation_checkpointing":
         return f"repeated blocks recompute activations in backward (policy {settings.get('checkpoint_policy') or 'all'})"
     if name == "activation_offload":

@@ -747,11 +747,24 @@ def test_paging_refuses_an_impossible_budget_at_adoption(budgets, names, tmp_pat
     """The error names the setting to raise: on a CPU-only run level 0 is the smaller of the device
     and host budgets (the same memory), so a too-small host budget is named as such (until
     2026-11-26 the error always asked for a larger device_budget)."""
+    import re
+
     m = model()
-    with pytest.raises(ConfigError, match=f"cannot be held while paging GPT.*set {names} \\(VB_{names.upper()}\\)"):
+    with pytest.raises(ConfigError, match=f"cannot be held while paging GPT.*set {names} \\(VB_{names.upper()}\\)") as err:
         vb.enable("balanced", swap_dir=str(tmp_path), paging="over_budget", attention="off",
                   mixed_precision="off", banner=False, **budgets)
         m.to("cpu")
+    vb.disable()
+    # the size it suggests can be typed as written, and is enough (it was rounded to one decimal
+    # of KiB: below the need, and "300.1KiB" is no whole number of bytes)
+    suggested = re.search(r"to at least (\S+) \(", str(err.value)).group(1)
+    vb.enable("balanced", swap_dir=str(tmp_path), paging="over_budget", attention="off",
+              mixed_precision="off", banner=False, **{**budgets, names: suggested})
+    try:
+        m.to("cpu")
+        assert vb.get_report()["models"][0]["features"]["paging"]["chosen"] == "paged"
+    finally:
+        vb.disable()
 
 
 # ------------------------------------------------------------------ no wait blocks forever

@@ -391,3 +391,16 @@ def test_each_variable_reads_and_fails_naming_itself(var):
         read_env(entry, {var: bad})
     prefix = f"{var}: {entry.name}=" if entry.kind == "feature" else f"{var}="
     assert str(exc.value).startswith(f"{prefix}{bad!r}"), str(exc.value)
+
+
+@pytest.mark.parametrize("need", [1, 9, 10 * 1024, 307_277, 5 * 2**20 + 300_000, 3 * 2**30 + 1])
+def test_a_suggested_size_parses_and_is_enough(need):
+    """Messages that tell the user what to set use ``format_size_at_least``: typed back, it parses
+    and covers the need. ``format_size`` does not: 307277 bytes print as '300.1KiB', which is no
+    whole number of bytes (refused), and one decimal may round below the need."""
+    from apt_model.base.sizes import format_size, format_size_at_least, parse_size
+
+    assert parse_size(format_size_at_least(need)) >= need
+    if need == 307_277:
+        with pytest.raises(ConfigError, match="not a whole number of bytes"):
+            parse_size(format_size(need))

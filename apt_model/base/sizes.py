@@ -62,6 +62,18 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
     return size
 
 
+def format_size_at_least(n: int) -> str:
+    """A size to type that is at least ``n`` bytes: a whole number of the largest binary unit in
+    which it is 10 or more, rounded up (``307277 -> '301KiB'``, ``5.3 MiB -> '5428KiB'``). For
+    messages that tell the user what to set: ``format_size`` rounds to one decimal, which may be
+    below ``n`` and is often not a whole number of bytes (``parse_size`` refuses ``300.1KiB``)."""
+    n = max(int(math.ceil(n)), 1)
+    for unit, factor in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= 10 * factor:
+            return f"{-(-n // factor)}{unit}"
+    return f"{n}B"
+
+
 def format_size(n: int | float | None) -> str:
     """``1536 -> '1.5KiB'``; binary units, one decimal; None -> 'n/a'."""
     if n is None:

@@ -39,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.errors import ConfigError
-from apt_model.base.sizes import format_size
+from apt_model.base.sizes import format_size, format_size_at_least
 
 
 class PagingBudgetError(ConfigError):
@@ -245,7 +245,7 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
             f"the level-0 budget {format_size(budget)} cannot be held while paging {type(model).__name__} "
             f"(training state {format_size(total)}): {what} needs {format_size(ws)} resident at once, more than "
             f"the budget plus the largest page ({format_size(largest)}) allows; set {budget_setting} "
-            f"to at least {format_size(ws - largest)} ({ws - largest} bytes), or page anyway with paging='always' "
+            f"to at least {format_size_at_least(ws - largest)} ({ws - largest} bytes), or page anyway with paging='always' "
             "(level 0 will then go over the budget)"
             + ("; the plan assumes the model trains (AdamW: a gradient and two states per trainable parameter): a "
                "model that is only evaluated needs its parameters alone, so call model.requires_grad_(False) "

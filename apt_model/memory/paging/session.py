@@ -390,6 +390,8 @@ class PagingSession:
             self.host_step.retire_dead()
         while self._dead_pages:
             self.pager.discard(self._dead_pages.pop())
+        if len(self._finalizers) > 64 and any(not f.alive for f in self._finalizers):
+            self._finalizers = [f for f in self._finalizers if f.alive]  # fired: nothing left to detach
         if self._released:
             released, self._released = self._released, []
             self.kept = [k for k in self.kept if not any(k is pm.kept for pm in released)]

@@ -63,3 +63,50 @@ def test_run_refuses_a_missing_module_and_an_unwritable_report_before_the_script
     bad = apt_vb("run", "--quiet", "--report", str(blocked / "sub" / "r.json"), str(script))
     assert bad.returncode == 2 and "--report" in bad.stderr and "SCRIPT RAN" not in bad.stdout, bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_run_m_finds_a_module_in_the_current_folder_as_python_m_does(tmp_path, monkeypatch, capsys):
+    """``python -m pkg.mod`` puts the current folder first on sys.path; the ``apt-vb`` console
+    script does not have it there, so ``apt-vb run -m pkg.mod`` said the module was not found.
+    It now runs it, with sys.argv[0] the module's file (as python -m sets it), and sys.path is
+    restored afterwards."""
+    import sys
+
+    from apt_model.cli.main import main
+
+    pkg = tmp_path / "vb_cwd_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "mymod.py").write_text("import sys\nprint('RAN', sys.argv, sys.path[0])\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    path_before = list(sys.path)
+    try:
+        assert main(["run", "--quiet", "-m", "vb_cwd_pkg.mymod", "a"]) == 0
+    finally:
+        for name in ("vb_cwd_pkg", "vb_cwd_pkg.mymod"):
+            sys.modules.pop(name, None)
+    assert f"RAN [{str(pkg / 'mymod.py')!r}, 'a'] {tmp_path}" in capsys.readouterr().out
+    assert sys.path == path_before
+
+
+def test_output_into_a_closed_pipe_stops_quietly(monkeypatch, capsys):
+    """``apt-vb config show | head -1`` ended in a BrokenPipeError traceback. The entry point now
+    stops quietly with 128 + SIGPIPE, stdout pointed at the null device (so the final flush at
+    exit does not fail again)."""
+    import os
+    import sys
+
+    from apt_model.cli.main import main
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has gone, as head has after its first line
+    closed = os.fdopen(write_end, "w")
+    monkeypatch.setattr(sys, "stdout", closed)
+    try:
+        assert main(["config", "show"]) == 141
+        closed.write("more\n")
+        closed.flush()  # the descriptor now leads to the null device
+    finally:
+        closed.close()
+    assert capsys.readouterr().err == ""

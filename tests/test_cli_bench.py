@@ -141,3 +141,67 @@ def test_bench_rejects_bad_arguments(capsys):
     assert "unknown kind 'gpu'" in capsys.readouterr().err
     assert main(["bench", "--group", "fft", "--duration", "1"]) == 2
     assert "unknown group(s) ['fft']; valid groups: gemm" in capsys.readouterr().err
+
+
+@pytest.fixture
+def suite_must_not_run(monkeypatch):
+    """``run_suite`` replaced by one that fails the test: the argument checks come before it."""
+    from apt_model.bench import suite
+
+    def ran(*args, **kwargs):
+        raise AssertionError("the suite ran before its arguments were checked")
+
+    monkeypatch.setattr(suite, "run_suite", ran)
+
+
+def test_bench_refuses_an_unwritable_json_path_before_running(tmp_path, capsys, suite_must_not_run):
+    """``--json`` into a folder that cannot be created was found after the whole suite had run
+    (a FileNotFoundError traceback, exit status 1): now one line naming the flag, exit status 2."""
+    from apt_model.cli.main import main
+
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    path = str(blocked / "sub" / "r.json")
+    assert main(["bench", "--json", path, "--group", "norm", "--no-disk", "--duration", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {path!r}: its folder cannot be created" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_bench_refuses_a_duration_that_is_not_finite(value, capsys, suite_must_not_run):
+    """``--duration nan`` / ``inf`` passed the ``> 0`` check: every case then failed, exit status 0."""
+    from apt_model.cli.main import main
+
+    assert main(["bench", f"--duration={value}", "--group", "norm", "--no-disk"]) == 2
+    err = capsys.readouterr().err
+    assert f"--duration={float(value)!r} must be > 0 seconds (a finite number)" in err, err
+
+
+def test_bench_argument_errors_name_the_flag_and_the_library_names_the_parameter(capsys, suite_must_not_run):
+    from apt_model.cli.main import main
+    from apt_model.errors import ConfigError
+
+    assert main(["bench", "--threads", "0", "--duration", "1"]) == 2
+    assert "--threads=0 must be a whole number >= 1" in capsys.readouterr().err
+    from apt_model.bench.suite import check_arguments
+
+    with pytest.raises(ConfigError, match=r"^duration=inf must be > 0 seconds"):
+        check_arguments(float("inf"))
+    with pytest.raises(ConfigError, match=r"^threads=0 must be"):
+        check_arguments(1.0, threads=0)
+
+
+def test_bench_refuses_a_missing_swap_dir_before_running(tmp_path, capsys, suite_must_not_run):
+    """A missing ``--swap-dir`` was measured anyway: the ConfigError shown as the disk row's cell,
+    exit status 0. Now one line naming the folder, exit status 2; without the disk it is unused."""
+    from apt_model.cli.main import main
+
+    missing = str(tmp_path / "absent")
+    assert main(["bench", "--swap-dir", missing, "--group", "disk", "--duration", "1"]) == 2
+    err = capsys.readouterr().err
+    assert f"--swap-dir={missing!r} is not an existing folder" in err and len(err.strip().splitlines()) == 1
+    from apt_model.bench.suite import check_arguments
+
+    check_arguments(1.0, swap_dir=missing, disk=False)  # not measured: not checked
+    check_arguments(1.0, swap_dir=missing, groups=("norm",))
+    check_arguments(1.0, swap_dir=str(tmp_path))

@@ -114,3 +114,39 @@ def test_config_load_check_refuses_a_missing_swap_dir(project, tmp_path, capsys)
     (tmp_path / "absent").mkdir()
     assert main(["config", "load", str(f), "--check"]) == 0
     assert not (project / ".vbrc").exists()  # --check installs nothing
+
+
+@pytest.mark.parametrize("src_name, text, dest_name", [
+    ("in.toml", 'mode = "memory"\npaging = "tight"\n', "out.json"),
+    ("in.json", '{"mode": "memory"}\n', "out.toml"),
+])
+def test_config_load_refuses_a_destination_named_for_the_other_format(tmp_path, capsys, src_name, text, dest_name):
+    """``config load in.toml --path out.json`` installed the TOML text (verbatim) in a file then
+    read as JSON, which failed at every later command. As ``config save --format`` does for a
+    mismatched name, it is refused now (exit status 2, nothing written); a matching name works."""
+    from apt_model.cli.main import main
+
+    src = tmp_path / src_name
+    src.write_text(text)
+    dest = tmp_path / dest_name
+    assert main(["config", "load", str(src), "--path", str(dest)]) == 2
+    err = capsys.readouterr().err
+    suffix = dest.suffix
+    assert f"{dest}: format={src.suffix[1:]!r} does not match the file name's {suffix} suffix" in err
+    assert f"give --path a {src.suffix} name" in err and len(err.strip().splitlines()) == 1
+    assert not dest.exists()
+    good = tmp_path / f"out{src.suffix}"
+    assert main(["config", "load", str(src), "--path", str(good)]) == 0
+    assert good.read_text() == text
+
+
+def test_config_load_check_refuses_an_unknown_prefer_kind_naming_the_file_and_line(tmp_path, capsys):
+    """``{"prefer": "gpu"}`` passed ``config load --check`` and then failed at enable(), with a
+    message naming neither the file nor the line."""
+    from apt_model.cli.main import main
+
+    f = tmp_path / "vbrc.json"
+    f.write_text('{\n "prefer": "gpu"\n}\n')
+    assert main(["config", "load", str(f), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:2: prefer='gpu' is not a device kind; valid: " in err and "cpu" in err

@@ -156,3 +156,19 @@ def test_environment_activation_reads_the_file(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [True, "memory", f"file:{tmp_path / '.vbrc'}"]
     bad = run_python("import apt_model", env=clean_env(ENABLE_VIRTUAL_BLACKWELL="1", VB_CONFIG=str(tmp_path / "nope")))
     assert bad.returncode != 0 and "VB_CONFIG names this file, which does not exist" in bad.stderr
+
+
+def test_prefer_is_checked_with_the_ranking_validator_enable_uses(project):
+    """A ``.vbrc`` ``prefer`` naming no device kind passed the file check (the table's entry checks
+    only the form), and enable() then refused it without naming the file or the line."""
+    f = write(project / ".vbrc", '{\n  "mode": "balanced",\n  "prefer": "gpu"\n}\n')
+    with pytest.raises(ConfigFileError, match=rf"^{f}:3: prefer='gpu' is not a device kind; valid: .*cpu"):
+        read_config_file(f)
+    with pytest.raises(ConfigFileError, match=rf"^{f}:3: prefer='gpu' is not a device kind"):
+        vb.enable(banner=False)
+    assert not vb.is_enabled()
+    f.write_text('prefer = ["cpu", "tpu"]\n')
+    with pytest.raises(ConfigFileError, match=rf"^{f}:1: prefer='tpu' is not a device kind"):
+        read_config_file(f)
+    f.write_text('prefer = ["cpu"]\n')
+    assert read_config_file(f).values == {"prefer": ("cpu",)}

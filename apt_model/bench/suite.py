@@ -295,6 +295,44 @@ def _disk_case(folder, budget: float) -> dict:
     return out
 
 
+def check_arguments(duration: float, threads: int | None = None, groups: tuple[str, ...] | None = None,
+                    disk: bool = True, swap_dir=None, names: dict[str, str] | None = None) -> None:
+    """Check :func:`run_suite`'s arguments, so that a bad one fails before anything runs (a
+    duration of ``nan`` or ``inf`` used to turn every case into an error, and a missing swap
+    folder into an error cell of the table).
+
+    Args:
+        duration, threads, groups, disk, swap_dir: as for :func:`run_suite`.
+        names: how the messages name ``duration``, ``threads`` and ``swap_dir`` (default: the
+            parameter, ``duration=...``; ``apt-vb bench`` passes its flags, ``--duration=...``).
+
+    Raises:
+        ConfigError: a duration that is not a finite number > 0, a thread count < 1, an unknown
+            group, or, when the disk is measured, a ``swap_dir`` that is not an existing folder
+            this process can write to; the message names the value and what is valid.
+    """
+    import math
+    import os
+
+    from apt_model.base.errors import ConfigError
+
+    label = {"duration": "duration", "threads": "threads", "swap_dir": "swap_dir", **(names or {})}
+    if isinstance(duration, bool) or not isinstance(duration, (int, float)) or not math.isfinite(duration) \
+            or duration <= 0:
+        raise ConfigError(f"{label['duration']}={duration!r} must be > 0 seconds (a finite number)")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise ConfigError(f"{label['threads']}={threads!r} must be a whole number >= 1")
+    bad = [g for g in (groups or ()) if g not in GROUPS]
+    if bad:
+        raise ConfigError(f"unknown group(s) {bad}; valid groups: {', '.join(GROUPS)}")
+    if swap_dir is not None and disk and (not groups or "disk" in groups):
+        folder = os.fspath(swap_dir)
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK | os.X_OK):
+            what = "a folder this process cannot write to" if os.path.isdir(folder) else "not an existing folder"
+            raise ConfigError(f"{label['swap_dir']}={str(swap_dir)!r} is {what}; give an existing, writable "
+                              f"folder, or leave {label['swap_dir']} out to measure the default swap folder")
+
+
 def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads: int | None = None,
               disk: bool = True, swap_dir=None, progress: Callable[[str], None] | None = None,
               groups: tuple[str, ...] | None = None) -> dict:
@@ -314,20 +352,14 @@ def run_suite(devices: list[str] | None = None, duration: float = 30.0, threads:
         "setup_s", "cases": {name: result}}}), ``disk``, ``elapsed_s``. See docs/cli.md for every field.
 
     Raises:
-        ConfigError / DeviceSelectionError: a malformed or unusable device; ValueError: a
-            non-positive duration or thread count, or an unknown group.
+        ConfigError / DeviceSelectionError: a malformed or unusable device; ConfigError (a
+            ValueError), before anything runs: see :func:`check_arguments`.
     """
     from apt_model.devices.device_backend import DeviceBackend
     from apt_model.devices.ranking import select_device
 
     valid_groups = GROUPS
-    if duration <= 0:
-        raise ValueError(f"duration={duration!r} must be > 0 seconds")
-    if threads is not None and threads < 1:
-        raise ValueError(f"threads={threads!r} must be >= 1")
-    bad = [g for g in (groups or ()) if g not in valid_groups]
-    if bad:
-        raise ValueError(f"unknown group(s) {bad}; valid groups: {', '.join(valid_groups)}")
+    check_arguments(duration, threads, groups, disk=disk, swap_dir=swap_dir)
     step = progress or (lambda label: None)
     t_begin = time.perf_counter()
     old_threads = torch.get_num_threads()

@@ -24,13 +24,27 @@ def add_parser(sub) -> None:
     b.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON to FILE ('-' for stdout only)")
 
 
+#: How the suite's argument errors name them: by the flag typed (``--duration=nan must be ...``).
+FLAGS = {"duration": "--duration", "threads": "--threads", "swap_dir": "--swap-dir"}
+
+
 def run_bench(args) -> int:
-    """Run the suite, print the table (or JSON with ``--json -``), write ``--json FILE``. Returns 0."""
+    """Run the suite, print the table (or JSON with ``--json -``), write ``--json FILE``. Returns 0.
+
+    Raises:
+        ConfigError: a bad ``--duration``, ``--threads``, ``--group`` or ``--swap-dir``, or a
+            ``--json FILE`` that cannot be written, before anything is measured.
+    """
     from tqdm.auto import tqdm
 
     from apt_model.bench.measure import write_json
-    from apt_model.bench.suite import format_table, run_suite
+    from apt_model.bench.suite import check_arguments, format_table, run_suite
+    from apt_model.cli.launcher import check_output_path
 
+    groups = tuple(args.group) if args.group else None
+    check_arguments(args.duration, args.threads, groups, disk=not args.no_disk, swap_dir=args.swap_dir, names=FLAGS)
+    if args.json and args.json != "-":
+        check_output_path(args.json, "--json")
     devices = [d.strip() for item in (args.device or []) for d in item.split(",") if d.strip()] or None
     bar = tqdm(total=None, desc="bench", unit="case", file=sys.stderr, disable=None,
                bar_format="{desc}: {n_fmt} cases [{elapsed}]{postfix}")
@@ -41,7 +55,7 @@ def run_bench(args) -> int:
 
     try:
         result = run_suite(devices, args.duration, args.threads, disk=not args.no_disk, swap_dir=args.swap_dir,
-                           progress=step, groups=tuple(args.group) if args.group else None)
+                           progress=step, groups=groups)
     finally:
         bar.close()
     if args.json == "-":
@@ -49,6 +63,10 @@ def run_bench(args) -> int:
         return 0
     print(format_table(result))
     if args.json:
-        write_json(result, args.json)
+        try:
+            write_json(result, args.json)
+        except OSError as err:  # checked before the run, so rare (a full disk): one line, not a traceback
+            print(f"apt-vb bench: could not write the JSON to {args.json}: {err}", file=sys.stderr)
+            return 1
         print(f"JSON: {args.json}")
     return 0

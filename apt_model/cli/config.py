@@ -217,6 +217,13 @@ def run_config(args) -> int:
         print(f"{cf.path}: valid {cf.format} ({len(cf.values)} value(s): {', '.join(cf.values) or 'none'})")
         if args.check:
             return 0
+        # installed verbatim (comments kept), so never converted: a .json/.toml name for the other
+        # format would be unreadable, as config save --format refuses it
+        try:
+            vbrc.check_suffix(dest, cf.format)
+        except ConfigError as err:
+            raise ConfigError(f"{err}; {cf.path.name} is {cf.format} and is installed as written: "
+                              f"give --path a .{cf.format} name") from None
         if dest.exists() and not args.force:
             raise ConfigError(f"{dest} exists; use --force to replace it")
         if dest.resolve() != cf.path.resolve():

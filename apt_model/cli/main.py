@@ -13,7 +13,8 @@ Sub-commands:
     run     run an unmodified script with the switch on, like ``torchrun`` runs one distributed
 
 Exit statuses: 0 success; 1 a failed ``test`` check; 2 a usage or configuration error (the
-message names the bad value and the valid ones); a script run by ``run`` exits with its own status.
+message names the bad value and the valid ones); a script run by ``run`` exits with its own status;
+141 (128 + SIGPIPE), quietly, when stdout's reader stops early (``apt-vb info --json | head``).
 """
 from __future__ import annotations
 
@@ -89,13 +90,35 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; returns the process exit status (2 with a one-line message for a configuration error)."""
-    from apt_model.base.errors import ConfigError, DeviceSelectionError
+#: Exit status when stdout is closed early (``apt-vb info --json | head``): 128 + SIGPIPE, the
+#: status a shell shows for a command the closed pipe stopped (``yes | head``).
+BROKEN_PIPE_EXIT = 128 + 13
 
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; returns the process exit status (2 with a one-line message for a configuration
+    error; :data:`BROKEN_PIPE_EXIT`, quietly, when the reader of stdout has gone, as with ``| head``)."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = None
+    try:
+        parser = build_parser()
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit:
+            sys.stdout.flush()  # --help, --version: a closed pipe is met here rather than at exit
+            raise
+        status = _run(parser, args)
+        if args.command != "run":  # a script's output is left to the interpreter, as under python
+            sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        if args is not None and args.command == "run":
+            raise  # the script's own (a socket's, say): its traceback is kept
+        return _stdout_closed()
+
+
+def _run(parser: argparse.ArgumentParser, args) -> int:
+    from apt_model.base.errors import ConfigError, DeviceSelectionError
     from apt_model.cli.errors import check_flags, report_cli_error
 
     try:
@@ -105,6 +128,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "run" and not isinstance(err, (ConfigError, DeviceSelectionError)):
             raise  # a script's own ValueError keeps its traceback
         return report_cli_error(err, args)  # one line (the traceback with VB_LOG_LEVEL=DEBUG), exit status 2
+
+
+def _stdout_closed() -> int:
+    """Stop quietly when stdout's reader has gone: stdout is pointed at the null device, so the
+    interpreter's last flush of what is still buffered does not fail again at exit."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (a replaced sys.stdout)
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - kept open until exit
+    return BROKEN_PIPE_EXIT
 
 
 if __name__ == "__main__":

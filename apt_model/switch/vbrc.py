@@ -208,6 +208,21 @@ def _parse(path: Path, text: str, fmt: str) -> dict:
         raise ConfigFileError(path, line, col, f"not valid TOML{hint}: {msg.strip()}") from None
 
 
+def _check_prefer(value) -> None:
+    """The kinds of ``prefer``, checked as ``enable()`` checks them (the ranking's validator,
+    against the registered kinds): the table's entry checks only the form."""
+    from apt_model.devices.detection import detect_devices
+    from apt_model.devices.ranking import normalize_prefer
+
+    normalize_prefer(value, detect_devices())
+
+
+#: Keys whose table entry checks only the form, with the check ``enable()`` adds (the same
+#: function), so a file passes ``apt-vb config load --check`` only if ``enable()`` accepts it.
+#: (``swap_dir``'s existence is checked where the folder is used, and by ``config load``.)
+CHECKED_AT_ENABLE = {"prefer": _check_prefer}
+
+
 def validate_values(data: dict, path: str | os.PathLike, lines: dict | None = None) -> dict:
     """Check every key and value of a parsed file with the switch's validators.
 
@@ -238,6 +253,8 @@ def validate_values(data: dict, path: str | os.PathLike, lines: dict | None = No
             raise ConfigFileError(path, line, None, f"unknown key {key!r}{hint}; valid keys: {', '.join(keys)}")
         try:
             value = TABLE[key].validate(value, where)
+            if key in CHECKED_AT_ENABLE:
+                CHECKED_AT_ENABLE[key](value)
         except ConfigFileError:
             raise
         except ConfigError as err:
@@ -320,6 +337,21 @@ def format_config(values: dict, fmt: str = "json", header: str | None = None,
     raise ConfigError(f"format={fmt!r} is not valid; valid formats: json, toml")
 
 
+def check_suffix(path: str | os.PathLike, fmt: str) -> None:
+    """Check that a file of format ``fmt`` (``json`` or ``toml``) may be written at ``path``: a
+    name ending in ``.json`` or ``.toml`` is read as that format, whatever the text holds, so the
+    other format there would be unreadable (any other name is fine: its text decides).
+
+    Raises:
+        ConfigFileError: the suffix names the other format.
+    """
+    p = Path(path)
+    suffix = p.suffix.lower()[1:]
+    if suffix in ("json", "toml") and fmt != suffix:
+        raise ConfigFileError(p, None, None, f"format={fmt!r} does not match the file name's .{suffix} suffix "
+                                             "(files are read by their suffix)")
+
+
 def write_config_file(path: str | os.PathLike, values: dict, fmt: str | None = None, header: str | None = None,
                       comments: dict[str, str] | None = None, overwrite: bool = False) -> Path:
     """Validate ``values`` and write them to ``path`` (atomically: a temporary file renamed into place).
@@ -339,12 +371,9 @@ def write_config_file(path: str | os.PathLike, values: dict, fmt: str | None = N
         FileExistsError: ``path`` exists and ``overwrite`` is False.
     """
     p = Path(path).expanduser().absolute()
-    suffix = p.suffix.lower()[1:]
     if fmt is None:
-        fmt = "toml" if suffix == "toml" else "json"
-    if suffix in ("json", "toml") and fmt != suffix:
-        raise ConfigFileError(p, None, None, f"format={fmt!r} does not match the file name's .{suffix} suffix "
-                                             "(files are read by their suffix)")
+        fmt = "toml" if p.suffix.lower() == ".toml" else "json"
+    check_suffix(p, fmt)
     validate_values(values, p)
     text = format_config(values, fmt, header, comments)
     if p.exists() and not overwrite:

@@ -192,6 +192,12 @@ def test_paged_tensors_are_in_files_not_in_memory(tmp_path):
     assert not any(tmp_path.iterdir())  # and removes the swap folder
 
 
+def _saved_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
 def test_checkpoint_saved_while_paged_resumes_bitwise(tmp_path):
     full_m = model()
     full_opt = make_opt(full_m, "adamw")
@@ -205,7 +211,13 @@ def test_checkpoint_saved_while_paged_resumes_bitwise(tmp_path):
     m.to("cpu")
     train(m, opt, 6, seed=1)
     buf = io.BytesIO()
-    torch.save({"model": m.state_dict(), "opt": opt.state_dict()}, buf)
+    sd = m.state_dict()
+    # tied weights stay one tensor, as in plain PyTorch (paging materialized a copy per key:
+    # torch.save wrote the weight twice, and safetensors would not have refused the shared tensor)
+    assert sd["head.weight"].data_ptr() == sd["tok_emb.weight"].data_ptr()
+    plain_size = len(_saved_bytes(full_m.state_dict()))
+    assert abs(len(_saved_bytes(sd)) - plain_size) < 4096, (len(_saved_bytes(sd)), plain_size)
+    torch.save({"model": sd, "opt": opt.state_dict()}, buf)
     vb.disable()
 
     m2 = model(seed=123)  # different init: everything must come from the checkpoint

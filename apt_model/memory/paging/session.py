@@ -787,6 +787,7 @@ class PagingSession:
         self.mode.active = True
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
+        copies: dict[str, torch.Tensor] = {}  # page key -> its copy: tied weights stay one tensor
         try:
             with torch._C.DisableTorchFunction():
                 for name, p in module.named_parameters(remove_duplicate=False):
@@ -794,7 +795,9 @@ class PagingSession:
                     key = prefix + name
                     if page is not None and key in state_dict:
                         # a copy even when resident: an alias would die with the page's next eviction
-                        state_dict[key] = self.pager.materialize(page)
+                        if page.key not in copies:
+                            copies[page.key] = self.pager.materialize(page)
+                        state_dict[key] = copies[page.key]
         finally:
             self.resume_faults()
         return None

@@ -404,3 +404,17 @@ def test_a_suggested_size_parses_and_is_enough(need):
     if need == 307_277:
         with pytest.raises(ConfigError, match="not a whole number of bytes"):
             parse_size(format_size(need))
+
+
+def test_a_setting_read_where_it_is_used_shows_its_value_in_the_configuration(monkeypatch):
+    """``VB_DEVICE`` is read by the ranking, so the configuration keeps the default for it:
+    ``get_config()`` and ``apt-vb config show`` showed ``None`` from ``environment:VB_DEVICE``."""
+    import apt_model.optimization.vb_global as vb
+
+    monkeypatch.setenv("VB_DEVICE", "cpu")
+    assert build_config(None, {}).shown_settings()["device"] == {"value": "cpu", "source": "environment:VB_DEVICE"}
+    vb.enable("balanced", banner=False)
+    try:
+        assert vb.get_config()["settings"]["device"]["value"] == "cpu"
+    finally:
+        vb.disable()

@@ -125,7 +125,7 @@ def resolved_config() -> dict:
         variables[entry.env] = {"value": value, "source": source}
     return {"mode": cfg.mode, "mode_source": cfg.sources["mode"],
             "features": {k: {"value": v, "source": cfg.sources[k]} for k, v in cfg.features.items()},
-            "settings": {k: {"value": v, "source": cfg.sources[k]} for k, v in cfg.settings.items()},
+            "settings": cfg.shown_settings(),
             "variables": variables}
 
 

@@ -44,6 +44,21 @@ class VBConfig:
         return {"mode": self.mode, "features": dict(self.features), "settings": dict(self.settings),
                 "sources": dict(self.sources)}
 
+    def shown_settings(self) -> dict:
+        """Each setting as ``{"value", "source"}`` for reports (``get_config()``, ``apt-vb config
+        show``). A variable read where it is used (``VB_DEVICE``: the ranking reads it) shows the
+        value it holds: the configuration keeps the default for it, so it showed ``None`` next to
+        ``environment:VB_DEVICE``."""
+        out = {}
+        for name, value in self.settings.items():
+            source = self.sources.get(name)
+            entry = TABLE.get(name)
+            if entry is not None and entry.env_at_use and source and source.startswith("environment:"):
+                found = read_env(entry)
+                value = found[0] if found is not None else value
+            out[name] = {"value": value, "source": source}
+        return out
+
     def config_files(self) -> list[str]:
         """The ``.vbrc`` files that supplied at least one value, sorted."""
         return sorted({s[len("file:"):] for s in self.sources.values() if s and s.startswith("file:")})

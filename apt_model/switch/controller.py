@@ -336,7 +336,7 @@ def get_config() -> dict:
         status = "off" if value in (False, "off") else ("requested" if spec.built else "not built")
         features[name] = {"value": value, "status": status, "source": cfg.sources.get(name),
                           "description": spec.description}
-    settings = {k: {"value": v, "source": cfg.sources.get(k)} for k, v in cfg.settings.items()}
+    settings = cfg.shown_settings()
     return {"enabled": _state.enabled, "mode": cfg.mode, "mode_source": cfg.sources.get("mode"),
             "device": str(_state.selection.device) if _state.selection else None,
             "features": features, "settings": settings, "config_files": cfg.config_files()}

@@ -1765,3 +1765,28 @@ def test_a_dropped_model_is_freed_and_the_next_one_trains_like_plain(tmp_path, k
         assert s.pager.budget == s.level_budget  # no dropped plan's kept bytes still count
     finally:
         vb.disable()
+
+
+def test_pre_step_copies_leave_no_swap_files_behind(tmp_path):
+    """Where the plan keeps the parameters resident, each step writes a pre-step copy of every
+    parameter it updates (for a roll-back). A copy's key is never written again, yet dropping it
+    left its file "for the next write": one file per parameter per step, and a parameter-sized
+    pile of stale bytes per step (73.6 MB after 20 steps of training/train.py)."""
+    m = model(dropout=0.0)
+    vb.enable("balanced", swap_dir=str(tmp_path), paging="over_budget", device_budget="650KiB",
+              attention="off", mixed_precision="off", banner=False, paging_step_in_backward="off")
+    try:
+        m.to("cpu")
+        assert vb.get_report()["models"][0]["features"]["paging"]["chosen"] == "paged"
+        from apt_model.switch.controller import session as vb_session
+
+        s = vb_session().paging
+        assert s.report()["models"][0]["paged_parameters"] == 0  # kept resident: the case with copies
+        opt = make_opt(m, "adamw")
+        counts = []
+        for step in range(5):
+            train(m, opt, 1, seed=step)
+            counts.append((sum(1 for _ in s.swap.folder.glob("*.bin")), s.swap.stale_bytes))
+        assert counts[1:] == [counts[1]] * 4, counts
+    finally:
+        vb.disable()

@@ -1211,7 +1211,7 @@ class Pager:
         except SwapError:
             pass
         finally:
-            self.store.discard(copy.key)
+            self.store.forget(copy)  # a copy's key is never written again: its file goes too
 
     @property
     def in_step(self) -> bool:

@@ -160,7 +160,7 @@ class _SoftmaxModel(nn.Module):
     ("memory", lambda: GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)),
      lambda m: "forward" in vars(m.blocks[0])),  # checkpointed blocks
 ])
-def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make, patched):
+def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make, patched, capsys):
     """A sweep (k-fold, a grid) trains model after model with the switch on: each one the script
     drops is freed, though the switch patched it (the undo stack, the compile ladder and the
     global optimizer hook hold it weakly)."""
@@ -184,6 +184,10 @@ def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make,
             del model, opt
             gc.collect()
         assert [(m() is None, p() is None) for m, p in refs] == [(True, True)] * 2
+        capsys.readouterr()
+        vb.print_stats()  # a sweep's finished models: one line, not a block of decisions each
+        out = capsys.readouterr().out
+        assert "models the script dropped (freed): 2" in out and "\n  model " not in out, out
     finally:
         vb.disable()
 

@@ -202,7 +202,14 @@ def format_stats(report: dict) -> str:
                  "learning": "after backward (learning the loop)"}.get(sib["state"], "after backward")
         lines.append(f"  paged optimizer step: {where} ({sib['steps_in_backward']} in backward, "
                      f"{sib['rolled_back']} rolled back): {sib['reason']}")
+    dropped = [m for m in report["models"] if m.get("alive") is False]
+    if dropped:  # a sweep's finished models: one line, not a block each
+        lines.append(f"  models the script dropped (freed): {len(dropped)} ("
+                     + ", ".join(f"{m['name']}#{m['id']}" for m in dropped[:8]) + (", ..." if len(dropped) > 8 else "")
+                     + "); their decisions stay in get_report()['models']")
     for m in report["models"]:
+        if m.get("alive") is False:
+            continue
         lines.append(f"  model {m['name']}#{m['id']} ({m['parameters']:,} params on {m['device']}, via {m['trigger']}):")
         feats = m["features"]
         name_w = max((len(f) for f in feats), default=10) + 2

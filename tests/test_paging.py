@@ -1761,6 +1761,8 @@ def test_a_dropped_model_is_freed_and_the_next_one_trains_like_plain(tmp_path, k
         assert pages == [pages[0]] + [twice if keep_optimizer else pages[0]] * 2 and pages[0]["state"] > 0, pages
         report = s.report()
         assert report["models_released"] == 3 and report["models"] == [] and not s.pager.pages
+        # the hooks the switch put on them left its undo stack too (it grew by every model's hooks)
+        assert not [label for label in s.patches.labels() if label.startswith(("paging pre-hook", "paging load", "grad pre-hook"))]
         assert not list(s.swap.folder.glob("*.bin")), "a dropped model's swap files were left"
         assert s.pager.budget == s.level_budget  # no dropped plan's kept bytes still count
     finally:

@@ -29,6 +29,8 @@ class PatchSet:
     def __init__(self):
         self._undo: list[tuple[str, Callable[[], None]]] = []
         self._critical: set[int] = set()  # id() of the undo callables whose failure must be raised
+        # id() of an undo callable -> a check that says its target is gone (nothing left to undo)
+        self._gone: dict[int, Callable[[], bool]] = {}
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -58,10 +60,34 @@ class PatchSet:
                 setattr(obj, name, previous)
 
         self._undo.append((label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}", undo))
+        if isinstance(target, weakref.ref):
+            self._gone[id(undo)] = lambda: target() is None
 
     def add_handle(self, handle: Any, label: str) -> None:
         """Remember a removable hook handle (anything with ``.remove()``)."""
-        self._undo.append((label, handle.remove))
+        remove = handle.remove
+        self._undo.append((label, remove))
+        hooks = getattr(handle, "hooks_dict_ref", None)  # torch's RemovableHandle: a weak ref to the hook dict
+        if callable(hooks):
+            self._gone[id(remove)] = lambda: hooks() is None
+
+    def prune(self) -> int:
+        """Drop the undo actions whose target is gone (the hooks and attributes of modules and
+        tensors the script dropped): a sweep that makes model after model would grow the stack by
+        every model's hooks (about 90 KB of Python objects per model). Returns how many went."""
+        if not self._gone:
+            return 0
+        keep, dropped = [], 0
+        for label, fn in self._undo:
+            gone = self._gone.get(id(fn))
+            if gone is not None and gone():
+                del self._gone[id(fn)]
+                dropped += 1
+            else:
+                keep.append((label, fn))
+        if dropped:
+            self._undo = keep
+        return dropped
 
     def add_undo(self, fn: Callable[[], None], label: str, critical: bool = False) -> None:
         """Remember an arbitrary undo action. A ``critical`` one's exception is raised by
@@ -83,6 +109,7 @@ class PatchSet:
         """
         failures = []
         critical: list[BaseException] = []
+        self._gone.clear()
         while self._undo:
             label, fn = self._undo.pop()
             is_critical = id(fn) in self._critical

@@ -748,6 +748,7 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             return False
         for m in module.modules():
             st.seen.add(m)
+        st.patches.prune()  # undo entries of models the script dropped (a sweep adopts model after model)
         st.suspended += 1
         try:
             _, ctx = st.adopter.adopt(module, trigger, moved_note)

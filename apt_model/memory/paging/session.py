@@ -398,6 +398,7 @@ class PagingSession:
             self._fit_kept()
             self.released_models += len(released)
             log.info("freed %d paged model(s) the script dropped", len(released))
+            self.patches.prune()  # their hooks' undo entries
 
     def param_label(self, p: torch.Tensor) -> str:
         return self.labels.get(id(p), f"param@{id(p):x}")

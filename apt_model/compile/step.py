@@ -146,4 +146,4 @@ class CompileStep(FeatureStep):
         return decision.amend(details={"timeline": ladder.timeline})
 
     def report(self) -> dict:
-        return {"ladders": [ladder.describe() for ladder in map(lambda r: r(), self.ladders) if ladder is not None]}
+        return {"ladders": [ladder.describe() for ref in self.ladders if (ladder := ref()) is not None]}

@@ -645,13 +645,20 @@ class SwapSpace:
         was garbage-collected, or it is no longer paged), whose key is never written again.
         :meth:`remove` would leave the file for a next write that never comes, so a script that
         drops model after model would fill the folder. A file another record holds (a renamed
-        version, see :meth:`rename`) stays. One ``unlink`` per file on the caller's thread."""
+        version, see :meth:`rename`) stays. One ``unlink`` per file on the caller's thread.
+
+        Runs for every pre-step copy a step drops, so it looks up the key's own files rather than
+        scanning the folder's records: ``<key>.bin``, and ``<key>.1.bin`` (written while the
+        key's previous version, renamed for a roll-back, held the first; see :meth:`_path_for`)."""
         with self._lock:
-            self._drop_record_locked(key)
-            held = {r.path for r in self._records.values()}
-            mine = [path for path in self._stale
-                    if path not in held and (path.name == f"{key}.bin" or path.name.startswith(f"{key}."))]
+            rec = self._records.get(key)
+            self._drop_record_locked(key)  # its file, if any, is stale now
+            mine = {self.folder / f"{key}.bin", self.folder / f"{key}.1.bin"}
+            if rec is not None:
+                mine.add(rec.path)
             for path in mine:
+                if path not in self._stale:  # no file, or one a renamed record holds
+                    continue
                 self.stale_bytes -= self._stale.pop(path)
                 try:
                     path.unlink()

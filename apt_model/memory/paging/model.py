@@ -118,7 +118,7 @@ class PagedModel:
 
     @property
     def model(self) -> nn.Module | None:
-        """The adopted model, or None once the script dropped it (see :meth:`PagingSession.forget_model`)."""
+        """The adopted model, or None once the script dropped it (see ``PagingSession.retire_dead``)."""
         return self._model()
 
     def release(self) -> None:

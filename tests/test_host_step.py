@@ -484,6 +484,7 @@ def test_a_chunk_raising_mid_step_names_the_parameters_already_updated(tmp_path,
 
 
 
+@pytest.mark.slow  # an accelerator path stood in by the CPU; the default suite is at its time budget
 def test_a_dropped_model_and_optimizer_leave_the_host_step(tmp_path):
     """Models trained in turn in one session: the host side of a dropped optimizer (a copy of its
     model's parameters, gradient buffers and states in host memory) goes, and the next model

@@ -156,7 +156,8 @@ class _SoftmaxModel(nn.Module):
 
 
 @pytest.mark.parametrize("mode,make,patched", [
-    ("balanced", _SoftmaxModel, lambda m: type(vars(m).get("forward")).__name__ == "LadderForward"),  # compile ladder
+    pytest.param("balanced", _SoftmaxModel, lambda m: type(vars(m).get("forward")).__name__ == "LadderForward",
+                 marks=pytest.mark.slow),  # compile ladder (a trial per model: 10 s)
     ("memory", lambda: GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)),
      lambda m: "forward" in vars(m.blocks[0])),  # checkpointed blocks
 ])

@@ -110,3 +110,19 @@ def test_output_into_a_closed_pipe_stops_quietly(monkeypatch, capsys):
     finally:
         closed.close()
     assert capsys.readouterr().err == ""
+
+
+def test_run_passes_the_scripts_arguments_verbatim_with_their_double_dash(tmp_path, capsys):
+    """``python script.py -- --x`` gives the script ``['--', '--x']``; ``apt-vb run script.py -- --x``
+    dropped the ``--`` (argparse takes the first one as its own). The launcher's options before the
+    script (``--mode VALUE`` too) are still its own, and a ``--`` before the script separates them."""
+    from apt_model.cli.main import main
+
+    script = tmp_path / "argv_script.py"
+    script.write_text("import sys\nprint('ARGV', sys.argv[1:])\n")
+    cases = [(["--quiet", str(script), "--", "--x"], ["--", "--x"]),
+             (["--quiet", "--mode", "balanced", str(script), "a", "--mode", "x"], ["a", "--mode", "x"]),
+             (["--quiet", "--", str(script), "--", "b"], ["--", "b"])]
+    for launcher_args, expected in cases:
+        assert main(["run", *launcher_args]) == 0
+        assert f"ARGV {expected!r}" in capsys.readouterr().out, launcher_args

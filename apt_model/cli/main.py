@@ -53,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
     run.add_argument("script", nargs="?", help="the script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")
+    #: the run options that take a value, for split_run_argv
+    p.run_value_options = [o for a in run._actions if a.option_strings and a.nargs != 0 for o in a.option_strings]
     return p
 
 
@@ -90,6 +92,32 @@ def _dispatch(parser: argparse.ArgumentParser, args) -> int:
     return 0
 
 
+def split_run_argv(argv: list[str], parser: argparse.ArgumentParser) -> tuple[list[str], list[str] | None]:
+    """For ``apt-vb run``: ``(the launcher's own arguments up to the script or -m MODULE, the
+    script's arguments verbatim)``; ``(argv, None)`` for other commands. argparse would drop the
+    first ``--`` among the script's arguments, which ``python script.py -- --x`` passes on."""
+    if not argv or argv[0] != "run":
+        return argv, None
+    takes_value = getattr(parser, "run_value_options", ())
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":  # the launcher's own separator: the script comes next
+            i += 1
+            break
+        if a == "-m" or (a.startswith("-m") and not a.startswith("--")):
+            end = i + 2 if a == "-m" else i + 1
+            return argv[:end], argv[end:]
+        if a.startswith("-") and a != "-":
+            name = a.split("=", 1)[0]
+            value_opt = "=" not in a and (name in takes_value or (
+                name.startswith("--") and any(o.startswith(name) for o in takes_value if o.startswith("--"))))
+            i += 2 if value_opt else 1
+            continue
+        break
+    return argv[:i + 1], argv[i + 1:]
+
+
 #: Exit status when stdout is closed early (``apt-vb info --json | head``): 128 + SIGPIPE, the
 #: status a shell shows for a command the closed pipe stopped (``yes | head``).
 BROKEN_PIPE_EXIT = 128 + 13
@@ -102,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         parser = build_parser()
+        head, script_args = split_run_argv(argv, parser)
         try:
-            args = parser.parse_args(argv)
+            args = parser.parse_args(head)
+            if script_args is not None:
+                args.args = script_args
         except SystemExit:
             sys.stdout.flush()  # --help, --version: a closed pipe is met here rather than at exit
             raise

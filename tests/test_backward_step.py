@@ -650,3 +650,35 @@ def test_activation_checkpointing_stays_bitwise(tmp_path, reentrant):
         assert rep["state"] == "off" and "reentrant activation checkpointing" in rep["reason"], rep
     else:
         assert rep["state"] == "armed" and rep["steps_in_backward"] == 4, rep
+
+
+def test_the_step_stays_after_backward_where_it_would_break_the_level_0_bound(tmp_path):
+    """The backward under way still pins the pages of the module it is in (and the tied
+    embedding, faulted in by the root): with a budget the plan holds, stepping the last MLP weight
+    inside backward would not fit beside them. The step stays after backward, says why, and the
+    measured peak keeps the bound the plan promises (budget plus the largest page); training stays
+    bitwise that of plain PyTorch."""
+    def build():
+        torch.manual_seed(0)
+        from apt_model.models.gpt import GPT, GPTConfig
+        return GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4, dropout=0.0))
+
+    ref_m = build()
+    ref_opt = make_opt(ref_m, "adamw")
+    ref = _loop(ref_m, ref_opt, 3)
+    m = build()
+    opt = make_opt(m, "adamw")
+    vb.enable("balanced", swap_dir=str(tmp_path), device_budget="256KB", attention="off", mixed_precision="off",
+              banner=False, paging_step_in_backward="on")
+    try:
+        m.to("cpu")
+        got = _loop(m, opt, 3)
+        paging = vb.get_report()["memory"]["paging"]
+        state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    rep, pager = paging["step_in_backward"], paging["pager"]
+    assert rep["state"] == "off" and "inside backward would take level 0" in rep["reason"], rep
+    assert pager["peak_resident"] <= pager["budget"] + pager["largest_page"], pager
+    assert got == ref
+    assert_same(state, snapshot(ref_m, ref_opt))

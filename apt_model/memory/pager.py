@@ -246,6 +246,20 @@ class Pager:
         """Bytes of the largest managed page (0 if none)."""
         return max((p.nbytes for p in self.pages.values()), default=0)
 
+    def overshoot(self, pages: Iterable[Page], new_bytes: int = 0) -> int:
+        """Bytes by which holding ``pages`` resident now, plus ``new_bytes`` the caller is about to
+        allocate on this level, would take it past its budget plus its largest page — the bound the
+        budget promises — even after every page that may go was evicted (0: it fits). Pages pinned
+        by someone else or kept stay where they are. Scans every page: for decisions taken once,
+        not per tensor op."""
+        with self._lock:
+            want = {id(p) for p in pages if p is not None}
+            need = sum(p.nbytes for p in self.pages.values() if id(p) in want) + new_bytes
+            if self._resident + need <= self._budget + self.largest_page:
+                return 0
+            stuck = sum(p.occupies for p in self.pages.values() if id(p) not in want and (p.pins or p.keep))
+            return max(0, stuck + need - self._budget - self.largest_page)
+
     def defer_release(self, page: Page) -> None:
         """Unpin ``page`` at the next pager call. Safe from any thread and from finalizers: takes no
         lock (a finalizer may run on an I/O thread while the training thread holds the pager lock

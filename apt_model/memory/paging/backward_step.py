@@ -33,6 +33,14 @@ touched) and the ordinary streamed step runs from the same state; the step in ba
 off for good, with the reason in the report. A loop that changes after the first step is
 therefore still trained bitwise as in memory; it only loses the overlap.
 
+**Kept only within the budget.** While a parameter is stepped inside backward, the backward under
+way still pins its module's parameters (and any page a forward faulted in outside the module
+hooks, such as a tied weight the root module uses), on top of the step's own pages. Before a
+parameter's first step inside backward the pager checks that the two fit together within the
+budget plus the largest page (the bound the plan promises); where they do not, the step is rolled
+back and stays after backward, with the reason. A plan forced past its working set
+(``paging="always"`` under a too small budget) promises no bound, and is not checked.
+
 **Kept only where it is faster** (``"auto"``, the default). Stepping inside backward moves the
 step's work into backward; where the compute cores are the bottleneck (a CPU-only run on few
 cores, whose paging I/O threads compete with the compute threads) that buys nothing and can cost.
@@ -65,6 +73,7 @@ import weakref
 import torch
 
 from apt_model.base.log import get_logger
+from apt_model.base.sizes import format_size
 from apt_model.memory.pages import Category
 
 log = get_logger(__name__)
@@ -156,6 +165,9 @@ class BackwardStep:
         self._unit_reused = False  # one of them twice: two graphs (or one) may hold its parameters
         self._learn_reused = False
         self._aliases: list[int] = []  # id() of gradient aliases the fault handler watches
+        #: the placement plans promise level 0's bound (a plan forced past its working set does not)
+        self.bound_promised = True
+        self._fits: set[int] = set()  # id(param) whose step in backward was checked against the level-0 bound
         self.pending: _Pending | None = None
         self._stepping = False  # inside our own step of a parameter
         self.steps_in_backward = 0
@@ -211,7 +223,28 @@ class BackwardStep:
         if id(p) in pending.stepped:
             self.abandon(f"{self.session.param_label(p)}'s gradient landed twice in one backward")
             return
+        if self.bound_promised and id(p) not in self._fits:
+            over = self._overshoot(opt, p)
+            if over:
+                self.abandon(over)
+                return
+            self._fits.add(id(p))
         self._step_one(opt, p, pending)
+
+    def _overshoot(self, opt, p: torch.Tensor) -> str | None:
+        """Why stepping ``p`` now would break the level-0 bound (budget plus the largest page), or
+        None: the backward under way still pins its module's parameters (and any a forward faulted
+        in outside the module hooks), which the plan's working set — a module's parameters, or one
+        parameter's step — does not count together with the step's pages."""
+        pages, creates = self.session.optimizers.step_pages(opt, self._group_of[id(p)], p)
+        pager = self.session.pager
+        over = pager.overshoot(pages, creates)
+        if not over:
+            return None
+        return (f"stepping {self.session.param_label(p)} inside backward would take level 0 {format_size(over)} "
+                f"past its page budget ({format_size(pager.budget)}) plus the largest page "
+                f"({format_size(pager.largest_page)}): the pages the backward under way pins and the step's own "
+                f"({format_size(sum(pg.nbytes for pg in pages) + creates)}) do not fit together")
 
     def clip_called(self) -> None:
         """``clip_grad_norm_`` or ``clip_grad_value_`` was called."""
@@ -370,6 +403,7 @@ class BackwardStep:
         (``order`` itself is compacted by :meth:`retire_dead`)."""
         self._rank.pop(pid, None)
         self._grads.pop(pid, None)
+        self._fits.discard(pid)
 
     def retire_dead(self) -> None:
         """Drop forgotten parameters from the learned order (see :meth:`forget`)."""

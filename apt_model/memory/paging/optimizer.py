@@ -575,6 +575,12 @@ class OptimizerPaging:
         self.session.pager.begin_step()
         return _StepUndo(self, opt)
 
+    def step_pages(self, opt, gi: int, p: torch.Tensor) -> tuple[list[Page], int]:
+        """What stepping ``p`` alone holds on level 0: ``(its pages — parameter, states, gradient —,
+        bytes of paged state the step will create)``."""
+        w, r = self._pages_of(opt, p)
+        return w + r, self._new_state_bytes(opt, opt.param_groups[gi], [p])
+
     def step_alone(self, opt, gi: int, p: torch.Tensor, undo: "_StepUndo") -> None:
         """Step parameter ``p`` of ``opt.param_groups[gi]`` alone, in the transaction of ``undo``
         (see :meth:`run_chunk`, whose errors it raises)."""

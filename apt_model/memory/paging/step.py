@@ -113,6 +113,8 @@ class PagingStep(FeatureStep):
                 reuse_memory=bool(getattr(ctx.config, "paging_reuse_memory", True)))
         session.optimizers.page_states |= plan.page_states
         session.page_model(model, plan.page_params, plan.page_grads)
+        if plan.over_budget_expected:  # a forced plan past its working set: the bound is not promised
+            session.backward_step.bound_promised = False
         step = decision.details.get("optimizer_step") or {}
         if step.get("where") == "host":
             session.step_on_host(model, exact=step.get("exact", True))

@@ -387,9 +387,13 @@ def test_stats_and_print_stats_per_level(tmp_path, capsys, cpu_device):
     for key in ("resident_bytes", "bytes_in", "bytes_out", "hits", "misses", "stall_s"):
         assert key in levels[0]
     assert levels[1]["write_gbps"] > 0 and levels[1]["read_gbps"] > 0
+    # zero_grad(set_to_none=True) removed the gradients' pages: their files are kept for the next
+    # writes (stale), counted against the swap budget, and print_stats says so
+    assert levels[1]["stale_bytes"] > 0
     vb.print_stats()
     text = capsys.readouterr().out
     assert "Level 0" in text and "Level 1" in text and "misses" in text
+    assert "stale on disk" in text
 
 
 def test_closure_and_unsupported_optimizers_are_refused(tmp_path):

@@ -193,6 +193,11 @@ def format_stats(report: dict) -> str:
                 f"{_fmt_bytes(lv.get('resident_bytes')):>10} {_fmt_bytes(lv.get('bytes_in')):>10} "
                 f"{_fmt_bytes(lv.get('bytes_out')):>10} {str(lv.get('hits', '-')):>6} {str(lv.get('misses', '-')):>7} "
                 f"{gbps_txt:>11} {lv.get('stall_s', 0) or 0:>8.2f}")
+        for lv in levels:
+            if lv.get("stale_bytes"):  # removed pages' files, kept for the next writes to reuse
+                lines.append(f"  swap files: {_fmt_bytes(lv.get('resident_bytes'))} in use and "
+                             f"{_fmt_bytes(lv['stale_bytes'])} stale on disk (removed pages' files, reused by the "
+                             "next writes; counted against swap_budget)")
         phases = (levels[0].get("stall_s_by_phase") or {}) if levels else {}
         if any(phases.values()):
             lines.append("  level 0 stalled in: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))

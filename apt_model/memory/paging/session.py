@@ -925,7 +925,8 @@ class PagingSession:
             return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_out", "hits", "misses", "spills_to_disk")}
         if level.kind == "nvme":
             io = self.pager.io
-            return {"resident_bytes": self.swap.bytes_on_disk, "bytes_in": io.write_stats.bytes,
+            return {"resident_bytes": self.swap.bytes_on_disk, "stale_bytes": self.swap.stale_bytes,
+                    "bytes_in": io.write_stats.bytes,
                     "bytes_out": io.read_stats.bytes, "write_gbps": io.write_stats.gbps, "read_gbps": io.read_stats.gbps,
                     "writes": io.write_stats.ops, "reads": io.read_stats.ops}
         return {}

@@ -1010,3 +1010,186 @@ def test_a_critical_undo_failure_is_raised_after_everything_else_is_undone():
         ps.restore_all()
     assert done == ["last", "critical", "first"] and len(ps) == 0
     assert info.value.undo_failures == ["minor: ValueError: minor"]
+
+
+# ---------------------------------------------------------------- interrupts (KeyboardInterrupt from a signal)
+# Python raises a signal handler's exception between any two bytecodes of the main thread. These
+# tests put a KeyboardInterrupt exactly where a probe's random SIGALRMs landed and did harm.
+
+def _interrupt_once(monkeypatch, owner, name, when=lambda *a, **k: True):
+    """Make ``owner.name`` raise KeyboardInterrupt once, on the first call for which ``when`` is
+    true (the call itself runs first where ``after``), like a signal arriving there."""
+    orig = getattr(owner, name)
+    armed = [True]
+
+    def wrapped(*a, **k):
+        if armed[0] and when(*a, **k):
+            armed[0] = False
+            raise KeyboardInterrupt(f"simulated signal in {name}")
+        return orig(*a, **k)
+
+    monkeypatch.setattr(owner, name, wrapped)
+    return armed
+
+
+def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writes(tmp_path, monkeypatch):
+    """A KeyboardInterrupt right after the read job was queued (inside ThreadPoolExecutor.submit)
+    made the pager give the page's memory back while the reader thread still wrote into it: heap
+    corruption, then a segfault or abort (3 runs of 3). The read is taken back or waited for first;
+    training goes on exactly as plain training that skipped the interrupted step."""
+    import concurrent.futures.thread as cft
+
+    plain = mlp()
+    popt = adamw(plain)
+    data = batches(6)
+    for b in data[:2] + data[3:]:
+        one_step(plain, popt, b)
+    m = mlp()
+    opt = adamw(m)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
+    try:
+        m.to("cpu")
+        for b in data[:2]:
+            one_step(m, opt, b)
+        read_into = SwapSpace.read_into
+        monkeypatch.setattr(SwapSpace, "read_into", lambda self, key, view: (time.sleep(0.2), read_into(self, key, view))[1])
+        armed = _interrupt_once(monkeypatch, cft.ThreadPoolExecutor, "_adjust_thread_count",
+                                lambda pool: any(t.name.startswith("vb-swap-read") for t in pool._threads))
+        with pytest.raises(KeyboardInterrupt):
+            one_step(m, opt, data[2])
+        assert not armed[0]
+        monkeypatch.undo()
+        opt.zero_grad()
+        for b in data[3:]:
+            one_step(m, opt, b)
+        assert_same(snapshot(m, opt), snapshot(plain, popt))
+    finally:
+        vb.disable()
+
+
+def test_an_interrupt_inside_disable_loses_nothing_and_a_second_disable_finishes(tmp_path, monkeypatch):
+    """A KeyboardInterrupt while ``disable()`` brought the pages back was taken for a lost page:
+    the tensor was NaN-filled, a PagingRecoveryError raised and the folder kept for good. One cut
+    short inside the folder's deletion left the folder behind. Now the interrupt propagates, and
+    the next ``disable()`` brings every tensor back bitwise and removes the folder."""
+    import apt_model.memory.pager as pager_mod
+
+    data = batches(3)
+    plain = mlp()
+    popt = adamw(plain)
+    for b in data:
+        one_step(plain, popt, b)
+    for where in ("wait", "rmtree"):
+        m = mlp()
+        opt = adamw(m)
+        vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
+        m.to("cpu")
+        for b in data:
+            one_step(m, opt, b)
+        folder = session().swap.folder
+        if where == "wait":
+            armed = _interrupt_once(monkeypatch, pager_mod, "wait_future")
+        else:
+            armed = _interrupt_once(monkeypatch, shutil, "rmtree", lambda path, *a, **k: str(path) == str(folder))
+        with pytest.raises(KeyboardInterrupt):
+            vb.disable()
+        assert not armed[0]
+        monkeypatch.undo()
+        vb.disable()
+        assert_same(snapshot(m, opt), snapshot(plain, popt))
+        assert not folder.exists(), where
+
+
+def test_a_lock_entered_when_the_interrupt_lands_is_given_back(monkeypatch):
+    """A KeyboardInterrupt just after ``TimedLock.__enter__`` acquired its lock left it held for
+    good: the next thread that wanted it (an I/O thread) timed out. It is given back."""
+    import threading
+
+    from apt_model.memory.swap import SwapTimeoutError
+    from apt_model.memory.waits import TimedLock
+
+    monkeypatch.setenv("VB_SWAP_TIMEOUT", "1")
+    lock = TimedLock("test")
+
+    def taken_by_another_thread():
+        out = []
+
+        def enter():
+            try:
+                with lock:
+                    out.append("entered")
+            except SwapTimeoutError:
+                out.append("timed out")
+
+        t = threading.Thread(target=enter)
+        t.start()
+        t.join()
+        return out
+
+    real = threading.current_thread  # called by __enter__ right after the acquire
+    calls = [0]
+
+    def interrupted():
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt("simulated signal after the acquire")
+        return real()
+
+    monkeypatch.setattr(threading, "current_thread", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with lock:
+            pass
+    monkeypatch.setattr(threading, "current_thread", real)
+    assert calls[0] == 1
+    assert taken_by_another_thread() == ["entered"]
+    with lock:  # and a lock held really is held
+        assert taken_by_another_thread() == ["timed out"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_disable_in_a_forked_child_is_quick_and_leaves_the_parent_alone(tmp_path):
+    """``vb.disable()`` in a child made by os.fork() while the parent pages waited for the parent's
+    I/O threads, which do not exist in the child: VB_SWAP_TIMEOUT (2 minutes) per page in flight.
+    It now raises ForkedPagingError at once, naming the tensors it could not bring back; the
+    parent's folder and training are untouched."""
+    data = batches(4)
+    plain = mlp()
+    popt = adamw(plain)
+    for b in data:
+        one_step(plain, popt, b)
+    m = mlp()
+    opt = adamw(m)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
+    try:
+        m.to("cpu")
+        for b in data[:2]:
+            one_step(m, opt, b)
+        folder = session().swap.folder
+        pid = os.fork()
+        if pid == 0:  # the child: exit status 0 when disable() raised ForkedPagingError quickly
+            status = 1
+            try:
+                t0 = time.monotonic()
+                try:
+                    vb.disable()
+                except swap_mod.ForkedPagingError as err:
+                    status = 0 if time.monotonic() - t0 < 10 and "forked" in str(err) else 2
+            finally:
+                os._exit(status)
+        deadline = time.monotonic() + 60
+        while True:
+            done, st = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, 9)
+                os.waitpid(pid, 0)
+                pytest.fail("disable() in the forked child hung")
+            time.sleep(0.05)
+        assert os.waitstatus_to_exitcode(st) == 0
+        assert folder.exists() and not (folder / swap_mod.RECOVERY_FILE).exists()
+        for b in data[2:]:
+            one_step(m, opt, b)
+        assert_same(snapshot(m, opt), snapshot(plain, popt))
+    finally:
+        vb.disable()

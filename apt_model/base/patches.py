@@ -106,6 +106,9 @@ class PatchSet:
             Exception: the error of the first *critical* undo action that failed (see
                 :meth:`add_undo`), once every action was tried; the other failures are in its
                 ``undo_failures`` attribute.
+            BaseException: an interrupt (``KeyboardInterrupt``) inside an undo action, at once: that
+                action and the older ones stay on the stack, and the next call goes on from there
+                (an action cut short must be safe to run again).
         """
         failures = []
         critical: list[BaseException] = []
@@ -121,6 +124,11 @@ class PatchSet:
                     critical.append(err)
                 else:
                     failures.append(f"{label}: {type(err).__name__}: {err}")
+            except BaseException:  # an interrupt (KeyboardInterrupt): this undo and the older ones stay for a retry
+                self._undo.append((label, fn))
+                if is_critical:
+                    self._critical.add(id(fn))
+                raise
         self._critical.clear()
         if critical:
             err = critical[0]

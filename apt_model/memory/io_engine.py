@@ -48,6 +48,52 @@ class IOStats:
                 "gbps": round(self.gbps, 3) if self.gbps else None}
 
 
+class JobTicket:
+    """The submitter's hold on one job, for when the submitting code is interrupted.
+
+    Python raises ``KeyboardInterrupt`` (or whatever a signal handler raises) between any two
+    bytecodes: also after a job was queued and before its future reached the caller. Then the
+    caller does not know whether the job runs, yet its failure path wants to give back the memory
+    the job reads from or writes into — a use after free on the I/O thread, which corrupted the C
+    heap (found 2026-11-27 by a probe that sent SIGALRM during paged training). With a ticket,
+    :meth:`settle` takes the job back if it has not started (it then never touches the memory), or
+    waits for it to end; only after that is the memory the caller's again.
+
+    States: ``new --job starts--> running --job ends--> done``; ``new --settle--> cancelled``.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._state = "new"
+        self._done = threading.Event()
+
+    def start(self) -> bool:
+        """The job side: False when the job was taken back (it must not run)."""
+        with self._lock:
+            if self._state == "cancelled":
+                return False
+            self._state = "running"
+            return True
+
+    def finish(self) -> None:
+        """The job side: the job is over."""
+        with self._lock:
+            self._state = "done"
+        self._done.set()
+
+    def settle(self, timeout: float) -> bool:
+        """The submitter side: True when the job will never touch its memory again — taken back
+        before it started (or never submitted), or over; False when it still ran after ``timeout``
+        seconds (its memory must then stay as it is)."""
+        with self._lock:
+            if self._state == "new":
+                self._state = "cancelled"
+                return True
+            if self._state == "done":
+                return True
+        return self._done.wait(timeout)
+
+
 class _Direction:
     """One direction's thread pool and what it is doing (jobs queued, job per thread)."""
 
@@ -60,7 +106,7 @@ class _Direction:
         self.queued = 0  # submitted, not started
         self.running: dict[str, str] = {}  # thread name -> label of the job it runs
 
-    def submit(self, nbytes: int, fn: Callable[[], Any], label: str) -> Future:
+    def submit(self, nbytes: int, fn: Callable[[], Any], label: str, ticket: JobTicket | None = None) -> Future:
         if os.getpid() != self.pid:
             from apt_model.memory.swap import ForkedPagingError
 
@@ -71,6 +117,17 @@ class _Direction:
                 "copy); DataLoader workers that do not touch the model are fine")
 
         def job():
+            if ticket is not None and not ticket.start():
+                with self._lock:
+                    self.queued -= 1
+                return None  # taken back by its submitter (see JobTicket)
+            try:
+                return counted()
+            finally:
+                if ticket is not None:
+                    ticket.finish()
+
+        def counted():
             me = threading.current_thread().name
             with self._lock:
                 self.queued -= 1
@@ -114,14 +171,23 @@ class IOEngine:
         self.read_stats = self._read.stats
         self.write_stats = self._write.stats
         self._closed = False
+        self.pid = os.getpid()  # the threads exist in this process only
 
-    def submit_read(self, nbytes: int, fn: Callable[[], Any], label: str = "a read") -> Future:
-        """Run ``fn`` (which reads ``nbytes``) on a reader thread; ``label`` names it in errors."""
-        return self._read.submit(nbytes, fn, label)
+    def forked(self) -> bool:
+        """Whether this is a child made by ``os.fork()`` after the engine started: its threads and
+        the jobs they were running exist only in the parent."""
+        return os.getpid() != self.pid
 
-    def submit_write(self, nbytes: int, fn: Callable[[], Any], label: str = "a write") -> Future:
-        """Run ``fn`` (which writes ``nbytes``) on a writer thread; ``label`` names it in errors."""
-        return self._write.submit(nbytes, fn, label)
+    def submit_read(self, nbytes: int, fn: Callable[[], Any], label: str = "a read",
+                    ticket: JobTicket | None = None) -> Future:
+        """Run ``fn`` (which reads ``nbytes``) on a reader thread; ``label`` names it in errors;
+        ``ticket`` lets an interrupted submitter take it back (:class:`JobTicket`)."""
+        return self._read.submit(nbytes, fn, label, ticket)
+
+    def submit_write(self, nbytes: int, fn: Callable[[], Any], label: str = "a write",
+                     ticket: JobTicket | None = None) -> Future:
+        """Run ``fn`` (which writes ``nbytes``) on a writer thread (see :meth:`submit_read`)."""
+        return self._write.submit(nbytes, fn, label, ticket)
 
     def describe(self) -> str:
         """The queues now, for error messages: ``"read queue: 1 waiting, vb-swap-read_0 on ...; write queue: ..."``."""

@@ -61,6 +61,7 @@ what the RSS above it is made of.
 """
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections import deque
@@ -71,12 +72,12 @@ import torch
 
 from apt_model.base.log import get_logger
 from apt_model.memory.host import release_free_memory
-from apt_model.memory.io_engine import IOEngine
+from apt_model.memory.io_engine import IOEngine, JobTicket
 from apt_model.memory.page_buffers import FreePageBuffers, supported as page_buffers_supported
 from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage
 from apt_model.memory.stores import DiskStore, HostLevelFullError, byte_view
-from apt_model.memory.swap import PagingRecoveryError, SwapError, SwapSpace
-from apt_model.memory.waits import TimedLock, wait_future
+from apt_model.memory.swap import PagingRecoveryError, SwapError, SwapSpace, SwapTimeoutError
+from apt_model.memory.waits import TimedLock, wait_future, wait_timeout
 
 log = get_logger(__name__)
 
@@ -539,12 +540,15 @@ class Pager:
         if page.zero_on_load:
             byte_view(storage).zero_()
             return
+        ticket = JobTicket()
         try:
-            fut = self.store.start_read(page, storage)
+            fut = self.store.start_read(page, storage, ticket)
             self._wait(fut, page, "read")
             self.store.finish_read(page, storage)
-        except BaseException:
-            if fut_done_or_absent(locals().get("fut")):
+        except BaseException as err:
+            # the read (even one queued just before an interrupt) must be over before the memory goes
+            if (ticket.settle(0.0 if isinstance(err, SwapTimeoutError) else wait_timeout())
+                    and fut_done_or_absent(locals().get("fut"))):
                 self.store.abort_read(page)
                 free_storage(storage)
             raise
@@ -565,12 +569,16 @@ class Pager:
             self._set(page, State.RESIDENT)
             page.dirty, page.zero_on_load, page.future = True, False, None
             return
+        ticket = JobTicket()
         try:
-            page.future = self._host_room(lambda: self.store.start_read(page, storage), page)
+            page.future = self._host_room(lambda: self.store.start_read(page, storage, ticket), page)
+            self._set(page, State.LOADING)
         except BaseException:
-            free_storage(storage)  # nothing was loaded: the page stays below
+            if page.state is not State.LOADING:  # not loading: the page stays below
+                page.future = None
+                if ticket.settle(wait_timeout()):  # a read queued before an interrupt: taken back or over
+                    free_storage(storage)
             raise
-        self._set(page, State.LOADING)
         self.stats.loads += 1
         self.stats.bytes_in += page.nbytes
 
@@ -591,6 +599,18 @@ class Pager:
         self._finish_unused_load(page)
         if page.state is State.RESIDENT and page.pins == 0:
             self._evict(page)
+
+    def _submit_write(self, page: Page, storage: torch.UntypedStorage):
+        """Start writing ``storage`` as ``page``'s lower copy; returns the write's future. Should an
+        interrupt leave this call after the write was queued, the write is taken back or waited
+        for first (:class:`~apt_model.memory.io_engine.JobTicket`): no write the caller does not
+        know of is left to finish later (over a newer copy, or from memory given back)."""
+        ticket = JobTicket()
+        try:
+            return self._host_room(lambda: self.store.start_write(page, storage, ticket), page)
+        except BaseException:
+            ticket.settle(wait_timeout())
+            raise
 
     def _host_room(self, start, page: Page):
         """``start()`` (a store call that needs a host segment for ``page``); when the host level is
@@ -616,7 +636,8 @@ class Pager:
         fut = page.future
         storage = page.storage()
         try:
-            self._wait(fut, page, "read")
+            if fut is not None:  # None: an interrupted call of this method already waited for it
+                self._wait(fut, page, "read")
         except BaseException as err:
             if not fut.done():  # timed out: the read still writes into the storage; keep both
                 raise
@@ -626,17 +647,18 @@ class Pager:
                 free_storage(storage)
             self._set(page, State.LOWER)
             raise _labelled(err, page) from None
-        page.future = None
         try:
             if storage is None:
                 raise RuntimeError(f"page {page.label} lost its tensor while loading")
             self.store.finish_read(page, storage)
         except BaseException as err:
+            page.future = None
             self.store.abort_read(page)
             if storage is not None:
                 free_storage(storage)
             self._set(page, State.LOWER)
             raise _labelled(err, page) from None
+        page.future = None
         self._set(page, State.RESIDENT)
         page.dirty = False
         self._apply_scales(page)
@@ -719,7 +741,7 @@ class Pager:
             storage = page.storage()
             page.dirty = True
         if page.dirty or not self.store.has(page):
-            page.future = self._host_room(lambda: self.store.start_write(page, storage), page)
+            page.future = self._submit_write(page, storage)
             self._set(page, State.WRITING)
             if page.future.done():  # a synchronous copy (CPU host level): free the bytes now; an
                 self._finish_write(page, wait=False)  # async one is freed by reap() once its event completed
@@ -1113,7 +1135,7 @@ class Pager:
                 if page.dirty and not page.zero_on_load:
                     page.pins += 1
                     try:
-                        page.future = self._host_room(lambda: self.store.start_write(page, page.storage()), page)
+                        page.future = self._submit_write(page, page.storage())
                         self._set(page, State.WRITING)
                         self._finish_write(page, wait=True)
                     finally:
@@ -1179,7 +1201,7 @@ class Pager:
         copy = Page(Category.STATE, (lambda t=t: t), int(t.untyped_storage().nbytes()), f"{label} (pre-step copy)")
         copy.bind(t)
         with self._lock:
-            copy.future = self._host_room(lambda: self.store.start_write(copy, t.untyped_storage()), copy)
+            copy.future = self._submit_write(copy, t.untyped_storage())
         return copy
 
     def copy_wait(self, copy: Page) -> None:
@@ -1209,11 +1231,14 @@ class Pager:
         self.copy_wait(copy)
         storage = t.untyped_storage()
         with self._lock:
+            ticket = JobTicket()
             try:
-                fut = self.store.start_read(copy, storage)
+                fut = self.store.start_read(copy, storage, ticket)
                 self._wait(fut, copy, "read")
                 self.store.finish_read(copy, storage)
             except BaseException as err:
+                # a read still running would write the pre-step bytes into ``t`` after we return
+                ticket.settle(0.0 if isinstance(err, SwapTimeoutError) else wait_timeout())
                 self.store.abort_read(copy)
                 raise _labelled(err, copy) from None
 
@@ -1237,42 +1262,23 @@ class Pager:
         """Bring every page back into memory for good, as far as its bytes can be read; returns
         ``{label: why}`` for the pages whose bytes could not (their tensors get NaN-filled memory,
         never 0 bytes) — a corrupt, missing or unreadable file, or a read that did not finish.
-        Every page is tried, whatever failed before it. The pager manages nothing afterwards."""
+        Every page is tried, whatever failed before it. The pager manages nothing afterwards.
+
+        An interrupt (``KeyboardInterrupt`` from a signal handler) is no lost page: it stops the
+        recovery and propagates, leaving every page as the pager knew it, so a second call finishes
+        the job."""
         lost: dict[str, str] = {}
         with self._lock:
             self._drain_deferred()
             if self._txn:
                 for label, why in self.rollback().items():
                     lost[label] = why
-            self.budget = sys.maxsize  # everything comes back: nothing may be evicted meanwhile
-            for p in list(self.pages.values()):
-                try:
-                    t = self._live(p)
-                except BaseException as err:  # noqa: BLE001 - an old binding that could not be read back
-                    lost[p.label] = str(err)
-                    continue
-                if t is None:
-                    continue
-                try:
-                    self._settle(p)
-                except BaseException as err:  # noqa: BLE001 - a read that timed out is still running
-                    lost[p.label] = f"its read did not finish: {err}"
-                    if p.future is not None:  # its memory is the read's until it ends; if it fails, NaN
-                        p.future.add_done_callback(
-                            lambda f, t=t, st=t.untyped_storage(), n=p.nbytes: f.exception() is not None
-                            and fill_lost(t, st, n))
-                    continue
-                if p.state is State.LOWER:
-                    storage = t.untyped_storage()
-                    where = self.store.describe(p.key)
-                    try:
-                        self._load_into(p, storage)
-                    except BaseException as err:  # noqa: BLE001
-                        fill_lost(t, storage, p.nbytes)
-                        lost[p.label] = str(err) if where.split(" ")[-1] in str(err) else f"{where}: {err}"
-                        log.error("paged tensor %s could not be brought back (%s): it holds NaN now", p.label, err)
-                        continue
-                    self._set(p, State.RESIDENT)
+            budget, self.budget = self.budget, sys.maxsize  # everything comes back: nothing may be evicted meanwhile
+            try:
+                self._bring_back_all(lost)
+            except BaseException:
+                self.budget = budget  # interrupted: the pager goes on managing what is left
+                raise
             self.pages.clear()
             self.by_tensor.clear()
             self._resident = 0
@@ -1281,6 +1287,37 @@ class Pager:
             if self.buffers is not None:
                 self.buffers.clear()
         return lost
+
+    def _bring_back_all(self, lost: dict[str, str]) -> None:
+        """:meth:`recover`'s loop (under the lock): every live page resident, or named in ``lost``."""
+        for p in list(self.pages.values()):
+            try:
+                t = self._live(p)
+            except Exception as err:  # noqa: BLE001 - an old binding that could not be read back
+                lost[p.label] = str(err)
+                continue
+            if t is None:
+                continue
+            try:
+                self._settle(p)
+            except Exception as err:  # noqa: BLE001 - a read that timed out is still running
+                lost[p.label] = f"its read did not finish: {err}"
+                if p.future is not None:  # its memory is the read's until it ends; if it fails, NaN
+                    p.future.add_done_callback(
+                        lambda f, t=t, st=t.untyped_storage(), n=p.nbytes: f.exception() is not None
+                        and fill_lost(t, st, n))
+                continue
+            if p.state is State.LOWER:
+                storage = t.untyped_storage()
+                where = self.store.describe(p.key)
+                try:
+                    self._load_into(p, storage)
+                except Exception as err:  # noqa: BLE001
+                    fill_lost(t, storage, p.nbytes)
+                    lost[p.label] = str(err) if where.split(" ")[-1] in str(err) else f"{where}: {err}"
+                    log.error("paged tensor %s could not be brought back (%s): it holds NaN now", p.label, err)
+                    continue
+                self._set(p, State.RESIDENT)
 
     def close(self) -> None:
         """Bring every page back to memory, stop the I/O threads, delete the swap folder — unless a
@@ -1293,6 +1330,8 @@ class Pager:
         """
         if self._closed:
             return
+        if self.io.forked():
+            self._close_forked()
         try:
             lost = self.recover()  # frees the free page buffers when it completes
         except BaseException:
@@ -1312,6 +1351,37 @@ class Pager:
                 f"(see RECOVERY.txt there): " + "; ".join(f"{k}: {v}" for k, v in lost.items()),
                 lost=lost, folder=folder)
         self.store.close()
+
+    def _close_forked(self) -> None:
+        """:meth:`close` in a child made by ``os.fork()`` after paging started: the reads and writes
+        in flight at the fork, and the I/O threads, exist only in the parent, so waiting for them
+        would wait out every timeout (about 2 minutes per page). The child's resident pages keep
+        their bytes (the fork copied them); the others get NaN-filled memory (never 0 bytes) and
+        are named. The parent's swap folder is left alone (the child neither reads nor deletes it).
+
+        Raises:
+            ForkedPagingError: some paged tensors had no bytes in this process (named).
+        """
+        from apt_model.memory.swap import ForkedPagingError
+
+        self._closed = True
+        lost = []
+        for p in list(self.pages.values()):
+            t = p.bound()
+            if t is None or p.state in (State.RESIDENT, State.WRITING):
+                continue
+            fill_lost(t, t.untyped_storage(), p.nbytes)
+            lost.append(p.label)
+        self.pages.clear()
+        self.by_tensor.clear()
+        self._resident = self._writing = 0
+        self._writing_pages.clear()
+        if lost:
+            raise ForkedPagingError(
+                f"this process (pid {os.getpid()}) was forked by the process that pages the model (pid {self.io.pid}): "
+                f"{len(lost)} paged tensor(s) had their bytes in the parent's swap files only and hold NaN here: "
+                f"{', '.join(lost[:8])}{' ...' if len(lost) > 8 else ''}. The parent's paging is untouched; "
+                "fork before enable(), or start workers with the 'spawn' method")
 
     def _clear_buffers_after_failure(self) -> None:
         """Free the free page buffers after :meth:`recover` failed (the lock may be what failed:

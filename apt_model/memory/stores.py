@@ -29,7 +29,7 @@ import torch
 
 from apt_model.base.log import get_logger
 from apt_model.devices import streams as device_streams
-from apt_model.memory.io_engine import IOEngine
+from apt_model.memory.io_engine import IOEngine, JobTicket
 from apt_model.memory.pages import Page, cpu_byte_view
 from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import ENV as WAIT_ENV
@@ -67,16 +67,16 @@ class DiskStore:
     def has(self, page: Page) -> bool:
         return self.swap.has(page.key)
 
-    def start_write(self, page: Page, storage: torch.UntypedStorage) -> Future:
+    def start_write(self, page: Page, storage: torch.UntypedStorage, ticket: JobTicket | None = None) -> Future:
         view, key = cpu_byte_view(storage), page.key
         # the job holds ``storage``: its memory stays valid even if the tensor is dropped meanwhile
         return self.io.submit_write(page.nbytes, lambda storage=storage: self.swap.write(key, view),
-                                    f"write of page {page.label} ({page.nbytes} bytes)")
+                                    f"write of page {page.label} ({page.nbytes} bytes)", ticket)
 
-    def start_read(self, page: Page, storage: torch.UntypedStorage) -> Future:
+    def start_read(self, page: Page, storage: torch.UntypedStorage, ticket: JobTicket | None = None) -> Future:
         view, key = cpu_byte_view(storage), page.key
         return self.io.submit_read(page.nbytes, lambda storage=storage: self.swap.read_into(key, view),
-                                   f"read of page {page.label} ({page.nbytes} bytes)")
+                                   f"read of page {page.label} ({page.nbytes} bytes)", ticket)
 
     def rename(self, key: str, new_key: str) -> bool:
         """Keep ``key``'s copy under ``new_key`` (no I/O). Returns False if there is none."""
@@ -399,8 +399,8 @@ class HostStore:
     def has(self, page: Page) -> bool:
         return page.key in self.entries or page.key in self.on_disk
 
-    def start_write(self, page: Page, storage: torch.UntypedStorage) -> Future:
-        """Copy the page's device bytes into its host segment.
+    def start_write(self, page: Page, storage: torch.UntypedStorage, ticket: JobTicket | None = None) -> Future:
+        """Copy the page's device bytes into its host segment (no I/O thread: ``ticket`` is unused).
 
         Returns:
             a future: done at once on the CPU; on an accelerator an
@@ -430,10 +430,11 @@ class HostStore:
             self.bytes_in += page.nbytes
         return fut
 
-    def start_read(self, page: Page, storage: torch.UntypedStorage) -> Future:
+    def start_read(self, page: Page, storage: torch.UntypedStorage, ticket: JobTicket | None = None) -> Future:
         """Start bringing the page into ``storage`` (device memory already allocated): a host hit
         starts its host-to-device copy now; a miss reads the page from disk into a host segment
-        on an I/O thread. :meth:`finish_read` completes either (after the returned future)."""
+        on an I/O thread (``ticket``: see :class:`~apt_model.memory.io_engine.JobTicket`).
+        :meth:`finish_read` completes either (after the returned future)."""
         with self._lock:
             self._reclaim()
             self._touch(page.key)
@@ -458,7 +459,8 @@ class HostStore:
                 self._marks[page.key] = self.copies.mark()  # the device memory is safe to write after this
             view, key = self._host_memoryview(page.key), page.key
             return self.disk.io.submit_read(page.nbytes, lambda: self.disk.swap.read_into(key, view),
-                                            f"read of page {page.label} ({page.nbytes} bytes) into the host level")
+                                            f"read of page {page.label} ({page.nbytes} bytes) into the host level",
+                                            ticket)
 
     def finish_read(self, page: Page, storage: torch.UntypedStorage) -> None:
         """Complete a read (its future done): the page's bytes are in ``storage`` for any work

@@ -396,6 +396,7 @@ class SwapSpace:
         self.stale_bytes = 0
         self._lock = TimedLock(f"swap folder {self.folder}")
         self._closed = False
+        self._release_pending = False  # close() was cut short inside the folder's deletion
         self._finalizer = weakref.finalize(self, self._owner.release)
         atexit.register(self.close)
 
@@ -403,13 +404,17 @@ class SwapSpace:
     def close(self) -> None:
         """Delete this process's swap folder and everything in it — unless :meth:`retain` kept it
         (then only the owner lock is dropped, and the folder stays for inspection)."""
-        if not self._closed:
-            self._closed = True
-            self._finalizer()
-            try:
-                atexit.unregister(self.close)
-            except Exception:  # noqa: BLE001
-                pass
+        if self._closed and not self._release_pending:
+            return
+        self._closed = True
+        self._finalizer.detach()  # released here, not by the finalizer: a release cut short is retried
+        self._release_pending = True
+        self._owner.release()  # an interrupt inside the deletion: the next close(), or the exit's, finishes it
+        self._release_pending = False
+        try:
+            atexit.unregister(self.close)
+        except Exception:  # noqa: BLE001
+            pass
 
     def retain(self, lost: dict[str, str]) -> Path:
         """Keep this folder when the space closes, because it holds the only copies of ``lost``

@@ -107,28 +107,51 @@ class TimedLock:
         self.name = name
         self._lock = threading.RLock()
         self._owner: str | None = None
+        self._ident: int | None = None  # thread id of the holder, for re-entry
         self._depth = 0
 
     def __enter__(self) -> "TimedLock":
-        if not self._lock.acquire(blocking=False):
-            limit = wait_timeout()
-            t0 = time.monotonic()
-            if not self._lock.acquire(timeout=limit):
-                raise timeout_error(
-                    f"waited {time.monotonic() - t0:.3g} s for the {self.name} lock, held by thread "
-                    f"{self._owner!r} all that time (thread {threading.current_thread().name!r} wanted it); "
-                    f"raise {ENV} if that thread is only slow"
-                )
-        if self._depth == 0:
-            self._owner = threading.current_thread().name
-        self._depth += 1
-        return self
+        me = threading.get_ident()
+        before = self._depth if self._ident == me else 0
+        try:
+            if not self._lock.acquire(blocking=False):
+                limit = wait_timeout()
+                t0 = time.monotonic()
+                if not self._lock.acquire(timeout=limit):
+                    raise timeout_error(
+                        f"waited {time.monotonic() - t0:.3g} s for the {self.name} lock, held by thread "
+                        f"{self._owner!r} all that time (thread {threading.current_thread().name!r} wanted it); "
+                        f"raise {ENV} if that thread is only slow"
+                    )
+            if before == 0:
+                self._owner = threading.current_thread().name
+            self._ident, self._depth = me, before + 1
+            return self
+        except BaseException:
+            self._give_back(before)
+            raise
+
+    def _give_back(self, before: int) -> None:
+        """``__enter__`` failed — or was interrupted (``KeyboardInterrupt`` from a signal handler lands
+        between any two bytecodes, also just after the acquire): the ``with`` block never runs, so
+        ``__exit__`` never will; the hold this call may have taken is given back, the ``before``
+        holds of an outer ``with`` of this thread are kept. Without it, the lock stayed held for good
+        and every other thread timed out on it (found by a probe sending SIGALRM during training)."""
+        if not self._lock._is_owned():  # RLock's own record (threading.Condition uses these too)
+            return
+        state = self._lock._release_save()  # (count, owner): every hold of this thread let go
+        if before:
+            self._lock._acquire_restore((before, state[1]))
+        else:
+            self._owner, self._ident, self._depth = None, None, 0
 
     def __exit__(self, *exc) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self._owner = None
-        self._lock.release()
+        try:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner, self._ident = None, None
+        finally:
+            self._lock.release()  # first in the finally: an interrupt in the bookkeeping still lets go
 
     @property
     def owner(self) -> str | None:

@@ -685,3 +685,37 @@ def test_buffers_replayed_after_the_model_is_cast_are_its_new_ones(cpu_device):
     assert calls > 3
     assert m[0][1].num_batches_tracked.item() == 3
     assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
+
+
+def test_functional_call_with_computed_weights_is_not_recomputed_with_the_modules_own(tmp_path, cpu_device):
+    """``torch.func.functional_call(model, fast_weights, x)`` then ``torch.autograd.grad`` (MAML's
+    inner loop): a checkpointed block recomputed in backward after the call had put the module's
+    own parameters back, and used them: gradients off by up to 0.03, silently. Such a call now runs
+    uncheckpointed; gradients are bitwise those of plain PyTorch, and ordinary calls stay
+    checkpointed."""
+    from torch.func import functional_call
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.0))
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def grads(m):
+        fast = {k: (v * 0.5).detach().requires_grad_() for k, v in m.named_parameters()}
+        loss = F.cross_entropy(functional_call(m, fast, (x,)).reshape(-1, 256), x.reshape(-1))
+        return torch.autograd.grad(loss, list(fast.values()))
+
+    ref = grads(build())
+    m = build()
+    vb.enable("memory", swap_dir=str(tmp_path), activation_checkpointing=True, **PLAIN)
+    try:
+        m.to("cpu")
+        got = grads(m)
+        swapped_calls = [b.forward.calls for b in m.blocks]
+        m(x).sum().backward()
+        calls = [b.forward.calls for b in m.blocks]
+    finally:
+        vb.disable()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert swapped_calls == [0, 0] and calls == [1, 1]

@@ -152,6 +152,7 @@ class BackwardStep:
         self.reason = "paging_step_in_backward=off" if mode == "off" else "learning from the first optimizer step"
         self._opt = None  # weakref to the armed optimizer
         self._group_of: dict[int, int] = {}  # id(param) -> its group index in the armed optimizer
+        self._mapped_task: int | None = None  # the backward (graph task) _group_of was read at
         self.order: list[int] = []  # id(param) in the order their gradients landed on the first step
         self._rank: dict[int, int] = {}
         self._tasks: set[int] = set()  # graph tasks that produced gradients since the last step
@@ -212,12 +213,17 @@ class BackwardStep:
         if opt is None:
             self._turn_off("the optimizer it was armed for is gone")
             return
-        if id(p) not in self._group_of:
-            return  # not a parameter of that optimizer
         pending = self.pending
         if pending is not None and pending.task != task:
             self.abandon("a second backward ran before optimizer.step() (gradient accumulation)")
             return
+        if pending is None and task != self._mapped_task:
+            # the groups as they are at this backward: a parameter moved to another group, or taken
+            # out of the optimizer, since the last step is stepped with its group's settings, or not
+            self._group_of = {id(q): gi for gi, g in enumerate(opt.param_groups) for q in g["params"]}
+            self._mapped_task = task
+        if id(p) not in self._group_of:
+            return  # not a parameter of that optimizer
         if pending is None:
             pending = self._open(opt, task)
         if id(p) in pending.stepped:
@@ -368,13 +374,20 @@ class BackwardStep:
         # for uses of stepped values and roll the step back)
         handler_off = self.session.suspend_fault_handler()
         self._stepping = True  # defensive: our own ops are no uses of stepped values, whatever sees them
+        gi = self._group_of[id(p)]
         try:
-            self.session.optimizers.step_alone(opt, self._group_of[id(p)], p, pending.undo)
+            self.session.optimizers.step_alone(opt, gi, p, pending.undo)
             pending.stepped[id(p)] = self._fingerprint(p)
+            pending.group[id(p)] = gi
             self._watch(p, pending)
             self.session.pager.prefetch(self._ahead(p))
-        except BaseException as err:
+        except Exception as err:  # noqa: BLE001 - the step after backward meets it, where the user expects it
+            # the optimizer's own error (a dtype the states do not match after model.half(), an
+            # optimizer the loop no longer steps) belongs to optimizer.step(), not to backward: roll
+            # back, and let the usual step raise it there, with the backward complete
             self.abandon(f"stepping {self.session.param_label(p)} in backward failed ({type(err).__name__}: {err})")
+        except BaseException as err:  # an interrupt: rolled back, and it goes on
+            self.abandon(f"stepping {self.session.param_label(p)} in backward was interrupted ({type(err).__name__})")
             raise
         finally:
             self._stepping = False
@@ -466,9 +479,14 @@ class BackwardStep:
         if any(
                 a.keys() != b.keys() or not all(_same(a[k], b[k]) for k in a) for a, b in zip(now, pending.hyper)):
             return "hyperparameters changed between backward and optimizer.step()"
-        for g in opt.param_groups:
+        in_opt = set()
+        for gi, g in enumerate(opt.param_groups):
             for p in g["params"]:
+                in_opt.add(id(p))
                 seen = pending.stepped.get(id(p))
+                if seen is not None and pending.group[id(p)] != gi:
+                    return (f"{self.session.param_label(p)} moved to another parameter group between backward and "
+                            "optimizer.step()")
                 if seen is None:
                     if p.grad is not None and id(p) not in self._group_of:
                         return (f"{self.session.param_label(p)} is in a parameter group added (add_param_group) after "
@@ -477,6 +495,8 @@ class BackwardStep:
                         return f"{self.session.param_label(p)} has a gradient that did not come from the last backward"
                 elif seen != self._fingerprint(p):
                     return f"{self.session.param_label(p)}'s gradient was modified or replaced before optimizer.step()"
+        if len(in_opt) < len(pending.stepped) or not in_opt.issuperset(pending.stepped):
+            return "a parameter stepped inside backward was taken out of the optimizer before optimizer.step()"
         return None
 
     def _learn(self, opt) -> None:
@@ -623,5 +643,6 @@ class _Pending:
         self.undo = undo
         self.hyper = hyper
         self.stepped: dict[int, tuple] = {}  # id(param) -> gradient fingerprint after its step
+        self.group: dict[int, int] = {}  # id(param) -> index of the group it was stepped with
         self.watched: list[int] = []  # id() of the tensors it has the fault handler watch
         self.invalid: str | None = None

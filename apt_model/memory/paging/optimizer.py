@@ -182,7 +182,10 @@ def _state_of(opt_ref, p_ref, key):
     """The optimizer's live state tensor ``key`` of the parameter ``p_ref()`` (None once the
     optimizer or the parameter is gone: a page holds neither, so a dropped model is freed)."""
     opt, p = opt_ref(), p_ref()
-    return None if opt is None or p is None else opt.state[p].get(key)
+    if opt is None or p is None:
+        return None
+    st = opt.state.get(p)  # not opt.state[p]: a defaultdict would add an entry for a parameter the
+    return None if st is None else st.get(key)  # user took out (optimizer.state_dict() then fails)
 
 
 class OptimizerPaging:
@@ -781,7 +784,9 @@ class _StepUndo:
             if entry is None:
                 self.opt.state.pop(p, None)
             else:
-                cur = self.opt.state[p]
+                cur = self.opt.state.get(p)
+                if cur is None:  # the script dropped it since (a step taken inside backward, then the
+                    continue  # parameter taken out of the optimizer): it stays out, as in plain PyTorch
                 cur.clear()
                 cur.update(entry)
         with torch.no_grad(), torch._C.DisableTorchFunction():

@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.modules import module as module_mod
 from torch.nn.modules.module import register_module_backward_hook as _deprecated_hook
@@ -1799,3 +1800,89 @@ def test_pre_step_copies_leave_no_swap_files_behind(tmp_path):
         assert counts[1:] == [counts[1]] * 4, counts
     finally:
         vb.disable()
+
+
+def test_models_adopted_later_are_planned_with_the_budget_the_earlier_ones_leave(tmp_path, cpu_device):
+    """Each model adopted in one session (a GAN's two nets, teacher and student, blocks a growing
+    network adds) was planned against the whole level-0 budget, ignoring what the plans before it
+    keep resident: four small models under 48 KB held 103 KB at the peak, and over_budget_bytes
+    said 24 KB of the 55 KB excess. Each plan now gets what the earlier ones leave: the peak keeps
+    the bound (budget plus the largest page), the excess is counted against the level's whole
+    budget, and training is bitwise plain PyTorch's."""
+    def mlp(seed):
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32),
+                             nn.Linear(32, 4))
+
+    def train_all(ms, opts):
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for m, opt in zip(ms, opts):
+                x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+
+    ref = [mlp(k) for k in range(4)]
+    ref_opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in ref]
+    train_all(ref, ref_opts)
+    vb.enable("memory", swap_dir=str(tmp_path), device_budget="48KB", attention="off", mixed_precision="off",
+              banner=False)
+    try:
+        ms = [mlp(k).to("cpu") for k in range(4)]
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in ms]
+        train_all(ms, opts)
+        rep = vb.get_report()
+        pager = rep["memory"]["paging"]["pager"]
+        reasons = [m["features"]["paging"]["reason"] for m in rep["models"]]
+        for m, r in zip(ms, ref):
+            for a, b in zip(m.parameters(), r.parameters()):
+                assert torch.equal(a, b)
+    finally:
+        vb.disable()
+    assert any("the models adopted before keep resident" in r for r in reasons[1:]), reasons
+    assert pager["budget"] == 48000
+    assert pager["peak_resident"] <= pager["budget"] + pager["largest_page"], pager
+    assert pager["over_budget_bytes"] == max(0, pager["peak_resident"] - pager["budget"]), pager
+
+
+def test_a_model_adopted_later_that_does_not_fit_what_is_left_is_paged_anyway_with_a_warning(tmp_path, cpu_device,
+                                                                                            caplog):
+    """A later model too big for the budget the earlier ones leave (a layer a growing network adds
+    mid-training) is not refused in the middle of training, as the first model would be: all of it
+    is paged, a warning names the budget that would hold it, and training is bitwise plain."""
+    def nets():
+        torch.manual_seed(0)
+        a = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32),
+                          nn.Linear(32, 4))
+        b = nn.Sequential(nn.Linear(4, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 4))
+        return a, b
+
+    def train(a, b, opts):
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            for opt in opts:
+                opt.zero_grad()
+            F.cross_entropy(b(a(x)), y).backward()
+            for opt in opts:
+                opt.step()
+
+    ra, rb = nets()
+    train(ra, rb, [torch.optim.AdamW(ra.parameters(), lr=1e-2), torch.optim.AdamW(rb.parameters(), lr=1e-2)])
+    vb.enable("memory", swap_dir=str(tmp_path), device_budget="48KB", attention="off", mixed_precision="off",
+              banner=False)
+    try:
+        a, b = nets()
+        a.to("cpu")
+        with caplog.at_level("WARNING", logger="apt_model"):
+            b.to("cpu")
+        train(a, b, [torch.optim.AdamW(a.parameters(), lr=1e-2), torch.optim.AdamW(b.parameters(), lr=1e-2)])
+        reasons = [m["features"]["paging"]["reason"] for m in vb.get_report()["models"]]
+        for m, r in ((a, ra), (b, rb)):
+            for p, q in zip(m.parameters(), r.parameters()):
+                assert torch.equal(p, q)
+    finally:
+        vb.disable()
+    assert "does not fit what they leave" in reasons[1] and "set device_budget" in reasons[1], reasons
+    assert any("paging Sequential anyway" in r.getMessage() for r in caplog.records)

@@ -186,6 +186,9 @@ class Pager:
         self.buffers = None  # set below; the budget's setter looks at it
         self.budget = int(budget)
         self.kept_bytes = 0
+        #: the whole level's budget (pages plus kept state), set by the paging session; None: the
+        #: page budget plus the kept bytes (they differ once the kept bytes exceed the level's)
+        self.level_budget: int | None = None
         self.swap = swap
         self.io = io or IOEngine()
         self.store = store if store is not None else DiskStore(swap, self.io)
@@ -301,7 +304,12 @@ class Pager:
     def _note_resident(self) -> None:
         r = self.resident_bytes + self.kept_bytes
         self.stats.peak_resident = max(self.stats.peak_resident, r)
-        self.stats.over_budget_bytes = max(self.stats.over_budget_bytes, r - self.budget - self.kept_bytes)
+        self.stats.over_budget_bytes = max(self.stats.over_budget_bytes, r - self.whole_budget)
+
+    @property
+    def whole_budget(self) -> int:
+        """Bytes the level may hold in all: pages plus kept state (see :attr:`level_budget`)."""
+        return self.budget + self.kept_bytes if self.level_budget is None else self.level_budget
 
     def register(self, category: Category, tensor_of, label: str, keep: bool = False) -> Page:
         """Start managing a resident tensor (returned by ``tensor_of()``). It has no lower copy yet.
@@ -1405,7 +1413,7 @@ class Pager:
             c["bytes"] += p.nbytes
             c["resident"] += p.occupies
             c["kept"] += p.nbytes if p.keep else 0
-        return {"budget": self.budget + self.kept_bytes, "page_budget": self.budget, "kept_bytes": self.kept_bytes,
+        return {"budget": self.whole_budget, "page_budget": self.budget, "kept_bytes": self.kept_bytes,
                 "largest_page": self.largest_page, "categories": by_cat, **self.stats.to_dict(),
                 "free_page_buffers": self.buffers.report() if self.buffers is not None else None,
                 "resident_bytes": self.resident_bytes + self.kept_bytes}

@@ -187,9 +187,13 @@ def _io_estimate(plan: PlacementPlan, disk: dict | None, levels, device) -> str:
             f"also spill to the swap files: {link_txt} plus {disk_txt}")
 
 
+def _left(taken: int) -> str:
+    return f" (left after the {format_size(taken)} the models adopted before keep resident)" if taken else ""
+
+
 def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_factor: float = 2.0,
                    force: bool = False, levels=None, device=None,
-                   budget_setting: str = "device_budget (VB_DEVICE_BUDGET)") -> PlacementPlan:
+                   budget_setting: str = "device_budget (VB_DEVICE_BUDGET)", taken: int = 0) -> PlacementPlan:
     """Plan paging for ``model`` under a level-0 ``budget``.
 
     Args:
@@ -205,6 +209,8 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
         device: the device the model's training state is on (None: as on a CPU).
         budget_setting: the setting that sets ``budget``, as the error names it (on a CPU-only run
             ``host_budget`` where it is the smaller; see ``VGPUStack.budget_setting``).
+        taken: bytes of the level the plans of models adopted before keep resident: ``budget`` is
+            what they leave (the error's suggestion adds them back).
 
     Raises:
         PagingBudgetError: paging is needed but no plan can hold ``budget`` (its smallest working
@@ -218,7 +224,7 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
         plan.kept_bytes = total
         plan.reason = (f"training state {format_size(total)} (parameters {format_size(p_bytes)}, gradients "
                        f"{format_size(t_bytes)}, optimizer states ~{format_size(s_bytes)}) fits the level-0 budget "
-                       f"{format_size(budget)}: nothing is paged")
+                       f"{format_size(budget)}{_left(taken)}: nothing is paged")
         return plan
     sizes = {"parameters": p_bytes, "gradients": t_bytes, "optimizer states": s_bytes}
     room = int(budget * 0.75)  # a quarter stays free for the streaming working set
@@ -244,8 +250,9 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
         raise PagingBudgetError(
             f"the level-0 budget {format_size(budget)} cannot be held while paging {type(model).__name__} "
             f"(training state {format_size(total)}): {what} needs {format_size(ws)} resident at once, more than "
-            f"the budget plus the largest page ({format_size(largest)}) allows; set {budget_setting} "
-            f"to at least {format_size_at_least(ws - largest)} ({ws - largest} bytes), or page anyway with paging='always' "
+            f"the budget plus the largest page ({format_size(largest)}) allows"
+            + _left(taken) + f"; set {budget_setting} "
+            f"to at least {format_size_at_least(taken + ws - largest)} ({taken + ws - largest} bytes), or page anyway with paging='always' "
             "(level 0 will then go over the budget)"
             + ("; the plan assumes the model trains (AdamW: a gradient and two states per trainable parameter): a "
                "model that is only evaluated needs its parameters alone, so call model.requires_grad_(False) "
@@ -272,7 +279,8 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
         write += s_bytes
     plan.read_bytes_per_step, plan.write_bytes_per_step = read, write
     where = _io_estimate(plan, disk, levels, device)
-    why = "forced by the caller" if force else f"training state {format_size(total)} exceeds the level-0 budget {format_size(budget)}"
+    why = ("forced by the caller" if force else
+           f"training state {format_size(total)} exceeds the level-0 budget {format_size(budget)}{_left(taken)}")
     plan.reason = (f"{why}; kept resident: {', '.join(kept) or 'nothing'}; paged to the level below: "
                    f"{', '.join(paged)} (parameters are kept first: 4 bytes of traffic per byte paged, vs 2 for "
                    f"gradients and states); about {format_size(read)} read + {format_size(write)} written per step"

@@ -344,10 +344,15 @@ class PagingSession:
                         format_size(self.level_budget))
         return entry
 
+    def kept_total(self) -> int:
+        """Bytes the paged models' plans keep resident on level 0 now (the next plan has the rest)."""
+        return sum(sum(k.values()) for k in self.kept)
+
     def _fit_kept(self) -> int:
         """Give the pages the level's budget minus the bytes kept resident; returns those bytes."""
-        total = sum(sum(k.values()) for k in self.kept)
+        total = self.kept_total()
         self.pager.kept_bytes = total
+        self.pager.level_budget = self.level_budget
         self.pager.budget = max(self.level_budget - total, 0)
         return total
 

@@ -22,7 +22,7 @@ from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
-from apt_model.memory.placement import plan_placement
+from apt_model.memory.placement import PagingBudgetError, plan_placement
 
 log = get_logger(__name__)
 
@@ -73,17 +73,38 @@ class PagingStep(FeatureStep):
             if req == "always":
                 log.warning("paging='always' not applied: %s", reason)
             return Decision(self.name, req, "off", reason)
-        budget = stack.compute_budget
-        plan = plan_placement(model, budget, None, force=req == "always", budget_setting=stack.budget_setting)
+        budget, taken = stack.compute_budget, 0
+        if self.paging is not None:  # the models adopted before keep part of the level resident
+            self.paging.retire_dead()
+            taken = self.paging.kept_total()
+            budget = max(budget - taken, 0)
+        plan = self._plan(model, budget, None, req == "always", taken)
         if not plan.paged:
             return Decision(self.name, req, "resident", plan.reason, details={"plan": plan.to_dict()})
         bw = stack.measure()
-        plan = plan_placement(model, budget, bw["disk"], force=req == "always", levels=stack.levels, device=ctx.device,
-                              budget_setting=stack.budget_setting)
+        plan = self._plan(model, budget, bw["disk"], req == "always", taken, levels=stack.levels, device=ctx.device)
         step = self._step_placement(plan, ctx)
         return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
                         plan=plan, details={"plan": plan.to_dict(), "optimizer_step": step.to_dict()},
                         facts={"paged": True})
+
+    def _plan(self, model: nn.Module, budget: int, disk, force: bool, taken: int, **kw):
+        """:func:`plan_placement` for ``model`` with the ``budget`` the models adopted before leave
+        (``taken`` bytes kept resident by their plans). Where that is too small for it, a model
+        adopted later (a block a growing network adds at its first forward) is not refused in the
+        middle of training: everything of it is paged, and a warning says by how much level 0 will
+        go over the budget and what budget holds it. The first model is refused as always."""
+        setting = self.session.stack.budget_setting
+        try:
+            return plan_placement(model, budget, disk, force=force, budget_setting=setting, taken=taken, **kw)
+        except PagingBudgetError as err:
+            if not taken:
+                raise
+            plan = plan_placement(model, budget, disk, force=True, budget_setting=setting, taken=taken, **kw)
+            log.warning("paging %s anyway, everything of it paged: %s", type(model).__name__, err)
+            plan.reason = (plan.reason.replace("forced by the caller", "everything paged: adopted after other paged "
+                                               "models, it does not fit what they leave", 1) + f" ({err})")
+            return plan
 
     def _step_placement(self, plan, ctx: AdoptionContext):
         """Where the paged model's optimizer step runs (:mod:`~apt_model.memory.paging.step_placement`)."""

@@ -719,3 +719,30 @@ def test_functional_call_with_computed_weights_is_not_recomputed_with_the_module
         vb.disable()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert swapped_calls == [0, 0] and calls == [1, 1]
+
+
+def test_a_deep_copy_of_a_checkpointed_model_is_freed_once_dropped(tmp_path, cpu_device):
+    """``copy.deepcopy`` of a model whose blocks are checkpointed (an EMA or frozen reference copy
+    in memory mode) leaves each copied block's forward bound in its own ``__dict__``; the undo stack
+    kept that bound method when the copy was adopted, and with it the block, until ``disable()``.
+    A dropped copy is freed now, and ``disable()`` still restores the original's forwards."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2, dropout=0.0))
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(2))
+    vb.enable("memory", swap_dir=str(tmp_path), activation_checkpointing=True, **PLAIN)
+    try:
+        m.to("cpu")
+        m(x).sum().backward()
+        c = copy.deepcopy(m)
+        c(x).sum().backward()
+        assert c.blocks[0].forward.calls == 1  # the copy was adopted: its blocks are checkpointed
+        block = weakref.ref(c.blocks[0])
+        del c
+        gc.collect()
+        assert block() is None
+    finally:
+        vb.disable()
+    assert "forward" not in vars(m.blocks[0])  # the class's forward again

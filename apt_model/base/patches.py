@@ -13,6 +13,7 @@ raised from :meth:`PatchSet.restore_all`, so ``vb.disable()`` raises it (a
 from __future__ import annotations
 
 import functools
+import types
 import weakref
 from typing import Any, Callable
 
@@ -46,6 +47,13 @@ class PatchSet:
             target = weakref.ref(obj)
         except TypeError:  # no weak references to it: held
             target = functools.partial(_same, obj)
+        # a method of ``obj`` bound in its own __dict__ (what copy.deepcopy of a block whose forward
+        # was wrapped leaves there) would hold ``obj`` from the undo stack: kept as its function,
+        # bound again at undo time
+        rebind = (isinstance(previous, types.MethodType) and previous.__self__ is obj
+                  and isinstance(target, weakref.ref))
+        if rebind:
+            previous = previous.__func__
 
         def undo():
             obj = target()
@@ -57,7 +65,7 @@ class PatchSet:
                 except AttributeError:
                     pass
             else:
-                setattr(obj, name, previous)
+                setattr(obj, name, types.MethodType(previous, obj) if rebind else previous)
 
         self._undo.append((label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}", undo))
         if isinstance(target, weakref.ref):

@@ -1886,3 +1886,63 @@ def test_a_model_adopted_later_that_does_not_fit_what_is_left_is_paged_anyway_wi
         vb.disable()
     assert "does not fit what they leave" in reasons[1] and "set device_budget" in reasons[1], reasons
     assert any("paging Sequential anyway" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("surgery", ["rewrapped", "weight_norm", "reassigned"])
+def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays_plain(tmp_path, cpu_device,
+                                                                                      surgery, caplog):
+    """A paged parameter taken out of its module after paging started: re-wrapped over the same
+    storage (``nn.Parameter(w)``), replaced by ``weight_norm`` (whose ``original1`` shares the
+    weight's storage), or reassigned. The old parameter was still paged: its eviction freed the
+    storage under the new parameter (a segfault at the next optimizer step), it stayed alive for
+    the model's life and was loaded at every forward. It is now brought back and no longer paged,
+    with a warning; the new one stays resident. Bitwise plain PyTorch."""
+    import gc
+    import weakref
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+    def operate(m):
+        fc = m[2]
+        if surgery == "rewrapped":
+            w = fc.weight
+            del fc.weight
+            fc.weight = nn.Parameter(w)
+        elif surgery == "weight_norm":
+            torch.nn.utils.parametrizations.weight_norm(fc)
+        else:
+            with torch.no_grad():
+                fc.weight = nn.Parameter(fc.weight * 0.5)
+
+    def train(m, opt, steps, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+
+    ref = build()
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 2, 1)
+    operate(ref)
+    train(ref, torch.optim.AdamW(ref.parameters(), lr=1e-2), 3, 2)
+    vb.enable("memory", swap_dir=str(tmp_path), device_budget="40KB", paging="always", attention="off",
+              mixed_precision="off", banner=False)
+    try:
+        m = build().to("cpu")
+        train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), 2, 1)
+        old = weakref.ref(m[2].weight)
+        operate(m)
+        with caplog.at_level("WARNING", logger="apt_model"):
+            train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), 3, 2)
+        got = {k: v.detach().clone() for k, v in m.state_dict().items()}
+        gc.collect()
+        if surgery == "reassigned":
+            assert old() is None  # nothing of the switch keeps the replaced parameter alive
+    finally:
+        vb.disable()
+    assert any("was replaced or removed after the model was paged" in r.getMessage() for r in caplog.records)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(got[k], v), k

@@ -55,9 +55,12 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from apt_model.base.log import get_logger
 from apt_model.base.outputs import gradient_watch, output_tensors
 from apt_model.memory.pages import Category, Page, State
 from apt_model.base.patches import SessionHook
+
+log = get_logger(__name__)
 
 
 class Unit:
@@ -73,6 +76,8 @@ class Unit:
         self.module = module
         self.pages = pages
         self.learned: list[Page] = []
+        #: parameter name -> id() of the paged parameter registered under it at adoption
+        self.slots: dict[str, int] = {}
         self.inner = False
         self.position: int | None = None  # in the recorded execution order
 
@@ -132,7 +137,7 @@ class PagedModel:
         pager = self.session.pager
         seen: dict[int, Page | None] = {}
         for mname, module in self.model.named_modules():
-            pages = []
+            pages, slots = [], {}
             for pname, p in module.named_parameters(recurse=False):
                 if id(p) in self.session.params:
                     # adopted with a model paged before (a wrapper around it, a LoRA-injected
@@ -152,8 +157,10 @@ class PagedModel:
                     seen[id(p)] = page
                 if seen[id(p)] is not None:
                     pages.append(seen[id(p)])
+                    slots[pname] = id(p)
             if pages:
                 unit = Unit(mname, module, pages)
+                unit.slots = slots
                 self.units.append(unit)
                 patches.add_handle(module.register_forward_pre_hook(SessionHook(lambda m, a, u=unit: self._pre(u))),
                                    f"paging pre-hook {mname}")
@@ -185,6 +192,8 @@ class PagedModel:
 
     # ------------------------------------------------------------------ forward
     def _root_pre(self) -> None:
+        if not self.session.forward_depth:
+            self._check_slots()
         if torch.is_grad_enabled():
             self._hook_trainable()
         self._seen_this_pass = set()
@@ -217,6 +226,43 @@ class PagedModel:
             self._recording = False
             for i, u in enumerate(self.order):
                 u.position = i
+
+    def _check_slots(self) -> None:
+        """Find paged parameters the script took out of their modules since the last forward
+        (``fc.weight = nn.Parameter(...)``, ``del fc.weight``, a parametrization such as
+        ``weight_norm``, whose new parameters may share the old one's storage): each is brought back
+        into memory and no longer paged (see :meth:`_unregister`). One dict lookup per paged
+        parameter per forward."""
+        gone = [(unit, pname, pid) for unit in self.units for pname, pid in unit.slots.items()
+                if id(unit.module._parameters.get(pname)) != pid]
+        for unit, pname, pid in gone:
+            self._unregister(unit, pname, pid)
+
+    def _unregister(self, unit: Unit, pname: str, pid: int) -> None:
+        """The parameter ``pid`` is no longer ``unit.module``'s ``pname``. Paging it on would free
+        its storage at its next eviction, under whatever shares it now (a new ``nn.Parameter`` made
+        over it: a crash), and keep it alive for the model's life; so, unless another module still
+        holds it (a tied weight), its bytes come back into memory and its page goes. The parameter
+        that took its place is not paged (it stays resident): a warning says so."""
+        del unit.slots[pname]
+        label = f"{unit.name}.{pname}" if unit.name else pname
+        if any(pid in u.slots.values() for u in self.units):
+            return  # still another module's (a tied weight untied here): paged on through that one
+        page = self.session.param_pages.get(pid)
+        if page is not None:
+            pager = self.session.pager
+            pager.acquire([page])  # its bytes back (and with them those of a tensor sharing its storage)
+            pager.discard(page)  # no longer managed: its tensor keeps the memory
+            self.session.param_pages.pop(pid, None)
+            for u in self.units:
+                u.pages = [pg for pg in u.pages if pg is not page]
+                u.learned = [pg for pg in u.learned if pg is not page]
+        self.params = [p for p in self.params if id(p) != pid]
+        new = unit.module._parameters.get(pname)
+        log.warning("paging: %s was replaced or removed after the model was paged: the old parameter is no "
+                    "longer paged (its bytes are back in memory)%s. Change a model before enable() or its "
+                    "first move, or call vb.disable() and enable() again, to page the new one", label,
+                    "; the new one stays resident, not paged" if new is not None else "")
 
     def _pre(self, unit: Unit) -> None:
         if self._recording and id(unit) not in self._seen_this_pass:

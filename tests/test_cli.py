@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from apt_model.devices.backend import STATUSES
 from conftest import clean_env
 
@@ -38,6 +40,7 @@ def test_info_text_and_version():
     assert ver.returncode == 0 and ver.stdout.startswith("apt_model ")
 
 
+@pytest.mark.slow  # two subprocesses (run -m in process: test_run_m_finds_a_module...); the default suite's 15-minute budget on 2 cores
 def test_run_module_and_missing_script(tmp_path):
     pkg = tmp_path / "mymod.py"
     pkg.write_text("import sys\nimport apt_model.optimization.vb_global as vb\nprint('MOD', vb.is_enabled(), sys.argv[1:])\n")

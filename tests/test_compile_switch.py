@@ -120,6 +120,7 @@ def test_a_model_without_softmax_is_left_alone_without_any_capture():
     assert "forward" not in vars(m) and len(m._forward_pre_hooks) == 0
 
 
+@pytest.mark.slow  # the default suite's 15-minute budget on 2 cores
 def test_memory_mode_composes_with_checkpointing_and_offload(tmp_path):
     """Memory mode: checkpointed blocks, offloaded activations and the override rung together;
     losses within 1e-4 of plain training and every feature did its work."""
@@ -146,7 +147,8 @@ def test_a_paged_model_is_not_compiled(tmp_path):
     assert feature["chosen"] == "eager" and "the model is paged" in feature["reason"]
 
 
-@pytest.mark.parametrize("how", ["model.compile()", "torch.compile(model)", "block.compile()"])
+@pytest.mark.parametrize("how", [pytest.param("model.compile()", marks=pytest.mark.slow),  # the suite's 15 minutes
+                                 "torch.compile(model)", "block.compile()"])
 def test_a_model_the_script_compiles_itself_gets_no_rung(how):
     """The ladder leaves a model the script compiles itself, whole or block by block, alone
     (reason recorded): no rung on trial above or beneath the script's compiled calls, no timeline,

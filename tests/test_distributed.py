@@ -554,6 +554,7 @@ def test_accelerate_prepare_under_the_switch_trains_on_the_switchs_device(scenar
         assert r["models"][0]["features"]["distributed"]["chosen"] == "DDP"
 
 
+@pytest.mark.slow  # a torchrun of two ranks (detection: test_privateuse1_npu.py); the default suite's 15-minute budget on 2 cores
 def test_npu_machine_backend_mapping_and_rank_devices(tmp_path):
     """Two ranks on an Ascend-like machine (PrivateUse1 ``npu``, two devices, ``hccl`` registered;
     a real CUDA device hidden): each rank is bound to its own npu; the switch initializes with hccl;
@@ -581,6 +582,7 @@ def test_npu_machine_backend_mapping_and_rank_devices(tmp_path):
         assert "ASCEND_RT_VISIBLE_DEVICES unset" in r["dp_error"] and "valid indices 0..1" in r["dp_error"]
 
 
+@pytest.mark.slow  # a torchrun of the main job; the default suite's 15-minute budget on 2 cores
 def test_main_job_with_more_ranks_than_devices_is_a_clear_error(tmp_path):
     """``torchrun --nproc_per_node=2 training/train.py`` on a machine with one accelerator (made of a
     PrivateUse1 ``npu`` with one device; a real CUDA device hidden): every rank stops at

@@ -1032,6 +1032,27 @@ def _interrupt_once(monkeypatch, owner, name, when=lambda *a, **k: True):
     return armed
 
 
+def _plain_and_paged(tmp_path, plain_batches, paged_batches):
+    """Plain training over ``plain_batches``; then the same model paged (everything paged, the step
+    after backward) and trained over ``paged_batches``. Returns ``(plain, its optimizer, model,
+    optimizer)``; the switch is left on."""
+    plain = mlp()
+    popt = adamw(plain)
+    for b in plain_batches:
+        one_step(plain, popt, b)
+    m = mlp()
+    opt = adamw(m)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
+    try:
+        m.to("cpu")
+        for b in paged_batches:
+            one_step(m, opt, b)
+    except BaseException:
+        vb.disable()
+        raise
+    return plain, popt, m, opt
+
+
 def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writes(tmp_path, monkeypatch):
     """A KeyboardInterrupt right after the read job was queued (inside ThreadPoolExecutor.submit)
     made the pager give the page's memory back while the reader thread still wrote into it: heap
@@ -1039,18 +1060,9 @@ def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writ
     training goes on exactly as plain training that skipped the interrupted step."""
     import concurrent.futures.thread as cft
 
-    plain = mlp()
-    popt = adamw(plain)
     data = batches(6)
-    for b in data[:2] + data[3:]:
-        one_step(plain, popt, b)
-    m = mlp()
-    opt = adamw(m)
-    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
+    plain, popt, m, opt = _plain_and_paged(tmp_path, data[:2] + data[3:], data[:2])
     try:
-        m.to("cpu")
-        for b in data[:2]:
-            one_step(m, opt, b)
         read_into = SwapSpace.read_into
         monkeypatch.setattr(SwapSpace, "read_into", lambda self, key, view: (time.sleep(0.2), read_into(self, key, view))[1])
         armed = _interrupt_once(monkeypatch, cft.ThreadPoolExecutor, "_adjust_thread_count",
@@ -1153,17 +1165,8 @@ def test_disable_in_a_forked_child_is_quick_and_leaves_the_parent_alone(tmp_path
     It now raises ForkedPagingError at once, naming the tensors it could not bring back; the
     parent's folder and training are untouched."""
     data = batches(4)
-    plain = mlp()
-    popt = adamw(plain)
-    for b in data:
-        one_step(plain, popt, b)
-    m = mlp()
-    opt = adamw(m)
-    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE, **AFTER)
+    plain, popt, m, opt = _plain_and_paged(tmp_path, data, data[:2])
     try:
-        m.to("cpu")
-        for b in data[:2]:
-            one_step(m, opt, b)
         folder = session().swap.folder
         pid = os.fork()
         if pid == 0:  # the child: exit status 0 when disable() raised ForkedPagingError quickly

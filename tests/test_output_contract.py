@@ -61,6 +61,7 @@ def test_long_banner_with_verbose(capsys, cpu_device):
     assert "training state paged only if over 244.1MiB (level 0)" in out  # the budget given, in the paging line
 
 
+@pytest.mark.slow  # a subprocess; the default suite's 15-minute budget on 2 cores
 def test_long_banner_with_vb_log_level_info():
     """VB_LOG_LEVEL=INFO at import gives the long banner; the default (WARNING) the short one."""
     code = "import apt_model"
@@ -239,6 +240,7 @@ def test_contention_note_rules():
     assert contention_note(2, 2, None, None, None) is None  # nothing known: nothing said
 
 
+@pytest.mark.slow  # a subprocess run of the HF main job; the default suite's 15-minute budget on 2 cores
 def test_hf_main_job_prints_no_third_party_warnings(tmp_path):
     pytest.importorskip("transformers")
     proc = subprocess.run([sys.executable, str(ROOT / "training" / "train.py"), "--hf-model", "gpt2", "--steps", "1",

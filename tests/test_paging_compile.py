@@ -443,7 +443,8 @@ def test_a_compiled_function_reading_paged_parameters_directly_loads_them(tmp_pa
     assert_same(state, snapshot(ref_m, ref_opt))
 
 
-@pytest.mark.parametrize("scales", [False, True], ids=["reads-the-gradients", "scales-the-gradients"])
+@pytest.mark.parametrize("scales", [pytest.param(False, marks=pytest.mark.slow), True],  # the suite's 15 minutes
+                         ids=["reads-the-gradients", "scales-the-gradients"])
 def test_compiled_code_between_backward_and_step_counts_as_a_write_only_when_it_writes(tmp_path, scales):
     """A compiled function run between backward and ``step()`` that only reads the (paged)
     gradients — a logged gradient norm — leaves the optimizer step inside backward on; one that

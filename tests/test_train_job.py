@@ -33,6 +33,7 @@ def test_short_run_learns_and_writes_checkpoint_and_report(tmp_path):
     assert ckpt["step"] == 60 and len(ckpt["optimizer"]["state"]) > 0
 
 
+@pytest.mark.slow  # two subprocess runs of the main job; the default suite's 15-minute budget on 2 cores
 def test_off_and_balanced_start_from_the_same_place(tmp_path):
     train = load_train()
     common = ["--steps", "3", "--eval-every", "3", "--max-bytes", "500000", "--quiet"]
@@ -47,6 +48,7 @@ def test_off_and_balanced_start_from_the_same_place(tmp_path):
     assert abs(off["losses"][0][1] - on["losses"][0][1]) < 5e-2
 
 
+@pytest.mark.slow  # the main job on the KJV corpus; the default suite's 15-minute budget on 2 cores
 def test_kjv_corpus(shared_data, tmp_path):
     rep = load_train().main(["--data", str(shared_data / "kjv.txt"), "--steps", "20", "--eval-every", "20",
                              "--quiet", "--out", str(tmp_path)])

@@ -1946,3 +1946,32 @@ def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays
     assert any("was replaced or removed after the model was paged" in r.getMessage() for r in caplog.records)
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_adafactor_pages_and_stays_bitwise(tmp_path, cpu_device):
+    """``torch.optim.Adafactor`` (its factored second moments are per parameter, like Adam's
+    moments) was refused on a paged model as "not known to update each parameter independently"."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 4))
+
+    def train(m, opt):
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+
+    ref = build()
+    ref_opt = torch.optim.Adafactor(ref.parameters(), lr=1e-2)
+    train(ref, ref_opt)
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m = build().to("cpu")
+        opt = torch.optim.Adafactor(m.parameters(), lr=1e-2)
+        train(m, opt)
+        assert_same(snapshot(m, opt), snapshot(ref, ref_opt))
+        assert vb.get_report()["memory"]["paging"]["pager"]["categories"]["state"]["pages"] > 0
+    finally:
+        vb.disable()

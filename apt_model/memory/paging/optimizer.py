@@ -67,7 +67,7 @@ PER_PARAMETER = (
     torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop, torch.optim.Adagrad,
     torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.Adadelta, torch.optim.ASGD,
     torch.optim.Rprop,
-)
+) + ((torch.optim.Adafactor,) if hasattr(torch.optim, "Adafactor") else ())  # factored moments: per parameter too
 
 #: Methods through which a subclass could make one parameter's update depend on others.
 _STEP_METHODS = ("step", "_init_group")

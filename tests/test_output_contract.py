@@ -108,6 +108,24 @@ def test_banner_is_left_to_rank_0(monkeypatch, capsys, cpu_device):
     assert len(lines) == 1 + len(FEATURE_NAMES) and "2 ranks sharing the CPU" in lines[0]
 
 
+def test_banner_is_left_to_the_parent_in_a_spawned_worker_reimporting_the_script(capsys, cpu_device):
+    """A ``spawn`` DataLoader worker imports the parent's script again as ``__mp_main__``; its
+    top-level ``vb.enable()`` (or ``import apt_model`` under ENABLE_VIRTUAL_BLACKWELL=1) printed the
+    banner once per worker (five banners for two epochs of two workers). Built here as the worker
+    does it: the script's module code run as ``__mp_main__``. A function called later in such a
+    child (a ``torch.multiprocessing.spawn`` rank) still prints it."""
+    import types
+
+    script = types.ModuleType("__mp_main__")  # run under that name (sys.modules gets it only afterwards)
+    code = "import apt_model.optimization.vb_global as vb\nvb.enable('balanced', banner=True)\n"
+    exec(compile(code, "train.py", "exec"), script.__dict__)
+    assert vb.is_enabled() and "Virtual Blackwell" not in capsys.readouterr().out
+    vb.disable()
+    exec(compile("def rank_fn():\n    vb.enable('balanced', banner=True)\n", "train.py", "exec"), script.__dict__)
+    script.rank_fn()
+    assert "Virtual Blackwell" in capsys.readouterr().out
+
+
 def test_two_rank_main_job_prints_one_banner_labels_tokens_per_rank_and_leaves_no_swap_folders(tmp_path):
     """torchrun --nproc_per_node=2 training/train.py: one banner (rank 0), the last line's tokens/s
     labelled per rank with the job's total, and nothing left under the swap root."""

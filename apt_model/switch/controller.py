@@ -165,7 +165,7 @@ def banner_is_long(config: VBConfig) -> bool:
 
 def _print_banner(config: VBConfig, distributed, stack) -> None:
     """Print the enable banner (the user asked for it: ``banner=True``) on rank 0 only, once per
-    process: a later ``enable()`` with the same result prints nothing, one that changes something
+    process, and not in a spawned worker re-importing the script (its parent printed it): a later ``enable()`` with the same result prints nothing, one that changes something
     prints a ``reconfigured`` header and the lines that changed."""
     global _banner_shown
     from apt_model.switch.banner import banner_lines
@@ -174,6 +174,11 @@ def _print_banner(config: VBConfig, distributed, stack) -> None:
     rank = env.rank if env is not None and env.multi_process else 0
     if rank not in (None, 0):
         log.debug("enable banner left to rank 0 (this is rank %s)", rank)
+        return
+    from apt_model.switch.env import reimporting_parent_script
+
+    if reimporting_parent_script():  # a spawned DataLoader worker: the parent printed it
+        log.debug("enable banner left to the parent process (a spawned multiprocessing child)")
         return
     act_budget = _state.adopter.session.services["activations"].budget()  # the setting, or the manager's default
     facts = {"device_type": _state.selection.device.type, "budget": stack.compute_budget if stack is not None else None,

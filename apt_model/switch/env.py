@@ -69,3 +69,19 @@ def activate_from_environment() -> bool:
     # mode_source "environment:VB_MODE" (validated above); unset: the .vbrc's mode, else balanced
     controller.enable(None, _source="environment")
     return True
+
+
+def reimporting_parent_script() -> bool:
+    """Whether this runs while a ``spawn`` or ``forkserver`` child of ``multiprocessing`` (a
+    DataLoader worker, a ``Pool`` process) imports the parent's script again as ``__mp_main__``
+    to find its functions: the script's top-level ``import apt_model`` (with
+    ``ENABLE_VIRTUAL_BLACKWELL=1``) or ``vb.enable()`` then runs in every worker. Code called later
+    from a function (a rank function given to ``torch.multiprocessing.spawn``) is not this. Found by
+    the stack: a module-level frame run under the name ``__mp_main__`` (multiprocessing runs the
+    script with that name, and sets ``sys.modules["__main__"]`` only after it ran)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "<module>" and frame.f_globals.get("__name__") == "__mp_main__":
+            return True
+        frame = frame.f_back
+    return False

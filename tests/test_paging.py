@@ -1888,12 +1888,12 @@ def test_a_model_adopted_later_that_does_not_fit_what_is_left_is_paged_anyway_wi
     assert any("paging Sequential anyway" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("surgery", ["rewrapped", "weight_norm", "reassigned"])
+@pytest.mark.parametrize("surgery", ["rewrapped", "weight_norm", "reassigned", "module-rebuilt"])
 def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays_plain(tmp_path, cpu_device,
                                                                                       surgery, caplog):
-    """A paged parameter taken out of its module after paging started: re-wrapped over the same
+    """A paged parameter taken out of the model after paging started: re-wrapped over the same
     storage (``nn.Parameter(w)``), replaced by ``weight_norm`` (whose ``original1`` shares the
-    weight's storage), or reassigned. The old parameter was still paged: its eviction freed the
+    weight's storage), reassigned, or its layer rebuilt around its tensors. The old parameter was still paged: its eviction freed the
     storage under the new parameter (a segfault at the next optimizer step), it stayed alive for
     the model's life and was loaded at every forward. It is now brought back and no longer paged,
     with a warning; the new one stays resident. Bitwise plain PyTorch."""
@@ -1912,9 +1912,13 @@ def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays
             fc.weight = nn.Parameter(w)
         elif surgery == "weight_norm":
             torch.nn.utils.parametrizations.weight_norm(fc)
-        else:
+        elif surgery == "reassigned":
             with torch.no_grad():
                 fc.weight = nn.Parameter(fc.weight * 0.5)
+        else:  # a layer rebuilt around the old one's tensors (as structured pruning does with slices)
+            new = nn.Linear(64, 64)
+            new.weight, new.bias = nn.Parameter(fc.weight.data), nn.Parameter(fc.bias.data)
+            m[2] = new
 
     def train(m, opt, steps, seed):
         gen = torch.Generator().manual_seed(seed)
@@ -1933,17 +1937,18 @@ def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays
     try:
         m = build().to("cpu")
         train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), 2, 1)
-        old = weakref.ref(m[2].weight)
+        old = weakref.ref(m[2] if surgery == "module-rebuilt" else m[2].weight)
         operate(m)
         with caplog.at_level("WARNING", logger="apt_model"):
             train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), 3, 2)
         got = {k: v.detach().clone() for k, v in m.state_dict().items()}
         gc.collect()
-        if surgery == "reassigned":
-            assert old() is None  # nothing of the switch keeps the replaced parameter alive
+        if surgery in ("reassigned", "module-rebuilt"):
+            assert old() is None  # nothing of the switch keeps the replaced parameter or module alive
     finally:
         vb.disable()
-    assert any("was replaced or removed after the model was paged" in r.getMessage() for r in caplog.records)
+    assert any("was replaced or removed after the model was paged" in r.getMessage()
+               or "left the model after it was paged" in r.getMessage() for r in caplog.records)
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
 

@@ -228,17 +228,55 @@ class PagedModel:
                 u.position = i
 
     def _check_slots(self) -> None:
-        """Find paged parameters the script took out of their modules since the last forward
-        (``fc.weight = nn.Parameter(...)``, ``del fc.weight``, a parametrization such as
-        ``weight_norm``, whose new parameters may share the old one's storage): each is brought back
-        into memory and no longer paged (see :meth:`_unregister`). One dict lookup per paged
-        parameter per forward."""
+        """Find paged parameters the script took out of the model since the last forward: taken
+        out of their module (``fc.weight = nn.Parameter(...)``, ``del fc.weight``, a parametrization
+        such as ``weight_norm``, whose new parameters may share the old one's storage), or whose
+        module left the model (``model.head = nn.Linear(...)``, ``del model.blocks[1]``, a pruned
+        layer rebuilt around a slice of the old weight). Each is brought back into memory and no
+        longer paged (see :meth:`_unregister`), and a module that left lets go of its unit. Cost per
+        forward: a dict lookup per paged parameter and per level of each unit's path; the model is
+        walked only when a path changed."""
+        model = self.model
+        if model is None:
+            return
+        if any(not self._on_path(model, u) for u in self.units):
+            self._drop_detached(model)
         gone = [(unit, pname, pid) for unit in self.units for pname, pid in unit.slots.items()
                 if id(unit.module._parameters.get(pname)) != pid]
         for unit, pname, pid in gone:
             self._unregister(unit, pname, pid)
 
-    def _unregister(self, unit: Unit, pname: str, pid: int) -> None:
+    @staticmethod
+    def _on_path(model: nn.Module, unit: Unit) -> bool:
+        """Whether ``unit.module`` is still at ``unit.name`` in ``model``."""
+        m = model
+        for part in unit.name.split(".") if unit.name else ():
+            m = m._modules.get(part)
+            if m is None:
+                return False
+        return m is unit.module
+
+    def _drop_detached(self, model: nn.Module) -> None:
+        """Some unit is no longer where it was: units whose module moved within the model get their
+        new name; those whose module left it are dropped, their parameters unpaged."""
+        where = {id(m): name for name, m in model.named_modules()}
+        left = []
+        for unit in self.units:
+            name = where.get(id(unit.module))
+            if name is None:
+                left.append(unit)
+            else:
+                unit.name = name
+        for unit in left:
+            for pname, pid in list(unit.slots.items()):
+                self._unregister(unit, pname, pid, module_left=True)
+        if left:
+            self.units = [u for u in self.units if u not in left]
+            self.order = [u for u in self.order if u not in left]
+            for i, u in enumerate(self.order):
+                u.position = i
+
+    def _unregister(self, unit: Unit, pname: str, pid: int, module_left: bool = False) -> None:
         """The parameter ``pid`` is no longer ``unit.module``'s ``pname``. Paging it on would free
         its storage at its next eviction, under whatever shares it now (a new ``nn.Parameter`` made
         over it: a crash), and keep it alive for the model's life; so, unless another module still
@@ -258,6 +296,12 @@ class PagedModel:
                 u.pages = [pg for pg in u.pages if pg is not page]
                 u.learned = [pg for pg in u.learned if pg is not page]
         self.params = [p for p in self.params if id(p) != pid]
+        if module_left:
+            log.warning("paging: module %s left the model after it was paged: its parameter %s is no longer "
+                        "paged (its bytes are back in memory); a module put in its place is not paged (it stays "
+                        "resident): change a model before enable() or its first move, or call vb.disable() and "
+                        "enable() again", unit.name or "(root)", pname)
+            return
         new = unit.module._parameters.get(pname)
         log.warning("paging: %s was replaced or removed after the model was paged: the old parameter is no "
                     "longer paged (its bytes are back in memory)%s. Change a model before enable() or its "

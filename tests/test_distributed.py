@@ -611,6 +611,7 @@ def test_main_job_with_more_ranks_than_devices_is_a_clear_error(tmp_path):
     assert not (out / "report.json").exists()
 
 
+@pytest.mark.slow  # a two-rank torchrun of the main job, as test_output_contract's two-rank test; the suite's 15 minutes on 2 cores
 def test_main_job_runs_unchanged_under_torchrun(tmp_path):
     """Two CPU ranks with gloo. VB_DEVICE=cpu pins it (and is the fix the error above suggests on a
     machine with fewer accelerators than ranks); CUDA is not hidden: on a GPU machine this checks that

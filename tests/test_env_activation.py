@@ -60,6 +60,7 @@ def test_false_values_keep_it_off():
     assert r["enabled"] is False and r["untouched"] is True
 
 
+@pytest.mark.slow  # apt-vb run of a script in a subprocess, as test_readme's launcher example; the suite's 15 minutes on 2 cores
 def test_launcher_enables_for_an_unmodified_script(tmp_path):
     script = tmp_path / "train_like.py"
     script.write_text(textwrap.dedent("""

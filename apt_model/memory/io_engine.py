@@ -65,7 +65,7 @@ class JobTicket:
     def __init__(self):
         self._lock = threading.Lock()
         self._state = "new"
-        self._done = threading.Event()
+        self._done: threading.Event | None = None  # made only when a settle must wait (one per page I/O otherwise)
 
     def start(self) -> bool:
         """The job side: False when the job was taken back (it must not run)."""
@@ -79,7 +79,9 @@ class JobTicket:
         """The job side: the job is over."""
         with self._lock:
             self._state = "done"
-        self._done.set()
+            done = self._done
+        if done is not None:
+            done.set()
 
     def settle(self, timeout: float) -> bool:
         """The submitter side: True when the job will never touch its memory again — taken back
@@ -91,7 +93,10 @@ class JobTicket:
                 return True
             if self._state == "done":
                 return True
-        return self._done.wait(timeout)
+            if self._done is None:
+                self._done = threading.Event()
+            done = self._done
+        return done.wait(timeout)
 
 
 class _Direction:

@@ -97,6 +97,12 @@ def _labelled(err: BaseException, page: Page) -> BaseException:
     return new
 
 
+def _job_over(ticket: JobTicket, err: BaseException) -> bool:
+    """After ``err`` left a read's submission or wait: whether the read will touch its memory no
+    more (:meth:`JobTicket.settle`). A read that timed out is not waited for again."""
+    return ticket.settle(0.0 if isinstance(err, SwapTimeoutError) else wait_timeout())
+
+
 def fut_done_or_absent(fut: Future | None) -> bool:
     """Whether a job is over (or never started): only then may its buffer be freed."""
     return fut is None or fut.done()
@@ -555,8 +561,7 @@ class Pager:
             self.store.finish_read(page, storage)
         except BaseException as err:
             # the read (even one queued just before an interrupt) must be over before the memory goes
-            if (ticket.settle(0.0 if isinstance(err, SwapTimeoutError) else wait_timeout())
-                    and fut_done_or_absent(locals().get("fut"))):
+            if _job_over(ticket, err) and fut_done_or_absent(locals().get("fut")):
                 self.store.abort_read(page)
                 free_storage(storage)
             raise
@@ -1245,8 +1250,7 @@ class Pager:
                 self._wait(fut, copy, "read")
                 self.store.finish_read(copy, storage)
             except BaseException as err:
-                # a read still running would write the pre-step bytes into ``t`` after we return
-                ticket.settle(0.0 if isinstance(err, SwapTimeoutError) else wait_timeout())
+                _job_over(ticket, err)  # a read still running would write the pre-step bytes into ``t`` later
                 self.store.abort_read(copy)
                 raise _labelled(err, copy) from None
 

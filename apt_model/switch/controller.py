@@ -165,7 +165,8 @@ def banner_is_long(config: VBConfig) -> bool:
 
 def _print_banner(config: VBConfig, distributed, stack) -> None:
     """Print the enable banner (the user asked for it: ``banner=True``) on rank 0 only, once per
-    process, and not in a spawned worker re-importing the script (its parent printed it): a later ``enable()`` with the same result prints nothing, one that changes something
+    process, and not in a spawned worker re-importing the script (its parent printed it): a later
+    ``enable()`` with the same result prints nothing, one that changes something
     prints a ``reconfigured`` header and the lines that changed."""
     global _banner_shown
     from apt_model.switch.banner import banner_lines

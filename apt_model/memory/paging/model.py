@@ -72,7 +72,7 @@ class Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, pages: list[Page]):
-        self.name = name
+        self.rename(name)
         self.module = module
         self.pages = pages
         self.learned: list[Page] = []
@@ -80,6 +80,11 @@ class Unit:
         self.slots: dict[str, int] = {}
         self.inner = False
         self.position: int | None = None  # in the recorded execution order
+
+    def rename(self, name: str) -> None:
+        """Its qualified name in the model, and that name's parts (the path checked each forward)."""
+        self.name = name
+        self.path = tuple(name.split(".")) if name else ()
 
     def forward_pages(self, handler_on: bool) -> list[Page]:
         """The pages its forward acquires: its own, and the learned ones unless it is a container
@@ -250,7 +255,7 @@ class PagedModel:
     def _on_path(model: nn.Module, unit: Unit) -> bool:
         """Whether ``unit.module`` is still at ``unit.name`` in ``model``."""
         m = model
-        for part in unit.name.split(".") if unit.name else ():
+        for part in unit.path:
             m = m._modules.get(part)
             if m is None:
                 return False
@@ -266,7 +271,7 @@ class PagedModel:
             if name is None:
                 left.append(unit)
             else:
-                unit.name = name
+                unit.rename(name)
         for unit in left:
             for pname, pid in list(unit.slots.items()):
                 self._unregister(unit, pname, pid, module_left=True)

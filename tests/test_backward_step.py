@@ -668,7 +668,7 @@ def test_activation_checkpointing_stays_bitwise(tmp_path, reentrant):
         assert rep["state"] == "armed" and rep["steps_in_backward"] == 4, rep
 
 
-def test_the_step_stays_after_backward_where_it_would_break_the_level_0_bound(tmp_path):
+def test_the_step_stays_after_backward_where_it_would_break_the_level_0_bound(tmp_path, cpu_device):
     """The backward under way still pins the pages of the module it is in (and the tied
     embedding, faulted in by the root): with a budget the plan holds, stepping the last MLP weight
     inside backward would not fit beside them. The step stays after backward, says why, and the

@@ -1053,7 +1053,7 @@ def _plain_and_paged(tmp_path, plain_batches, paged_batches):
     return plain, popt, m, opt
 
 
-def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writes(tmp_path, monkeypatch):
+def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writes(tmp_path, monkeypatch, cpu_device):
     """A KeyboardInterrupt right after the read job was queued (inside ThreadPoolExecutor.submit)
     made the pager give the page's memory back while the reader thread still wrote into it: heap
     corruption, then a segfault or abort (3 runs of 3). The read is taken back or waited for first;
@@ -1079,7 +1079,7 @@ def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writ
         vb.disable()
 
 
-def test_an_interrupt_inside_disable_loses_nothing_and_a_second_disable_finishes(tmp_path, monkeypatch):
+def test_an_interrupt_inside_disable_loses_nothing_and_a_second_disable_finishes(tmp_path, monkeypatch, cpu_device):
     """A KeyboardInterrupt while ``disable()`` brought the pages back was taken for a lost page:
     the tensor was NaN-filled, a PagingRecoveryError raised and the folder kept for good. One cut
     short inside the folder's deletion left the folder behind. Now the interrupt propagates, and
@@ -1159,7 +1159,7 @@ def test_a_lock_entered_when_the_interrupt_lands_is_given_back(monkeypatch):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
-def test_disable_in_a_forked_child_is_quick_and_leaves_the_parent_alone(tmp_path):
+def test_disable_in_a_forked_child_is_quick_and_leaves_the_parent_alone(tmp_path, cpu_device):
     """``vb.disable()`` in a child made by os.fork() while the parent pages waited for the parent's
     I/O threads, which do not exist in the child: VB_SWAP_TIMEOUT (2 minutes) per page in flight.
     It now raises ForkedPagingError at once, naming the tensors it could not bring back; the

@@ -1112,15 +1112,20 @@ def test_an_interrupt_inside_disable_loses_nothing_and_a_second_disable_finishes
         assert not folder.exists(), where
 
 
-def test_a_lock_entered_when_the_interrupt_lands_is_given_back(monkeypatch):
-    """A KeyboardInterrupt just after ``TimedLock.__enter__`` acquired its lock left it held for
-    good: the next thread that wanted it (an I/O thread) timed out. It is given back."""
+def test_a_lock_is_given_back_wherever_an_interrupt_lands(monkeypatch):
+    """A KeyboardInterrupt from a signal handler lands at the first instruction of any Python
+    function (and after calls). Landing just after ``TimedLock.__enter__`` acquired its lock, or at
+    the start of a Python ``__exit__``, left it held for good: the next thread that wanted it (an
+    I/O thread) timed out, and training hung on its writes. An interrupt is raised here at every
+    trace event of the lock's own code under ``with lock:`` in turn — alone, and inside an outer
+    hold — and each time the lock must end up held exactly as before."""
+    import sys
     import threading
 
     from apt_model.memory.swap import SwapTimeoutError
     from apt_model.memory.waits import TimedLock
 
-    monkeypatch.setenv("VB_SWAP_TIMEOUT", "1")
+    monkeypatch.setenv("VB_SWAP_TIMEOUT", "0.5")
     lock = TimedLock("test")
 
     def taken_by_another_thread():
@@ -1138,22 +1143,50 @@ def test_a_lock_entered_when_the_interrupt_lands_is_given_back(monkeypatch):
         t.join()
         return out
 
-    real = threading.current_thread  # called by __enter__ right after the acquire
-    calls = [0]
+    def interrupt_at(n: int) -> bool:
+        """Run ``with lock: pass`` raising KeyboardInterrupt at its ``n``-th trace event; returns
+        whether it was raised (False: ``n`` is past the last event)."""
+        seen = [0]
 
-    def interrupted():
-        calls[0] += 1
-        if calls[0] == 1:
-            raise KeyboardInterrupt("simulated signal after the acquire")
-        return real()
+        def tracer(frame, event, arg):
+            # where signals are delivered: a function's start, and (a superset of) the points after
+            # calls — in the lock's own frames (a trace event raising in ``block`` itself lands on
+            # the instruction before, which no real signal does)
+            if event not in ("call", "line") or frame.f_code is block.__code__:
+                return tracer
+            seen[0] += 1
+            if seen[0] == n:
+                raise KeyboardInterrupt(f"simulated signal at trace event {n} ({event} {frame.f_code.co_name})")
+            return tracer
 
-    monkeypatch.setattr(threading, "current_thread", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        with lock:
-            pass
-    monkeypatch.setattr(threading, "current_thread", real)
-    assert calls[0] == 1
-    assert taken_by_another_thread() == ["entered"]
+        def block():
+            with lock:
+                pass
+
+        sys.settrace(tracer)
+        try:
+            block()
+        except KeyboardInterrupt:
+            return True
+        finally:
+            sys.settrace(None)
+        return False
+
+    for outer in (False, True):
+        landed = 0
+        for n in range(1, 200):
+            if outer:
+                lock.acquire()
+            hit = interrupt_at(n)
+            if outer:
+                assert lock.holds() == 1, (n, lock.holds())
+                lock.release()
+            assert lock.holds() == 0, n
+            if not hit:
+                break
+            landed += 1
+            assert taken_by_another_thread() == ["entered"], (outer, n)
+        assert landed >= 3, landed  # at least __enter__'s call, its acquire's line, its return
     with lock:  # and a lock held really is held
         assert taken_by_another_thread() == ["timed out"]
 

@@ -14,6 +14,8 @@ read or write, or one lock hand-over, never a whole training step), or :func:`se
 """
 from __future__ import annotations
 
+import _thread
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -91,10 +93,21 @@ def wait_future(fut: Future, what: str, queues: str = "") -> Any:
         ) from None
 
 
-class TimedLock:
+class TimedLock(_thread.RLock):
     """A re-entrant lock whose acquisition gives up after :func:`wait_timeout` seconds.
 
     Used as ``with lock:``; the error names the lock and the thread holding it.
+
+    Safe against asynchronous interrupts (a ``KeyboardInterrupt`` raised by a signal handler, which
+    CPython delivers at the first instruction of any Python function and after calls):
+
+    * ``__exit__`` is the C lock's own: leaving a ``with`` block runs no Python frame before the
+      release, so no interrupt can land between the block's end and the release. (A Python
+      ``__exit__`` met a pending signal at its first instruction and left the lock held for good:
+      the I/O threads then timed out on it, found by a probe sending SIGALRM during training.)
+    * ``__enter__`` gives back what it took when interrupted after the acquire: the ``with`` block
+      never runs then, so ``__exit__`` never would. Holds of an outer ``with`` of the same thread
+      are kept.
 
     Args:
         name: what the lock protects, for the error (``"pager (level 0)"``).
@@ -105,55 +118,43 @@ class TimedLock:
 
     def __init__(self, name: str):
         self.name = name
-        self._lock = threading.RLock()
-        self._owner: str | None = None
-        self._ident: int | None = None  # thread id of the holder, for re-entry
-        self._depth = 0
 
     def __enter__(self) -> "TimedLock":
-        me = threading.get_ident()
-        before = self._depth if self._ident == me else 0
+        before = self.holds()
         try:
-            if not self._lock.acquire(blocking=False):
+            if not self.acquire(blocking=False):
                 limit = wait_timeout()
                 t0 = time.monotonic()
-                if not self._lock.acquire(timeout=limit):
+                if not self.acquire(timeout=limit):
                     raise timeout_error(
                         f"waited {time.monotonic() - t0:.3g} s for the {self.name} lock, held by thread "
-                        f"{self._owner!r} all that time (thread {threading.current_thread().name!r} wanted it); "
+                        f"{self.owner!r} all that time (thread {threading.current_thread().name!r} wanted it); "
                         f"raise {ENV} if that thread is only slow"
                     )
-            if before == 0:
-                self._owner = threading.current_thread().name
-            self._ident, self._depth = me, before + 1
             return self
         except BaseException:
-            self._give_back(before)
+            for _ in range(self.holds() - before):  # an interrupt after the acquire: give it back
+                self.release()
             raise
 
-    def _give_back(self, before: int) -> None:
-        """``__enter__`` failed — or was interrupted (``KeyboardInterrupt`` from a signal handler lands
-        between any two bytecodes, also just after the acquire): the ``with`` block never runs, so
-        ``__exit__`` never will; the hold this call may have taken is given back, the ``before``
-        holds of an outer ``with`` of this thread are kept. Without it, the lock stayed held for good
-        and every other thread timed out on it (found by a probe sending SIGALRM during training)."""
-        if not self._lock._is_owned():  # RLock's own record (threading.Condition uses these too)
-            return
-        state = self._lock._release_save()  # (count, owner): every hold of this thread let go
-        if before:
-            self._lock._acquire_restore((before, state[1]))
-        else:
-            self._owner, self._ident, self._depth = None, None, 0
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner, self._ident = None, None
-        finally:
-            self._lock.release()  # first in the finally: an interrupt in the bookkeeping still lets go
+    def holds(self) -> int:
+        """How many times the calling thread holds the lock (0: not at all)."""
+        if not self._is_owned():  # the C lock's own record (threading.Condition uses it too)
+            return 0
+        found = _COUNT.search(_thread.RLock.__repr__(self))
+        return int(found.group(1)) if found else 1
 
     @property
     def owner(self) -> str | None:
-        """Name of the thread holding the lock, or None."""
-        return self._owner
+        """Name of the thread holding the lock, or None (free, or held by a thread that ended)."""
+        found = _OWNER.search(_thread.RLock.__repr__(self))
+        ident = int(found.group(1)) if found else 0
+        if not ident:
+            return None
+        return next((t.name for t in threading.enumerate() if t.ident == ident), f"thread id {ident}")
+
+
+#: Fields of the C re-entrant lock's ``repr`` (``<locked _thread.RLock object owner=N count=N at 0x..>``,
+#: the only public view of its hold count).
+_COUNT = re.compile(r"\bcount=(\d+)")
+_OWNER = re.compile(r"\bowner=(\d+)")

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
+from apt_model.memory.interrupts import shielded
 from apt_model.memory.waits import timeout_error, wait_timeout
 
 
@@ -83,6 +84,7 @@ class JobTicket:
         if done is not None:
             done.set()
 
+    @shielded  # it runs after an interrupt, in failure paths: a second one waits until it is over
     def settle(self, timeout: float) -> bool:
         """The submitter side: True when the job will never touch its memory again — taken back
         before it started (or never submitted), or over; False when it still ran after ``timeout``

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from apt_model.base.settings import positive_seconds, read_env
+from apt_model.memory.interrupts import deliver_held_back, shielded, track_lock
 from apt_model.memory.settings import SWAP_TIMEOUT
 
 #: Seconds a wait may block when neither ``VB_SWAP_TIMEOUT`` nor :func:`set_wait_timeout` says otherwise.
@@ -68,8 +69,18 @@ def set_wait_timeout(seconds: float | None) -> float | None:
     return previous
 
 
+#: Seconds between two looks for a held-back interrupt while a wait blocks (see :func:`wait_future`).
+SLICE_S = 0.05
+
+
+@shielded  # threading.Condition.wait is not safe to interrupt: signals wait for the next slice
 def wait_future(fut: Future, what: str, queues: str = "") -> Any:
     """The result of ``fut`` (re-raising its exception), waiting at most :func:`wait_timeout` seconds.
+
+    A cancellation point: a signal held back by :mod:`~apt_model.memory.interrupts` (also one that
+    arrives during the wait) has its handler called here, within :data:`SLICE_S` seconds — its
+    exception comes out of this call, the job still running — so every caller must meet an
+    interrupt here (take the job back or wait for it before its memory goes).
 
     Args:
         fut: the background job's future.
@@ -78,19 +89,23 @@ def wait_future(fut: Future, what: str, queues: str = "") -> Any:
 
     Raises:
         SwapTimeoutError: the job did not finish in time (it keeps running; nothing was freed).
-        whatever the job raised.
+        whatever the job raised, or a held-back signal's handler raised.
     """
     limit = wait_timeout()
-    try:
-        return fut.result(timeout=limit)
-    except TimeoutError:
-        if fut.done():  # the job itself raised a TimeoutError (an OSError with ETIMEDOUT): re-raise it
-            raise
-        raise timeout_error(
-            f"waited {limit:g} s for the {what}, which has not finished"
-            + (f"; {queues}" if queues else "")
-            + f"; raise {ENV} if the disk is just slow, else look for a stuck swap disk or a blocked I/O thread"
-        ) from None
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            return fut.result(timeout=max(0.0, min(SLICE_S, deadline - time.monotonic())))
+        except TimeoutError:
+            if fut.done():  # the job itself raised a TimeoutError (an OSError with ETIMEDOUT): re-raise it
+                raise
+        deliver_held_back()
+        if time.monotonic() >= deadline:
+            raise timeout_error(
+                f"waited {limit:g} s for the {what}, which has not finished"
+                + (f"; {queues}" if queues else "")
+                + f"; raise {ENV} if the disk is just slow, else look for a stuck swap disk or a blocked I/O thread"
+            ) from None
 
 
 class TimedLock(_thread.RLock):
@@ -108,6 +123,9 @@ class TimedLock(_thread.RLock):
     * ``__enter__`` gives back what it took when interrupted after the acquire: the ``with`` block
       never runs then, so ``__exit__`` never would. Holds of an outer ``with`` of the same thread
       are kept.
+    * Once ``enable()`` built a memory stack, a signal's handler is held back while the training
+      thread holds any TimedLock (:mod:`~apt_model.memory.interrupts`): the two points above
+      matter only where it is not installed, or after its longest hold.
 
     Args:
         name: what the lock protects, for the error (``"pager (level 0)"``).
@@ -118,6 +136,7 @@ class TimedLock(_thread.RLock):
 
     def __init__(self, name: str):
         self.name = name
+        track_lock(self)  # a signal's handler is held back while the training thread holds it
 
     def __enter__(self) -> "TimedLock":
         before = self.holds()

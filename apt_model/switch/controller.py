@@ -122,6 +122,9 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
             # undone newest first: the rank's (then empty) swap folder goes after the stack's own folder
             st.patches.add_undo(distributed.release_swap_dir, "the rank's swap folder, when empty")
             st.patches.add_undo(stack.close, "VGPU stack swap folder")
+            from apt_model.memory import interrupts
+
+            interrupts.install(st.patches)  # a signal's handler waits until the pager is between two states
         services = {"distributed": distributed, "overrides": builtin_overrides()}
         distributed.attach(services)  # the distributed policy sees the paging session through these
         st.adopter = Adopter(StepSession(config, selection.device, st.patches, stack, services), st.log)

@@ -57,6 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from apt_model.base.errors import VBError
 from apt_model.base.log import get_logger
+from apt_model.memory.interrupts import shielded
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.swap import PagingRecoveryError
 
@@ -363,6 +364,10 @@ class OptimizerPaging:
     def _pre(self, opt, args, kwargs):
         if self._in_step or not self._involves_paging(opt):
             return None
+        # torch's step wrapper (its hooks, ours, the emptied call between them) is not cut by a
+        # signal: one arriving meanwhile is held back until the step returns (interrupts.py)
+        shielded(type(opt).step)
+        self._put_back_lists(opt)  # a signal (held back too long) landed between this hook and _post
         self._adopt(opt, self.session.patches)
         self._refuse_duplicates(opt)
         # torch passes the wrapped call's positional arguments, the optimizer itself first
@@ -465,12 +470,20 @@ class OptimizerPaging:
 
     def _post(self, opt, args, kwargs):
         self._give_back_own_hooks(opt)
-        saved = self._stash.pop(id(opt), None)
-        if saved is not None:
-            for g, params in zip(opt.param_groups, saved):
-                g["params"] = params
+        if self._put_back_lists(opt):
             self.capturable.restore(opt)  # after a compiled step's write-back (see CapturableFlags)
         return None
+
+    def _put_back_lists(self, opt) -> bool:
+        """Give ``opt``'s groups back the parameter lists :meth:`_pre` emptied (False: none were):
+        done by :meth:`_post`, or — where an interrupt landed between the two hooks — by the next
+        step, ``state_dict()`` or ``load_state_dict()``."""
+        saved = self._stash.pop(id(opt), None)
+        if saved is None:
+            return False
+        for g, params in zip(opt.param_groups, saved):
+            g["params"] = params
+        return True
 
     def _pages_of(self, opt, p: torch.Tensor) -> tuple[list[Page], list[Page]]:
         """(pages written by ``opt``'s step, pages only read) for parameter ``p``."""
@@ -647,10 +660,12 @@ class OptimizerPaging:
         return [p for params in groups for p in params]
 
     def _before_state_dict(self, opt):
+        self._put_back_lists(opt)
         self.session.backward_step.settle("the optimizer's state_dict() was taken between backward and "
                                           "optimizer.step()")
 
     def _before_load(self, opt, state_dict):
+        self._put_back_lists(opt)
         self.session.backward_step.settle("the optimizer's load_state_dict() was called between backward and "
                                           "optimizer.step()")
         return None

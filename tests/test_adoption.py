@@ -336,3 +336,19 @@ def test_a_compiled_wrapper_of_an_adopted_model_is_not_a_second_model(cpu_device
     finally:
         vb.disable()
     assert models == [("Sequential", "to()")]
+
+
+def test_a_model_compiled_before_enable_is_reported_by_its_own_class(cpu_device):
+    """``torch.compile(model)`` before ``enable()``: the report named the model
+    ``OptimizedModule`` (torch's wrapper), not the class the script wrote."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    compiled = torch.compile(m, backend="eager")
+    vb.enable("balanced", compile="off", mixed_precision="off", banner=False)
+    try:
+        compiled(torch.randn(2, 8)).sum().backward()
+        names = [r["name"] for r in vb.get_report()["models"]]
+    finally:
+        vb.disable()
+        torch._dynamo.reset()
+    assert names == ["Sequential (compiled)"], names

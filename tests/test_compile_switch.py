@@ -409,3 +409,30 @@ def test_a_model_trained_through_the_scripts_compiled_step_is_traced_without_the
     assert counts.frame_count == 1 and torch.isfinite(loss)
     assert rec["timeline"] == [], rec["timeline"]  # no rung was built, warmed up or timed
     # one frame: concluding left the (now inert) hooks, which the compiled code guards on, in place
+
+
+def test_the_step_recorder_adds_no_graph_break_to_a_compiled_optimizer_step(cpu_device):
+    """The report's step recorder times each optimizer step from global step hooks. Traced inside
+    a step the script compiles, its clock read broke the graph, and Dynamo ran the optimizer's
+    whole step wrapper eagerly. Now it stays out of traced code: the script's compiled step breaks
+    exactly where it breaks without the switch."""
+    def breaks_of_a_compiled_step() -> dict:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        torch.manual_seed(0)
+        m = nn.Linear(8, 8)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        step = torch.compile(opt.step, backend="eager")
+        for _ in range(2):
+            m(torch.ones(2, 8)).sum().backward()
+            step()
+        return {str(k): v for k, v in torch._dynamo.utils.counters["graph_break"].items()}
+
+    plain = breaks_of_a_compiled_step()
+    vb.enable("balanced", paging="off", mixed_precision="off", banner=False)
+    try:
+        on = breaks_of_a_compiled_step()
+    finally:
+        vb.disable()
+        torch._dynamo.reset()
+    assert on == plain, (on, plain)

@@ -502,3 +502,46 @@ def test_parameters_dynamo_installs_as_graph_attributes_are_loaded_too(tmp_path)
     vb.disable()
     assert "get_attr" in seen[0] and "placeholder" not in seen[0], seen  # the case this test is about
     assert torch.equal(got, (m.head.weight * 2).sum())
+
+
+def _apt_model_code_dynamo_resumed() -> list[str]:
+    """Names of apt_model functions Dynamo compiled a continuation of (it traced into them)."""
+    from torch._dynamo.resume_execution import ContinueExecutionCache
+
+    codes = [ref() for ref in list(ContinueExecutionCache.cache.refs.values())]
+    return sorted(f"{c.co_filename.rsplit('/', 1)[-1]}:{c.co_name}" for c in codes
+                  if c is not None and "apt_model" in c.co_filename)
+
+
+def test_a_training_step_compiled_whole_runs_the_paging_code_eagerly(tmp_path, cpu_device):
+    """A script compiles its whole training step (``zero_grad``, forward, ``backward()``,
+    ``optimizer.step()``). Dynamo traced the paging session's ``torch.autograd.backward`` up to its
+    graph break and compiled the rest of it as a resume function, its bookkeeping replayed: a probe
+    saw 1 run in 10 crash in the pager (``'UntypedStorage' object has no attribute
+    'untyped_storage'``), and steps recompile up to Dynamo's limit. The backward call runs eagerly
+    now, as the model and the optimizer's step do: no apt_model code is traced, and the step trains
+    bitwise like plain eager PyTorch."""
+    ref_m, m = model(dropout=0.0), model(dropout=0.0)
+    ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
+    ref = _loop(ref_m, ref_opt, "eager")
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m.to("cpu")
+
+        @torch.compile(backend="eager")
+        def step(x):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            return loss
+
+        gen = torch.Generator().manual_seed(1)
+        got = [step(torch.randint(0, 256, (4, 32), generator=gen)).item() for _ in range(3)]
+        got_state = snapshot(m, opt)
+        resumed = _apt_model_code_dynamo_resumed()
+    finally:
+        vb.disable()
+    assert resumed == [], resumed
+    assert got == ref
+    assert_same(snapshot(ref_m, ref_opt), got_state)

@@ -77,6 +77,15 @@ def model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
+
+def _model_name(model: nn.Module) -> str:
+    """The report's name of ``model``: its class, seen through ``torch.compile(model)``'s wrapper
+    (``OptimizedModule(TinyLM)``: the name the script knows is ``TinyLM``)."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module):
+        return f"{type(inner).__name__} (compiled)"
+    return type(model).__name__
+
 class ProbeBook:
     """The device probes adoption uses, run when a model is adopted and kept for the report.
 
@@ -146,7 +155,7 @@ class Adopter:
         the model's first forward). ``trigger`` says what caused adoption (``to()``, ``compile()``,
         ``compiled function``, ``first forward``, ``adopt()``)."""
         dev = model_device(model) or torch.device("cpu")
-        rec = ModelRecord(id=len(self.records) + 1, name=type(model).__name__, trigger=trigger, device=str(dev),
+        rec = ModelRecord(id=len(self.records) + 1, name=_model_name(model), trigger=trigger, device=str(dev),
                           parameters=sum(p.numel() for p in model.parameters()), width=infer_width(model),
                           ref=weakref.ref(model))
         self.records.append(rec)

@@ -181,10 +181,14 @@ class StepRecorder:
         self._sampler.stop()
 
     def _pre(self, opt, args, kwargs):
+        if torch.compiler.is_compiling():  # a step compiled by the script: not timed (a clock read
+            return None  # would break its graph, and Dynamo would run the whole step eagerly)
         self._began[id(opt)] = time.perf_counter()
         return None
 
     def _post(self, opt, args, kwargs):
+        if torch.compiler.is_compiling():
+            return None
         try:
             self.record_step(id(opt), self._began.pop(id(opt), None))
         except Exception as err:  # noqa: BLE001 - a report figure must never break training

@@ -37,6 +37,10 @@ from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
 
+#: Dynamo's graph-break reason for the paging session's ``torch.autograd.backward`` / ``grad``.
+EAGER_BACKWARD = ("apt_model tracks each backward call while paging (the step inside backward, the pins of a "
+                  "gradient penalty): torch.autograd.backward and grad run eagerly under torch.compile")
+
 
 class SparseGradientError(VBError, RuntimeError):
     """A paged model's parameter received a sparse (not strided) gradient, which paging cannot page.
@@ -252,6 +256,10 @@ class PagingSession:
         def grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_graph=False, *args, **kwargs):
             return run(real_grad, (outputs, inputs, grad_outputs, retain_graph, create_graph, *args), kwargs,
                        bool(retain_graph) or bool(create_graph), bool(create_graph), False)
+        # Dynamo runs them eagerly (a compiled training step calling loss.backward() breaks its graph
+        # there anyway): traced, their bookkeeping was compiled into a resume function and replayed
+        backward = torch.compiler.disable(backward, reason=EAGER_BACKWARD)
+        grad = torch.compiler.disable(grad, reason=EAGER_BACKWARD)
         # autograd reads the pages itself, through the module hooks: the fault handler lets these
         # calls through instead of loading every parameter named in ``inputs=`` for their duration
         self.mode.passthrough.update((real_backward, real_grad, backward, grad, torch.Tensor.backward))

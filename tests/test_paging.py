@@ -1980,3 +1980,62 @@ def test_adafactor_pages_and_stays_bitwise(tmp_path, cpu_device):
         assert vb.get_report()["memory"]["paging"]["pager"]["categories"]["state"]["pages"] > 0
     finally:
         vb.disable()
+
+
+class _FlatMLP(nn.Module):
+    """Two linear layers whose four parameters are views of one flat buffer (as flat-parameter
+    code builds them); the buffer itself is dropped, or kept and read by the script."""
+
+    def __init__(self, keep_flat: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        flat = torch.randn(16 * 16 + 16 + 16 * 16 + 16) * 0.1
+        shapes = [(16, 16), (16,), (16, 16), (16,)]
+        views, at = [], 0
+        for shape in shapes:
+            n = torch.Size(shape).numel()
+            views.append(nn.Parameter(flat[at:at + n].view(shape)))
+            at += n
+        self.w1, self.b1, self.w2, self.b2 = views
+        self.flat = flat if keep_flat else None
+
+    def forward(self, x):
+        return F.linear(torch.tanh(F.linear(x, self.w1, self.b1)), self.w2, self.b2)
+
+
+def _train_flat(keep_flat: bool, switch: bool, tmp_path, caplog=None):
+    m = _FlatMLP(keep_flat)
+    alias = m.w2.detach()  # taken before adoption: reads the trained weight, as without paging
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if switch:
+        vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m.to("cpu")
+        gen = torch.Generator().manual_seed(2)
+        out = []
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 16, generator=gen)
+            opt.zero_grad()
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            out.append((loss.item(), alias.sum().item(), None if m.flat is None else m.flat.sum().item()))
+        params = [p.detach().clone() for p in m.parameters()]
+    finally:
+        if switch:
+            vb.disable()
+    return out, params
+
+
+@pytest.mark.parametrize("keep_flat", [False, True], ids=["flat-dropped", "flat-kept"])
+def test_parameters_sharing_one_storage_stay_resident_and_train_like_plain(tmp_path, keep_flat, caplog, cpu_device):
+    """Parameters that are views of one flat buffer, and a ``.detach()`` alias of one taken before
+    the model was adopted: a page frees its storage in place, so each page freed the memory under
+    the others and under the alias — a segfault in the optimizer step, or a swap file "altered"
+    (found by a probe). Such parameters now stay resident, with a warning naming them."""
+    plain = _train_flat(keep_flat, False, tmp_path)
+    with caplog.at_level("WARNING"):
+        got = _train_flat(keep_flat, True, tmp_path)
+    assert got[0] == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(got[1], plain[1]))
+    assert "w1 (" in caplog.text and "other tensors share their memory" in caplog.text, caplog.text

@@ -116,6 +116,20 @@ def tensor_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
 
+def other_holders(t: torch.Tensor) -> int:
+    """How many other tensors hold ``t``'s storage now: views of it, ``.data`` / ``.detach()``
+    aliases the script keeps, the other parameters of one flat buffer, a state dict's tensors kept
+    after ``load_state_dict(assign=True)``. A page frees its storage in place, so every one of them
+    would read freed memory (a segfault). Counted from the storage's C++ reference count (less
+    ``t`` and the one Python storage object); 0 where this torch does not expose that count."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return 0
+    with torch._C.DisableTorchFunction():
+        storage = t.untyped_storage()  # one Python object per storage: it counts once, kept or not
+        return max(0, int(use_count(storage._cdata)) - 2)
+
+
 def cpu_byte_view(storage: torch.UntypedStorage) -> memoryview:
     """A writable memoryview of a CPU storage's bytes (shares memory; valid while the storage
     keeps this allocation). Built with ctypes, not ``Tensor.numpy()``: exporting to NumPy marks

@@ -57,7 +57,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import gradient_watch, output_tensors
-from apt_model.memory.pages import Category, Page, State
+from apt_model.memory.pages import Category, Page, State, other_holders, tensor_nbytes
 from apt_model.base.patches import SessionHook
 
 log = get_logger(__name__)
@@ -125,6 +125,8 @@ class PagedModel:
         self._kind: tuple[bool, bool] | None = None  # the outermost forward's kind while it runs
         self._uncovered_mark = 0
         self.kept: dict = {}  # what its plan keeps resident on level 0 (the session's entry)
+        # label -> (other tensors on its storage, the storage's address, its bytes): not paged
+        self.shared: dict[str, tuple[int, int, int]] = {}
 
     @property
     def model(self) -> nn.Module | None:
@@ -157,8 +159,12 @@ class PagedModel:
                         if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
                             with torch.no_grad():
                                 p.data = p.data.clone()
-                        page = pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
-                        self.session.param_pages[id(p)] = page
+                        holders = other_holders(p)
+                        if holders:  # freed in place, its storage would be freed under them: stays resident
+                            self.shared[label] = (holders, p.untyped_storage().data_ptr(), tensor_nbytes(p))
+                        else:
+                            page = pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
+                            self.session.param_pages[id(p)] = page
                     seen[id(p)] = page
                 if seen[id(p)] is not None:
                     pages.append(seen[id(p)])

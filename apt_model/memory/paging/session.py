@@ -288,6 +288,8 @@ class PagingSession:
         pm = PagedModel(self, model, page_params, page_grads)
         pm.kept = self._keep_resident(model, page_params, page_grads, state_factor)
         pm.install(self.patches)
+        if pm.shared:
+            self._keep_shared(pm)
         backward_hooks.wrap_existing(model, self.patches)  # hooks registered before paging
         compiled.add_model(model, self.patches)  # runs eagerly under torch.compile
         for p in pm.params:
@@ -351,6 +353,20 @@ class PagingSession:
                         "and every paged tensor will be loaded over it", format_size(total),
                         format_size(self.level_budget))
         return entry
+
+    def _keep_shared(self, pm: PagedModel) -> None:
+        """Count the parameters ``pm`` could not page — their storage is held by other tensors too
+        (see :func:`~apt_model.memory.pages.other_holders`) — as kept resident, each storage once,
+        and say which and why."""
+        storages = {key: nbytes for _, key, nbytes in pm.shared.values()}
+        pm.kept["parameters sharing memory"] = sum(storages.values())
+        self._fit_kept()
+        names = ", ".join(f"{label} ({holders} other)" for label, (holders, _, _) in pm.shared.items())
+        log.warning("paging keeps %d parameter(s) of %s resident (%s, not paged): other tensors share their memory — "
+                    "%s — views, .data/.detach() aliases or a state dict the script kept, or the parameters of one "
+                    "flat buffer; paging frees a tensor's memory in place, which those would then read. Drop such "
+                    "references before the model is adopted to have them paged",
+                    len(pm.shared), type(pm.model).__name__, format_size(sum(storages.values())), names)
 
     def kept_total(self) -> int:
         """Bytes the paged models' plans keep resident on level 0 now (the next plan has the rest)."""

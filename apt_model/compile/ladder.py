@@ -428,7 +428,7 @@ class CompileLadder:
             self._conclude_eager()
 
     def _conclude_eager(self) -> None:
-        tried = "; ".join(f"{e['rung']}: {e['outcome']}" for e in self.timeline) or "no rung offered"
+        tried = "; ".join(_tried(e) for e in self.timeline) or "no rung offered"
         self._finish("eager", None)
         self.record("eager", f"the model runs as written ({tried})", self._details())
 
@@ -458,3 +458,13 @@ class CompileLadder:
         """State, chosen rung and timeline (JSON-safe)."""
         return {"state": self.state, "chosen": self.chosen, "rung": self.rungs[self.index].name
                 if self.index < len(self.rungs) and self.state != "done" else None, "timeline": list(self.timeline)}
+
+
+def _tried(entry: dict) -> str:
+    """One rung of the timeline for the eager verdict's reason: ``compile: failed (raised
+    InductorError: ...)`` — a failure's own reason, shortened, so ``print_stats`` shows why."""
+    text = f"{entry['rung']}: {entry['outcome']}"
+    reason = str(entry.get("reason") or "").splitlines()[0] if entry.get("reason") else ""
+    if entry["outcome"] == "failed" and reason:
+        text += f" ({reason if len(reason) <= 100 else reason[:99] + '…'})"
+    return text

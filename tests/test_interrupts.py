@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future
 
 import pytest
+import torch
 
 import apt_model.optimization.vb_global as vb
 from apt_model.memory.interrupts import MAX_HOLD_S
@@ -183,3 +184,93 @@ def test_signals_at_random_points_of_paged_training_leave_a_state_that_trains_on
     popt.load_state_dict(state["opt"])
     assert [one_step(plain, popt, b) for b in data[:2]] == on
     assert_same(on_state, snapshot(plain, popt))
+
+
+def test_a_wait_returns_the_result_of_a_job_that_ends_as_a_slice_does():
+    """The wait runs in slices; a job ending between a slice's timeout and the check after it was
+    taken for a failed one (a bare ``TimeoutError`` for a read that worked)."""
+    class EndsAsTheSliceDoes(Future):
+        def result(self, timeout=None):
+            if not self.done():
+                self.set_result("bytes read")
+                raise TimeoutError()
+            return super().result(timeout)
+
+    assert wait_future(EndsAsTheSliceDoes(), "a read") == "bytes read"
+
+
+def test_a_held_back_signal_is_run_on_the_main_thread_only(stack_on):
+    """Another thread's I/O wait is no cancellation point for the main thread's signal: its
+    handler ran there, the main thread never saw the interrupt."""
+    lock = TimedLock("test")
+    ran_on = []
+
+    def handler(signum, frame):
+        ran_on.append(threading.current_thread().name)
+        raise Alarm("main")
+
+    signal.signal(SIG, handler)
+    slow = Future()
+    waiter = threading.Thread(target=lambda: wait_future(slow, "a read on another thread"), name="other-wait")
+    waiter.start()
+    try:
+        with pytest.raises(Alarm):
+            with lock:
+                _send()
+                time.sleep(0.3)  # held back: the other thread's wait slices pass meanwhile
+            time.sleep(1.0)
+    finally:
+        slow.set_result(None)
+        waiter.join()
+    assert ran_on == ["MainThread"]
+
+
+def test_every_signal_held_back_reaches_its_handler(stack_on):
+    """Signals arriving while one is held back were taken for the hold's own re-sends: five sent
+    inside a lock ran the handler once."""
+    lock = TimedLock("test")
+    calls = []
+    signal.signal(SIG, lambda signum, frame: calls.append(signum))
+    with lock:
+        for _ in range(5):
+            _send()
+            time.sleep(0.03)
+    time.sleep(0.3)
+    assert len(calls) == 5, calls
+
+
+def test_an_event_loops_signal_callback_runs_once(stack_on):
+    """asyncio's handler only wakes the loop through the wakeup fd, which every re-send of a
+    held-back signal wrote to: its callback ran once per re-send (39 times for one signal)."""
+    import asyncio
+
+    lock = TimedLock("test")
+    calls = []
+
+    async def main():
+        asyncio.get_running_loop().add_signal_handler(SIG, lambda: calls.append(1))
+        with lock:
+            _send()
+            time.sleep(0.2)
+        await asyncio.sleep(0.3)
+
+    asyncio.run(main())
+    assert calls == [1]
+
+
+def test_the_step_of_an_optimizer_that_pages_nothing_is_not_held(stack_on):
+    """Only a paged optimizer's step holds signals back: the shield once covered torch's step
+    wrapper, shared by every optimizer (Ctrl-C waited 1.5 s for a plain optimizer's slow hook)."""
+    m = mlp()
+    opt = adamw(m)
+    m.to("cpu")
+    one_step(m, opt, batches(1)[0])  # a paged step ran
+    lone = torch.nn.Parameter(torch.ones(4))
+    plain = torch.optim.SGD([lone], lr=0.1)
+    plain.register_step_pre_hook(lambda *a: time.sleep(1.5))
+    lone.sum().backward()
+    threading.Timer(0.1, _send).start()
+    t0 = time.monotonic()
+    with pytest.raises(Alarm):
+        plain.step()
+    assert time.monotonic() - t0 < 1.0

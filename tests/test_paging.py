@@ -2039,3 +2039,40 @@ def test_parameters_sharing_one_storage_stay_resident_and_train_like_plain(tmp_p
     assert got[0] == plain[0]
     assert all(torch.equal(a, b) for a, b in zip(got[1], plain[1]))
     assert "w1 (" in caplog.text and "other tensors share their memory" in caplog.text, caplog.text
+
+
+def test_classic_spectral_norm_weights_are_paged(tmp_path, caplog, cpu_device):
+    """``torch.nn.utils.spectral_norm`` leaves ``module.weight`` an alias of ``weight_orig`` until
+    its pre-hook first replaces it (from ``weight_orig`` alone): counted as another holder, every
+    spectrally normalized weight stayed resident (a reviewer's SNGAN discriminator was not paged).
+    It is paged, and trains bitwise like plain PyTorch."""
+    from torch.nn.utils import spectral_norm
+
+    def run(switch):
+        torch.manual_seed(0)
+        m = nn.Sequential(spectral_norm(nn.Linear(16, 32)), nn.LeakyReLU(), spectral_norm(nn.Linear(32, 1)))
+        opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+        if switch:
+            vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+        try:
+            m.to("cpu")
+            gen = torch.Generator().manual_seed(3)
+            losses = []
+            for _ in range(3):
+                opt.zero_grad()
+                loss = m(torch.randn(8, 16, generator=gen)).mean()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            paged = vb.get_report()["memory"]["paging"]["pager"]["bytes_in"] if switch else None
+            return losses, [p.detach().clone() for p in m.parameters()], paged
+        finally:
+            if switch:
+                vb.disable()
+
+    plain = run(False)
+    with caplog.at_level("WARNING"):
+        got = run(True)
+    assert "share their memory" not in caplog.text, caplog.text
+    assert got[2] > 0
+    assert got[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(got[1], plain[1]))

@@ -32,7 +32,7 @@ log = get_logger(__name__)
 _cache: dict[tuple, dict] = {}
 #: The smallest disk probe worth timing (bytes): below this the disk is reported as not measured.
 MIN_PROBE_BYTES = 256 * 1024
-_lock = TimedLock("bandwidth probe")
+_lock = TimedLock("bandwidth probe", holds_back_signals=False)  # held for seconds; guards no page
 
 
 def _median_time(fn, reps: int = 3) -> float:

@@ -97,8 +97,8 @@ def wait_future(fut: Future, what: str, queues: str = "") -> Any:
         try:
             return fut.result(timeout=max(0.0, min(SLICE_S, deadline - time.monotonic())))
         except TimeoutError:
-            if fut.done():  # the job itself raised a TimeoutError (an OSError with ETIMEDOUT): re-raise it
-                raise
+            if fut.done():  # it ended as the slice did (or itself raised a TimeoutError: re-raised)
+                return fut.result()
         deliver_held_back()
         if time.monotonic() >= deadline:
             raise timeout_error(
@@ -123,20 +123,23 @@ class TimedLock(_thread.RLock):
     * ``__enter__`` gives back what it took when interrupted after the acquire: the ``with`` block
       never runs then, so ``__exit__`` never would. Holds of an outer ``with`` of the same thread
       are kept.
-    * Once ``enable()`` built a memory stack, a signal's handler is held back while the training
-      thread holds any TimedLock (:mod:`~apt_model.memory.interrupts`): the two points above
+    * Once ``enable()`` built a memory stack, a signal's handler is held back while the main
+      thread holds a TimedLock (:mod:`~apt_model.memory.interrupts`): the two points above
       matter only where it is not installed, or after its longest hold.
 
     Args:
         name: what the lock protects, for the error (``"pager (level 0)"``).
+        holds_back_signals: whether signals wait while the main thread holds it (False for a lock
+            that guards no paging state and may be held for seconds: the bandwidth probe's).
 
     Raises:
         SwapTimeoutError: (on ``__enter__``) the lock was not free within the limit.
     """
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, holds_back_signals: bool = True):
         self.name = name
-        track_lock(self)  # a signal's handler is held back while the training thread holds it
+        if holds_back_signals:  # a signal's handler is held back while the main thread holds it
+            track_lock(self)
 
     def __enter__(self) -> "TimedLock":
         before = self.holds()

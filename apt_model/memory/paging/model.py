@@ -143,6 +143,7 @@ class PagedModel:
     def install(self, patches) -> None:
         pager = self.session.pager
         seen: dict[int, Page | None] = {}
+        known = _recomputed_aliases(self.model)
         for mname, module in self.model.named_modules():
             pages, slots = [], {}
             for pname, p in module.named_parameters(recurse=False):
@@ -159,7 +160,7 @@ class PagedModel:
                         if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
                             with torch.no_grad():
                                 p.data = p.data.clone()
-                        holders = other_holders(p)
+                        holders = other_holders(p) - known.get(id(p), 0)
                         if holders:  # freed in place, its storage would be freed under them: stays resident
                             self.shared[label] = (holders, p.untyped_storage().data_ptr(), tensor_nbytes(p))
                         else:
@@ -409,3 +410,25 @@ class PagedModel:
             page = self.session.param_pages.get(id(p))
             states[self.names[id(p)]] = page.state.value if page else State.RESIDENT.value
         return states
+
+
+def _recomputed_aliases(model: nn.Module) -> dict[int, int]:
+    """``{id(parameter): n}``: aliases of a parameter's storage that are safe to page under,
+    because nothing reads them before they are replaced. The classic
+    ``torch.nn.utils.spectral_norm`` leaves ``module.weight = weight_orig.data`` (a plain
+    attribute) until its forward pre-hook first sets it to the normalized weight, computed from
+    ``weight_orig`` alone; counted as another holder, it kept every spectrally normalized weight
+    resident (a probe's SNGAN discriminator was not paged at all)."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
+    found: dict[int, int] = {}
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if not isinstance(hook, SpectralNorm):
+                continue
+            orig = module._parameters.get(hook.name + "_orig")
+            alias = module.__dict__.get(hook.name)
+            if (orig is not None and isinstance(alias, torch.Tensor)
+                    and alias.untyped_storage().data_ptr() == orig.untyped_storage().data_ptr()):
+                found[id(orig)] = found.get(id(orig), 0) + 1
+    return found

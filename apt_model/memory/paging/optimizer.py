@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from apt_model.base.errors import VBError
 from apt_model.base.log import get_logger
-from apt_model.memory.interrupts import shielded
+from apt_model.memory.interrupts import hold, let_go, shielded
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.swap import PagingRecoveryError
 
@@ -361,12 +361,10 @@ class OptimizerPaging:
         except Exception as err:  # noqa: BLE001 - a failed drop must not fail the step or the teardown
             log.warning("the pre-step copy %s could not be dropped: %s", copy.label, err)
 
+    @shielded  # the paged step is not cut by a signal: one arriving meanwhile waits (interrupts.py)
     def _pre(self, opt, args, kwargs):
         if self._in_step or not self._involves_paging(opt):
             return None
-        # torch's step wrapper (its hooks, ours, the emptied call between them) is not cut by a
-        # signal: one arriving meanwhile is held back until the step returns (interrupts.py)
-        shielded(type(opt).step)
         self._put_back_lists(opt)  # a signal (held back too long) landed between this hook and _post
         self._adopt(opt, self.session.patches)
         self._refuse_duplicates(opt)
@@ -389,6 +387,9 @@ class OptimizerPaging:
         except BaseException:
             self._give_back_own_hooks(opt)
             raise
+        # until _post gives the lists back, across torch's own code, a signal waits (interrupts.py):
+        # left empty, zero_grad() would clear no gradient and state_dict() would raise KeyError
+        hold(("optimizer step", id(opt)))
         self._stash[id(opt)] = [g["params"] for g in opt.param_groups]
         for g in opt.param_groups:
             g["params"] = []  # the step already under way has nothing left to do
@@ -479,11 +480,11 @@ class OptimizerPaging:
         done by :meth:`_post`, or — where an interrupt landed between the two hooks — by the next
         step, ``state_dict()`` or ``load_state_dict()``."""
         saved = self._stash.pop(id(opt), None)
-        if saved is None:
-            return False
-        for g, params in zip(opt.param_groups, saved):
-            g["params"] = params
-        return True
+        if saved is not None:
+            for g, params in zip(opt.param_groups, saved):
+                g["params"] = params
+        let_go(("optimizer step", id(opt)))
+        return saved is not None
 
     def _pages_of(self, opt, p: torch.Tensor) -> tuple[list[Page], list[Page]]:
         """(pages written by ``opt``'s step, pages only read) for parameter ``p``."""

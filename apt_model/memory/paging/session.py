@@ -347,11 +347,7 @@ class PagingSession:
                 "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
         entry = {k: v for k, v in kept.items() if v}
         self.kept.append(entry)
-        total = self._fit_kept()
-        if total >= self.level_budget:
-            log.warning("the training state kept resident (%s) fills the level-0 budget %s: pages get no room "
-                        "and every paged tensor will be loaded over it", format_size(total),
-                        format_size(self.level_budget))
+        self._fit_kept(warn=True)
         return entry
 
     def _keep_shared(self, pm: PagedModel) -> None:
@@ -360,7 +356,7 @@ class PagingSession:
         and say which and why."""
         storages = {key: nbytes for _, key, nbytes in pm.shared.values()}
         pm.kept["parameters sharing memory"] = sum(storages.values())
-        self._fit_kept()
+        self._fit_kept(warn=True)
         names = ", ".join(f"{label} ({holders} other)" for label, (holders, _, _) in pm.shared.items())
         log.warning("paging keeps %d parameter(s) of %s resident (%s, not paged): other tensors share their memory — "
                     "%s — views, .data/.detach() aliases or a state dict the script kept, or the parameters of one "
@@ -372,12 +368,17 @@ class PagingSession:
         """Bytes the paged models' plans keep resident on level 0 now (the next plan has the rest)."""
         return sum(sum(k.values()) for k in self.kept)
 
-    def _fit_kept(self) -> int:
-        """Give the pages the level's budget minus the bytes kept resident; returns those bytes."""
+    def _fit_kept(self, warn: bool = False) -> int:
+        """Give the pages the level's budget minus the bytes kept resident; returns those bytes.
+        With ``warn``, say so when what is kept leaves the pages no room."""
         total = self.kept_total()
         self.pager.kept_bytes = total
         self.pager.level_budget = self.level_budget
         self.pager.budget = max(self.level_budget - total, 0)
+        if warn and total >= self.level_budget:
+            log.warning("the training state kept resident (%s) fills the level-0 budget %s: pages get no room "
+                        "and every paged tensor will be loaded over it", format_size(total),
+                        format_size(self.level_budget))
         return total
 
     # ------------------------------------------------------------------ dropped models

@@ -202,3 +202,17 @@ class PageFaultMode(TorchFunctionMode):
                     page = self.lookup.get(id(b))
                     if page is not None:
                         hit.append(page)
+
+
+def _never_a_frame_of_its_own() -> None:
+    """Dynamo may trace the handler inline (it then records the user's op, see ``compiling()``
+    above) but must never compile it as a frame of its own: called from an eagerly run stretch of
+    a compiled function, the frame was compiled with ``compiling()`` true — the op alone, no fault
+    handling — and recompiled per op until Dynamo's limit (a probe's compiled training step).
+    ``torch._dynamo.eval_frame.skip_code`` (where this torch has it) runs the frame as written."""
+    skip_code = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "skip_code", None)
+    if skip_code is not None:
+        skip_code(PageFaultMode.__torch_function__.__code__)
+
+
+_never_a_frame_of_its_own()

@@ -464,7 +464,7 @@ def _tried(entry: dict) -> str:
     """One rung of the timeline for the eager verdict's reason: ``compile: failed (raised
     InductorError: ...)`` — a failure's own reason, shortened, so ``print_stats`` shows why."""
     text = f"{entry['rung']}: {entry['outcome']}"
-    reason = str(entry.get("reason") or "").splitlines()[0] if entry.get("reason") else ""
+    reason = (str(entry.get("reason") or "").splitlines() or [""])[0]
     if entry["outcome"] == "failed" and reason:
         text += f" ({reason if len(reason) <= 100 else reason[:99] + '…'})"
     return text

@@ -271,8 +271,9 @@ def install(patches) -> bool:
     for signum in signal.valid_signals():
         try:
             current = real_getsignal(signum)
-            if wrap(current) is not current:
-                real_signal(signum, wrap(current))
+            wrapped = wrap(current)
+            if wrapped is not current:
+                real_signal(signum, wrapped)
         except (OSError, ValueError):
             continue
     patches.set_attr(signal, "signal", signal_, label="signal.signal (handlers held back inside the memory stack)")

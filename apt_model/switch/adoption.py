@@ -77,7 +77,6 @@ def model_device(model: nn.Module) -> torch.device | None:
     return None
 
 
-
 def _model_name(model: nn.Module) -> str:
     """The report's name of ``model``: its class, seen through ``torch.compile(model)``'s wrapper
     (``OptimizedModule(TinyLM)``: the name the script knows is ``TinyLM``)."""
@@ -85,6 +84,7 @@ def _model_name(model: nn.Module) -> str:
     if isinstance(inner, nn.Module):
         return f"{type(inner).__name__} (compiled)"
     return type(model).__name__
+
 
 class ProbeBook:
     """The device probes adoption uses, run when a model is adopted and kept for the report.

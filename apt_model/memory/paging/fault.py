@@ -210,9 +210,11 @@ def _never_a_frame_of_its_own() -> None:
     a compiled function, the frame was compiled with ``compiling()`` true — the op alone, no fault
     handling — and recompiled per op until Dynamo's limit (a probe's compiled training step).
     ``torch._dynamo.eval_frame.skip_code`` (where this torch has it) runs the frame as written."""
-    skip_code = getattr(getattr(getattr(torch, "_dynamo", None), "eval_frame", None), "skip_code", None)
-    if skip_code is not None:
-        skip_code(PageFaultMode.__torch_function__.__code__)
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return
+    skip_code(PageFaultMode.__torch_function__.__code__)
 
 
 _never_a_frame_of_its_own()

@@ -8,6 +8,7 @@ those of plain eager PyTorch. ``backend="aot_eager"`` keeps Dynamo's tracing (wh
 Inductor's code generation (minutes on a 2-core CPU, and other rounding).
 """
 import functools
+import inspect
 import types
 
 import pytest
@@ -27,8 +28,8 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
-def _loop(m, opt, how, call=None):
-    """Three training steps, the model called as ``how`` says (or through ``call``); returns the losses."""
+def _loop(m, opt, how, call=None, steps=3):
+    """``steps`` training steps, the model called as ``how`` says (or through ``call``); returns the losses."""
     if call is not None:
         pass
     elif how == "torch.compile(model)":
@@ -45,7 +46,7 @@ def _loop(m, opt, how, call=None):
     step = torch.compile(opt.step, backend="eager") if how == "compiled optimizer.step" else opt.step
     gen = torch.Generator().manual_seed(1)
     losses = []
-    for _ in range(3):
+    for _ in range(steps):
         opt.zero_grad()
         x = torch.randint(0, 256, (4, 32), generator=gen)
         loss = F.cross_entropy(call(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
@@ -522,9 +523,10 @@ def test_a_training_step_compiled_whole_runs_the_paging_code_eagerly(tmp_path, c
     now, as the model and the optimizer's step do: no apt_model code is traced, and the step trains
     bitwise like plain eager PyTorch. Dynamo also compiled the fault handler's ``__torch_function__``
     as a frame of its own (the op alone, without fault handling); it runs as written now."""
+    STEPS = 4
     ref_m, m = model(dropout=0.0), model(dropout=0.0)
     ref_opt, opt = make_opt(ref_m, "adamw"), make_opt(m, "adamw")
-    ref = _loop(ref_m, ref_opt, "eager")
+    ref = _loop(ref_m, ref_opt, "eager", steps=STEPS)
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
     try:
         m.to("cpu")
@@ -538,16 +540,21 @@ def test_a_training_step_compiled_whole_runs_the_paging_code_eagerly(tmp_path, c
             return loss
 
         gen = torch.Generator().manual_seed(1)
-        got = [step(torch.randint(0, 256, (4, 32), generator=gen)).item() for _ in range(3)]
+        got = [step(torch.randint(0, 256, (4, 32), generator=gen)).item() for _ in range(STEPS)]
         got_state = snapshot(m, opt)
         resumed = _apt_model_code_dynamo_resumed()
         from apt_model.memory.paging.fault import PageFaultMode
 
         handler_frames = torch._dynamo.eval_frame._debug_get_cache_entry_list(PageFaultMode.__torch_function__.__code__)
+        body = inspect.unwrap(type(opt).step).__code__
+        body_compiled = len(torch._dynamo.eval_frame._debug_get_cache_entry_list(body))
     finally:
         vb.disable()
     assert resumed == [], resumed
     # nor the fault handler compiled as a frame of its own (the op alone, no fault handling)
     assert handler_frames == [], handler_frames
+    # the optimizer's own step body (its parameters taken out: the streamed step ran) compiles once
+    # with the flag Dynamo sets and once more after; given the user's flag back, it recompiled each step
+    assert body_compiled <= 2, f"{body.co_name} compiled {body_compiled} times in {STEPS} steps"
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), got_state)

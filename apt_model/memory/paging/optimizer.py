@@ -102,20 +102,27 @@ def steps_per_parameter(opt: torch.optim.Optimizer) -> tuple[bool, str]:
 
 class CapturableFlags:
     """The ``capturable`` flag of each param group as the user set it, put back around every
-    paged step.
+    paged step, and the flag Dynamo compiled the emptied step body with, given to that body.
 
-    Dynamo, tracing ``optimizer.step`` (``torch.compile(optimizer.step)``), sets
-    ``capturable=True`` in every param group whose parameters are all on an accelerator — or that
-    has none, which is what the streamed step leaves the real step (its parameters are taken out:
-    see :meth:`PagedOptimizers._pre`) — and writes that back to the real groups after each
-    compiled step. On the CPU torch's optimizers then refuse to step ("If capturable=True, params
-    and state_steps must be on supported devices"), the next eager step and a checkpoint's
-    ``state_dict()`` included. The value a group had when the paging step first saw it (before
-    any traced step body ran) is the user's; it is restored before and after each step.
+    Dynamo, tracing ``optimizer.step`` (``torch.compile(optimizer.step)``, or a training step
+    compiled whole), sets ``capturable=True`` in every param group whose parameters are all on an
+    accelerator — or that has none, which is what the streamed step leaves the real step (its
+    parameters are taken out: see :meth:`PagedOptimizers._pre`) — and writes that back to the real
+    groups after each compiled step. On the CPU torch's optimizers then refuse to step ("If
+    capturable=True, params and state_steps must be on supported devices"), the next eager step and
+    a checkpoint's ``state_dict()`` included. The value a group had when the paging step first saw
+    it (before any traced step body ran) is the user's; it is restored before the streamed step and
+    after the body.
+
+    The body itself, with no parameters left, gets the value Dynamo last wrote
+    (:meth:`for_empty_body`): its compiled code guards on the flag, and given the user's value back
+    each step it recompiled every step up to Dynamo's limit of 8 (until 2026-11-27). An eager body
+    with empty parameter lists reads the flag for no tensor.
     """
 
     def __init__(self):
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {group index: value}
+        self._traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {index: Dynamo's}
 
     def remember(self, opt) -> None:
         """Record the flag of groups not seen before (a group added by ``add_param_group`` too)."""
@@ -124,13 +131,21 @@ class CapturableFlags:
             seen.setdefault(i, g.get("capturable"))
 
     def restore(self, opt) -> None:
-        """Put back the recorded flags that something (Dynamo) changed since."""
+        """Put back the recorded flags that something (Dynamo) changed since, remembering the
+        changed values for :meth:`for_empty_body`."""
         seen = self._seen.get(opt, {})
         for i, g in enumerate(opt.param_groups):
             if i in seen and "capturable" in g and g["capturable"] != seen[i]:
                 log.debug("param group %d: capturable=%s (set by torch.compile) put back to %s", i, g["capturable"],
                           seen[i])
+                self._traced.setdefault(opt, {})[i] = g["capturable"]
                 g["capturable"] = seen[i]
+
+    def for_empty_body(self, opt) -> None:
+        """Give the groups, their parameter lists emptied, the flags Dynamo last set in them."""
+        for i, value in self._traced.get(opt, {}).items():
+            if i < len(opt.param_groups) and not opt.param_groups[i]["params"]:
+                opt.param_groups[i]["capturable"] = value
 
 
 #: Dynamo's graph-break reason at the paged optimizer step.
@@ -393,6 +408,7 @@ class OptimizerPaging:
         self._stash[id(opt)] = [g["params"] for g in opt.param_groups]
         for g in opt.param_groups:
             g["params"] = []  # the step already under way has nothing left to do
+        self.capturable.for_empty_body(opt)  # its compiled code's guard holds: no recompile (CapturableFlags)
         return None
 
     def _refuse_duplicates(self, opt) -> None:

@@ -1600,7 +1600,10 @@ def test_torch_func_transforms_over_a_paged_model(tmp_path):
     """``torch.func.vmap`` over a paged model's forward raised "Cannot access storage of
     BatchedTensorImpl" (the fault handler looked for aliases of its pages in the batched output);
     per-sample gradients (``vmap(grad(functional_call))``, as differential-privacy training takes
-    them) and the forward under ``vmap`` are bitwise those of plain PyTorch now."""
+    them) and the forward under ``vmap`` are bitwise those of plain PyTorch now. And
+    ``functional_call``'s swap of the tensors it is given into the parameter slots, for one call,
+    was taken for model surgery: every parameter was unpaged for good, with a warning each (until
+    2026-11-27)."""
     from torch.func import functional_call, grad, vmap
 
     def run(paged):
@@ -1620,6 +1623,10 @@ def test_torch_func_transforms_over_a_paged_model(tmp_path):
                 return F.cross_entropy(out.reshape(-1, 256), xi.roll(-1, 0))
 
             per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+            functional_call(m, {k: v.clone() for k, v in params.items()}, (x,))
+            if paged:  # the calls' swaps are no surgery: every parameter is still paged (none were after them)
+                report = vb.get_report()["memory"]["paging"]["models"][0]
+                assert report["paged_parameters"] == len(params), report
             return logits, {k: v.clone() for k, v in per_sample.items()}
         finally:
             if paged:
@@ -1888,15 +1895,18 @@ def test_a_model_adopted_later_that_does_not_fit_what_is_left_is_paged_anyway_wi
     assert any("paging Sequential anyway" in r.getMessage() for r in caplog.records)
 
 
-@pytest.mark.parametrize("surgery", ["rewrapped", "weight_norm", "reassigned", "module-rebuilt"])
-def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays_plain(tmp_path, cpu_device,
-                                                                                      surgery, caplog):
+@pytest.mark.parametrize("surgery", ["rewrapped", "weight_norm", "reassigned", "module-rebuilt", "grown"])
+def test_model_surgery_after_paging_lets_the_old_parameters_go_and_pages_the_new(tmp_path, cpu_device, surgery,
+                                                                                caplog):
     """A paged parameter taken out of the model after paging started: re-wrapped over the same
     storage (``nn.Parameter(w)``), replaced by ``weight_norm`` (whose ``original1`` shares the
-    weight's storage), reassigned, or its layer rebuilt around its tensors. The old parameter was still paged: its eviction freed the
-    storage under the new parameter (a segfault at the next optimizer step), it stayed alive for
-    the model's life and was loaded at every forward. It is now brought back and no longer paged,
-    with a warning; the new one stays resident. Bitwise plain PyTorch."""
+    weight's storage), reassigned, or its layer rebuilt around its tensors; or the model grown (a
+    new head, a block appended). The old parameter was still paged: its eviction freed the storage
+    under the new parameter (a segfault at the next optimizer step), it stayed alive for the
+    model's life and was loaded at every forward. It is now brought back and no longer paged, and
+    the parameters put in (which stayed resident, unpaged, until 2026-11-27) are paged at the
+    model's next forward, except where other tensors share their memory (a warning names them).
+    Bitwise plain PyTorch."""
     import gc
     import weakref
 
@@ -1915,10 +1925,14 @@ def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays
         elif surgery == "reassigned":
             with torch.no_grad():
                 fc.weight = nn.Parameter(fc.weight * 0.5)
-        else:  # a layer rebuilt around the old one's tensors (as structured pruning does with slices)
+        elif surgery == "module-rebuilt":  # a layer rebuilt around the old one's tensors (as structured pruning does)
             new = nn.Linear(64, 64)
             new.weight, new.bias = nn.Parameter(fc.weight.data), nn.Parameter(fc.bias.data)
             m[2] = new
+        else:
+            m[4] = nn.Linear(64, 64)
+            m.append(nn.GELU())
+            m.append(nn.Linear(64, 4))
 
     def train(m, opt, steps, seed):
         gen = torch.Generator().manual_seed(seed)
@@ -1937,20 +1951,73 @@ def test_a_parameter_replaced_after_paging_is_no_longer_paged_and_training_stays
     try:
         m = build().to("cpu")
         train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), 2, 1)
-        old = weakref.ref(m[2] if surgery == "module-rebuilt" else m[2].weight)
+        old = weakref.ref(m[2] if surgery == "module-rebuilt" else m[4] if surgery == "grown" else m[2].weight)
         operate(m)
         with caplog.at_level("WARNING", logger="apt_model"):
             train(m, torch.optim.AdamW(m.parameters(), lr=1e-2), 3, 2)
         got = {k: v.detach().clone() for k, v in m.state_dict().items()}
         gc.collect()
-        if surgery in ("reassigned", "module-rebuilt"):
+        if surgery in ("reassigned", "module-rebuilt", "grown"):
             assert old() is None  # nothing of the switch keeps the replaced parameter or module alive
+        paged = vb.get_report()["memory"]["paging"]["models"][0]["paged_parameters"]
     finally:
         vb.disable()
-    assert any("was replaced or removed after the model was paged" in r.getMessage()
-               or "left the model after it was paged" in r.getMessage() for r in caplog.records)
+    kept = sum(int(r.getMessage().split("paging keeps ")[1].split()[0]) for r in caplog.records
+               if r.getMessage().startswith("paging keeps "))
+    assert paged + kept == len(list(m.parameters())), (paged, kept)
+    if surgery in ("reassigned", "grown"):
+        assert kept == 0  # new storage: every parameter is paged
     for k, v in ref.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_parameters_added_where_the_plan_keeps_parameters_resident_count_against_the_budget(tmp_path, cpu_device):
+    """A plan that keeps the parameters resident (paging gradients and states) counts what it
+    keeps against level 0: a head the script replaces and a layer it appends after adoption change
+    that count (the old head's bytes out, the new ones in), and their gradients are paged like the
+    rest. Bitwise plain PyTorch."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+    def grow(m):
+        m[4] = nn.Linear(64, 64)
+        m.append(nn.GELU())
+        m.append(nn.Linear(64, 4))
+        return list(m[4].parameters()) + list(m[6].parameters())
+
+    def train(m, opt, steps, gen):
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            opt.step()
+
+    def run(m):
+        gen = torch.Generator().manual_seed(1)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        train(m, opt, 2, gen)
+        opt.add_param_group({"params": grow(m)})
+        train(m, opt, 2, gen)
+        return opt
+
+    ref = build()
+    ref_opt = run(ref)
+    vb.enable("memory", swap_dir=str(tmp_path), device_budget="60KB", attention="off", mixed_precision="off",
+              banner=False)
+    try:
+        m = build().to("cpu")
+        before = m[4].weight.numel() + m[4].bias.numel()
+        opt = run(m)
+        paging = vb.get_report()["memory"]["paging"]
+        grads = paging["pager"]["categories"]["grad"]["pages"]
+        state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    n = sum(p.numel() for p in m.parameters())
+    assert paging["kept_resident"] == [{"parameters": 4 * n}], (paging["kept_resident"], 4 * n, 4 * before)
+    assert grads == len(list(m.parameters())) + 2, grads  # the old head's too: the optimizer still holds it
+    assert_same(state, snapshot(ref, ref_opt))
 
 
 def test_adafactor_pages_and_stays_bitwise(tmp_path, cpu_device):

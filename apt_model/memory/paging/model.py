@@ -141,53 +141,144 @@ class PagedModel:
 
     # ------------------------------------------------------------------ setup
     def install(self, patches) -> None:
-        pager = self.session.pager
-        seen: dict[int, Page | None] = {}
-        known = _recomputed_aliases(self.model)
-        for mname, module in self.model.named_modules():
-            pages, slots = [], {}
-            for pname, p in module.named_parameters(recurse=False):
-                if id(p) in self.session.params:
-                    # adopted with a model paged before (a wrapper around it, a LoRA-injected
-                    # layer's base weight): that model's hooks, on these same modules, page it
-                    continue
-                if id(p) not in seen:
-                    label = f"{mname}.{pname}" if mname else pname
-                    self.params.append(p)
-                    self.names[id(p)] = label
-                    page = None
-                    if self.page_params:
-                        if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
-                            with torch.no_grad():
-                                p.data = p.data.clone()
-                        holders = other_holders(p) - known.get(id(p), 0)
-                        if holders:  # freed in place, its storage would be freed under them: stays resident
-                            self.shared[label] = (holders, p.untyped_storage().data_ptr(), tensor_nbytes(p))
-                        else:
-                            page = pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
-                            self.session.param_pages[id(p)] = page
-                    seen[id(p)] = page
-                if seen[id(p)] is not None:
-                    pages.append(seen[id(p)])
-                    slots[pname] = id(p)
-            if pages:
-                unit = Unit(mname, module, pages)
-                unit.slots = slots
-                self.units.append(unit)
-                patches.add_handle(module.register_forward_pre_hook(SessionHook(lambda m, a, u=unit: self._pre(u))),
-                                   f"paging pre-hook {mname}")
-                patches.add_handle(module.register_forward_hook(SessionHook(lambda m, a, o, u=unit: self._post(u, o)),
-                                                                always_call=True), f"paging hook {mname}")
+        self._patches = patches
+        self._hooked: set[int] = set()
+        self._declined: dict[int, weakref.ref] = {}  # id(p) -> p: a parameter added later, left resident
+        self._registrations = self.session.registrations
+        adopted = self._adopt_modules(self.model.named_modules(), _recomputed_aliases(self.model), seen={})
         patches.add_handle(self.model.register_forward_pre_hook(SessionHook(lambda m, a: self._root_pre())),
                            "paging root pre-hook")
         patches.add_handle(self.model.register_forward_hook(SessionHook(lambda m, a, o: self._root_post()), always_call=True),
                            "paging root hook")
-        self._patches = patches
-        self._hooked: set[int] = set()
         self._hook_trainable()
         # evict everything now: the model's state leaves memory at adoption
-        pager.evict_now(self.session.param_pages[id(p)] for p in self.params if id(p) in self.session.param_pages)
+        self._evict(adopted)
+
+    def _evict(self, params: list[nn.Parameter]) -> None:
+        pager = self.session.pager
+        pager.evict_now(self.session.param_pages[id(p)] for p in params if id(p) in self.session.param_pages)
         pager.flush()
+
+    def _adopt_modules(self, named_modules, known: dict[int, int], seen: dict[int, Page | None],
+                       late: bool = False) -> list[nn.Parameter]:
+        """Page the parameters of ``named_modules`` not paged yet; returns them.
+
+        A module that owns a paged parameter becomes a :class:`Unit` (or, already one, gets the
+        new pages). ``seen`` maps the ids of this model's parameters handled so far to their page
+        (None: resident), so a tied parameter is paged once and acquired by every module that owns
+        it; a parameter another paged model adopted first is left to that model's hooks (a
+        wrapper around it, a LoRA-injected layer's base weight). ``known``: storage aliases that
+        are safe to page under (:func:`_recomputed_aliases`). ``late``: after adoption (only
+        ``nn.Parameter`` objects count as added then)."""
+        adopted = []
+        units = {id(u.module): u for u in self.units}
+        for mname, module in named_modules:
+            unit = units.get(id(module))
+            slots = unit.slots if unit is not None else {}
+            pages, new_slots = [], {}
+            for pname, p in module.named_parameters(recurse=False):
+                if slots.get(pname) == id(p) or late and not isinstance(p, nn.Parameter):
+                    continue  # a tensor swapped in for one call (functional_call) was not added
+                if id(p) not in seen:
+                    if id(p) in self.session.params or self._was_declined(p):
+                        continue
+                    why = self._cannot_page(p)
+                    if why:
+                        self._declined[id(p)] = weakref.ref(p)
+                        log.warning("paging: %s.%s was added to the model after it was paged but %s: it stays "
+                                    "resident, not paged", mname or "(root)", pname, why)
+                        continue
+                    seen[id(p)] = self._adopt_param(p, f"{mname}.{pname}" if mname else pname, known)
+                    adopted.append(p)
+                if seen[id(p)] is not None:
+                    pages.append(seen[id(p)])
+                    new_slots[pname] = id(p)
+            if not pages:
+                continue
+            if unit is None:
+                unit = Unit(mname, module, pages)
+                unit.slots = new_slots
+                self._hook_unit(unit)
+                self.units.append(unit)
+                units[id(module)] = unit
+            else:
+                unit.pages = unit.pages + pages
+                unit.slots.update(new_slots)
+        return adopted
+
+    def _was_declined(self, p: nn.Parameter) -> bool:
+        ref = self._declined.get(id(p))
+        return ref is not None and ref() is p
+
+    def _cannot_page(self, p: nn.Parameter) -> str:
+        """Why a parameter added after adoption cannot be paged ('' if it can)."""
+        if p.is_meta:
+            return "it is on the meta device (no data)"
+        device = self.session.pager.device
+        if p.device.type != device.type or (device.index is not None and p.device.index != device.index):
+            return f"it is on {p.device}, not on the paged device {device}"
+        return ""
+
+    def _adopt_param(self, p: nn.Parameter, label: str, known: dict[int, int]) -> Page | None:
+        """Register ``p`` with the model (and the session) and, where the plan pages parameters
+        and nothing else holds its storage, give it a page; returns the page (None: resident)."""
+        self.params.append(p)
+        self.names[id(p)] = label
+        self.session.add_param(p, label)
+        if not self.page_params:
+            return None
+        if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
+            with torch.no_grad():
+                p.data = p.data.clone()
+        holders = other_holders(p) - known.get(id(p), 0)
+        if holders:  # freed in place, its storage would be freed under them: stays resident
+            self.shared[label] = (holders, p.untyped_storage().data_ptr(), tensor_nbytes(p))
+            return None
+        page = self.session.pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
+        self.session.param_pages[id(p)] = page
+        return page
+
+    def _hook_unit(self, unit: Unit) -> None:
+        """The forward hooks that acquire and release ``unit``'s pages, and the ``load_state_dict``
+        hooks that load into them."""
+        patches, module, name = self._patches, unit.module, unit.name
+        patches.add_handle(module.register_forward_pre_hook(SessionHook(lambda m, a, u=unit: self._pre(u))),
+                           f"paging pre-hook {name}")
+        patches.add_handle(module.register_forward_hook(SessionHook(lambda m, a, o, u=unit: self._post(u, o)),
+                                                        always_call=True), f"paging hook {name}")
+        pager = self.session.pager
+        patches.add_handle(module.register_load_state_dict_pre_hook(
+            SessionHook(lambda *a, u=unit: pager.acquire(u.pages, for_write=True))), f"paging load pre-hook {name}")
+        patches.add_handle(module.register_load_state_dict_post_hook(
+            SessionHook(lambda m, keys, u=unit: pager.release(u.pages, evict=True))), f"paging load post-hook {name}")
+
+    def _adopt_new(self, model: nn.Module) -> None:
+        """Page the parameters the script added to the model since it was paged (a new head, a
+        block appended, a parameter reassigned, a parametrization's originals), as adoption would
+        have; the execution order is learned again at the next forward."""
+        before = len(self.shared)
+        present = {id(p) for p in model.parameters()}
+        left = [p for p in self.params if id(p) not in present]  # resident by the plan (paged ones: _unregister)
+        if left:
+            self.params = [p for p in self.params if id(p) in present]
+            for p in left:
+                self.shared.pop(self.names.get(id(p)), None)
+        seen = {id(p): self.session.param_pages.get(id(p)) for p in self.params}
+        adopted = self._adopt_modules(model.named_modules(), _recomputed_aliases(model), seen, late=True)
+        if not adopted and not left:
+            return
+        if adopted:
+            log.info("paging: %d parameter(s) added to %s after it was paged are %s now (%s)", len(adopted),
+                     type(model).__name__, "paged" if self.page_params else "adopted (kept resident by its plan)",
+                     ", ".join(self.names[id(p)] for p in adopted))
+        self.session.model_grew(self, model, new_shared=list(self.shared)[before:])
+        if not adopted:
+            return
+        self._hook_trainable()
+        self._evict(adopted)
+        self.order, self._recording = [], True  # learned again: the new units have no place in it yet
+        for u in self.units:
+            u.position = None
 
     def _hook_trainable(self) -> None:
         """Register the gradient hooks of every trainable parameter that has none yet (hooks can
@@ -240,23 +331,32 @@ class PagedModel:
                 u.position = i
 
     def _check_slots(self) -> None:
-        """Find paged parameters the script took out of the model since the last forward: taken
-        out of their module (``fc.weight = nn.Parameter(...)``, ``del fc.weight``, a parametrization
-        such as ``weight_norm``, whose new parameters may share the old one's storage), or whose
-        module left the model (``model.head = nn.Linear(...)``, ``del model.blocks[1]``, a pruned
-        layer rebuilt around a slice of the old weight). Each is brought back into memory and no
-        longer paged (see :meth:`_unregister`), and a module that left lets go of its unit. Cost per
-        forward: a dict lookup per paged parameter and per level of each unit's path; the model is
-        walked only when a path changed."""
+        """Follow the surgery the script did on the model since the last forward.
+
+        Paged parameters taken out of the model — out of their module (``fc.weight =
+        nn.Parameter(...)``, ``del fc.weight``, a parametrization such as ``weight_norm``, whose new
+        parameters may share the old one's storage), or with a module that left the model
+        (``model.head = nn.Linear(...)``, ``del model.blocks[1]``, a pruned layer rebuilt around a
+        slice of the old weight) — are brought back into memory and no longer paged (see
+        :meth:`_unregister`); a module that left lets go of its unit. Parameters added to the model
+        are paged (:meth:`_adopt_new`). Cost per forward: a dict lookup per paged parameter and per
+        level of each unit's path; the model is walked only when a path changed, a paged
+        parameter left, or a module or parameter was registered anywhere since the last walk
+        (torch's global registration hooks count them: ``PagingSession.registrations``)."""
         model = self.model
-        if model is None:
+        if model is None or self.session.reparametrized:  # functional_call's swap, undone after the call
             return
-        if any(not self._on_path(model, u) for u in self.units):
+        moved = any(not self._on_path(model, u) for u in self.units)
+        if moved:
             self._drop_detached(model)
         gone = [(unit, pname, pid) for unit in self.units for pname, pid in unit.slots.items()
                 if id(unit.module._parameters.get(pname)) != pid]
         for unit, pname, pid in gone:
             self._unregister(unit, pname, pid)
+        registrations = self.session.registrations
+        if moved or gone or registrations != self._registrations:
+            self._registrations = registrations
+            self._adopt_new(model)
 
     @staticmethod
     def _on_path(model: nn.Module, unit: Unit) -> bool:
@@ -293,7 +393,7 @@ class PagedModel:
         its storage at its next eviction, under whatever shares it now (a new ``nn.Parameter`` made
         over it: a crash), and keep it alive for the model's life; so, unless another module still
         holds it (a tied weight), its bytes come back into memory and its page goes. The parameter
-        that took its place is not paged (it stays resident): a warning says so."""
+        that took its place is paged by :meth:`_adopt_new`, in the same check."""
         del unit.slots[pname]
         label = f"{unit.name}.{pname}" if unit.name else pname
         if any(pid in u.slots.values() for u in self.units):
@@ -309,16 +409,11 @@ class PagedModel:
                 u.learned = [pg for pg in u.learned if pg is not page]
         self.params = [p for p in self.params if id(p) != pid]
         if module_left:
-            log.warning("paging: module %s left the model after it was paged: its parameter %s is no longer "
-                        "paged (its bytes are back in memory); a module put in its place is not paged (it stays "
-                        "resident): change a model before enable() or its first move, or call vb.disable() and "
-                        "enable() again", unit.name or "(root)", pname)
+            log.info("paging: module %s left the model after it was paged: its parameter %s is no longer paged "
+                     "(its bytes are back in memory)", unit.name or "(root)", pname)
             return
-        new = unit.module._parameters.get(pname)
-        log.warning("paging: %s was replaced or removed after the model was paged: the old parameter is no "
-                    "longer paged (its bytes are back in memory)%s. Change a model before enable() or its "
-                    "first move, or call vb.disable() and enable() again, to page the new one", label,
-                    "; the new one stays resident, not paged" if new is not None else "")
+        log.info("paging: %s was replaced or removed after the model was paged: the old parameter is no longer "
+                 "paged (its bytes are back in memory)", label)
 
     def _pre(self, unit: Unit) -> None:
         if self._recording and id(unit) not in self._seen_this_pass:

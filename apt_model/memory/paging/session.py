@@ -10,6 +10,7 @@ still restored and ``disable()`` raises the
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -150,6 +151,10 @@ class PagingSession:
         self._grad_calls = 0  # torch.autograd.grad calls under way (they accumulate into no gradient)
         self._backward_calls = 0  # torch.autograd.backward calls under way (they do)
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
+        # modules and parameters registered anywhere since paging began (torch's global registration
+        # hooks): a paged model walks itself for ones added to it when this changed (PagedModel._check_slots)
+        self.registrations = 0
+        self.reparametrized = 0  # torch.func.functional_call calls under way (their swaps are no surgery)
         self.forward_depth = 0  # > 0 while a paged model's forward runs
         self.uncovered_accesses = 0  # ops in a forward on a paged tensor no module hook had pinned
         self._lock = TimedLock("paging session")
@@ -164,6 +169,13 @@ class PagingSession:
         import torch.nn.utils.clip_grad as clip_mod
 
         self.optimizers.install(self.patches)
+        from torch.nn.modules.module import (register_module_module_registration_hook,
+                                             register_module_parameter_registration_hook)
+
+        for register, what in ((register_module_module_registration_hook, "module"),
+                               (register_module_parameter_registration_hook, "parameter")):
+            self.patches.add_handle(register(self._registered), f"global {what} registration hook")
+        self._patch_reparametrize()
         norm = make_clip_grad_norm(clip_mod.clip_grad_norm_, self.grad_page, self._acquire_one, self._release_one,
                                    self.pager.defer_scale)
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
@@ -266,6 +278,38 @@ class PagingSession:
         self.patches.set_attr(torch.autograd, "backward", backward, label="torch.autograd.backward")
         self.patches.set_attr(torch.autograd, "grad", grad, label="torch.autograd.grad")
 
+    def _patch_reparametrize(self) -> None:
+        """``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) swap the tensors it is
+        given into the module's parameter slots for one call and put the parameters back after.
+        Inside it a paged model's forward must not take the swap for model surgery: until
+        2026-11-27 every paged parameter was let go (unpaged for good, with a warning each) by the
+        first ``functional_call`` over the model. Counted in :attr:`reparametrized`; where torch
+        lacks the private context manager, :meth:`PagedModel._adopt_modules` still adopts only
+        ``nn.Parameter`` objects."""
+        from torch.nn.utils import stateless
+
+        real = getattr(stateless, "_reparametrize_module", None)
+        if real is None:
+            log.debug("torch.nn.utils.stateless._reparametrize_module not found: functional_call is not followed")
+            return
+
+        @functools.wraps(real)
+        @contextlib.contextmanager
+        def _reparametrize_module(*args, **kwargs):
+            self.reparametrized += 1
+            try:
+                with real(*args, **kwargs):
+                    yield
+            finally:
+                self.reparametrized -= 1
+
+        self.patches.set_attr(stateless, "_reparametrize_module", _reparametrize_module,
+                              label="torch.nn.utils.stateless._reparametrize_module")
+
+    def _registered(self, *args) -> None:
+        """Torch's global module / parameter registration hook: count (the registration stands)."""
+        self.registrations += 1
+
     def _noting_clip(self, fn):
         """``fn`` (a clip function) telling the step in backward that the loop clips."""
         @functools.wraps(fn)
@@ -273,6 +317,12 @@ class PagingSession:
             self.backward_step.clip_called()
             return fn(*args, **kwargs)
         return clip
+
+    def owns_all(self, model: nn.Module) -> bool:
+        """Whether every parameter of ``model`` (it has some) is already a paged model's: a module
+        the script added to a paged model, which that model's forward adopted (``PagedModel._adopt_new``)."""
+        ids = [id(p) for p in model.parameters()]
+        return bool(ids) and all(i in self.params for i in ids)
 
     def page_model(self, model: nn.Module, page_params: bool, page_grads: bool,
                    state_factor: float = 2.0) -> PagedModel:
@@ -286,16 +336,13 @@ class PagingSession:
         """
         self.retire_dead()
         pm = PagedModel(self, model, page_params, page_grads)
+        pm.state_factor = state_factor
         pm.kept = self._keep_resident(model, page_params, page_grads, state_factor)
         pm.install(self.patches)
         if pm.shared:
-            self._keep_shared(pm)
+            self._keep_shared(pm, list(pm.shared))
         backward_hooks.wrap_existing(model, self.patches)  # hooks registered before paging
         compiled.add_model(model, self.patches)  # runs eagerly under torch.compile
-        for p in pm.params:
-            self.params[id(p)] = p
-            self.labels[id(p)] = pm.names[id(p)]
-            self._on_death(p, self._param_died, id(p))
         self.models = self.models + [pm]
         self._on_death(model, self._model_died, pm)
         # state_dict() detaches every parameter; for paged ones the post-hook swaps in materialized
@@ -305,16 +352,26 @@ class PagingSession:
                                 "paging state_dict pre-hook")
         self.patches.add_handle(model.register_state_dict_post_hook(SessionHook(lambda *a: self._state_dict_hook(*a))),
                                 "paging state_dict hook")
-        for unit in pm.units:
-            self.patches.add_handle(unit.module.register_load_state_dict_pre_hook(
-                SessionHook(lambda *a, u=unit: self.pager.acquire(u.pages, for_write=True))),
-                f"paging load pre-hook {unit.name}")
-            self.patches.add_handle(unit.module.register_load_state_dict_post_hook(
-                SessionHook(lambda m, keys, u=unit: self.pager.release(u.pages, evict=True))),
-                f"paging load post-hook {unit.name}")
         if self.host_rss.start is None:
             self.host_rss.begin()  # the first model is paged out (and trimmed): growth counts from here
         return pm
+
+    def add_param(self, p: nn.Parameter, label: str) -> None:
+        """Know ``p`` as a paged model's parameter (paged or kept resident by the plan)."""
+        self.params[id(p)] = p
+        self.labels[id(p)] = label
+        self._on_death(p, self._param_died, id(p))
+
+    def model_grew(self, pm: PagedModel, model: nn.Module, new_shared: list[str]) -> None:
+        """``pm`` adopted parameters the script added to ``model`` after it was paged: count what
+        its plan keeps resident again (the parameters, gradients or states it does not page, and
+        the added parameters that share memory: ``new_shared`` names them), and wrap and register
+        the new modules as adoption does."""
+        pm.kept.clear()
+        pm.kept.update(self._kept_entry(pm.params, pm.page_params, pm.page_grads, pm.state_factor))
+        self._keep_shared(pm, new_shared)
+        backward_hooks.wrap_existing(model, self.patches)
+        compiled.add_model(model, self.patches)
 
     def step_on_host(self, model: nn.Module, exact: bool) -> None:
         """Step ``model``'s parameters on the host from now on (see :mod:`~apt_model.memory.paging.host_step`);
@@ -339,30 +396,41 @@ class PagingSession:
             pool.shrink(need)
 
     def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> dict:
-        """Count what ``model``'s plan keeps resident against level 0; returns its entry in ``kept``."""
-        from apt_model.memory.placement import model_state_sizes
-
-        p_bytes, t_bytes = model_state_sizes(model)
-        kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
-                "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
-        entry = {k: v for k, v in kept.items() if v}
+        """Count what ``model``'s plan keeps resident against level 0 — of its parameters no paged
+        model adopted before (a wrapper's inner model keeps its own) — and return its entry in
+        ``kept``."""
+        own = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in self.params]
+        entry = self._kept_entry(own, page_params, page_grads, state_factor)
         self.kept.append(entry)
         self._fit_kept(warn=True)
         return entry
 
-    def _keep_shared(self, pm: PagedModel) -> None:
+    def _kept_entry(self, params: list[nn.Parameter], page_params: bool, page_grads: bool, state_factor: float) -> dict:
+        """What a plan keeps resident of ``params`` (each listed once): ``{category: bytes}``, the
+        categories with none left out."""
+        p_bytes = sum(p.numel() * p.element_size() for p in params)
+        t_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
+                "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
+        return {k: v for k, v in kept.items() if v}
+
+    def _keep_shared(self, pm: PagedModel, labels: list[str]) -> None:
         """Count the parameters ``pm`` could not page — their storage is held by other tensors too
         (see :func:`~apt_model.memory.pages.other_holders`) — as kept resident, each storage once,
-        and say which and why."""
+        and say which (``labels``: those not said before) and why."""
         storages = {key: nbytes for _, key, nbytes in pm.shared.values()}
-        pm.kept["parameters sharing memory"] = sum(storages.values())
+        if storages:
+            pm.kept["parameters sharing memory"] = sum(storages.values())
         self._fit_kept(warn=True)
-        names = ", ".join(f"{label} ({holders} other)" for label, (holders, _, _) in pm.shared.items())
+        if not labels:
+            return
+        names = ", ".join(f"{label} ({pm.shared[label][0]} other)" for label in labels)
         log.warning("paging keeps %d parameter(s) of %s resident (%s, not paged): other tensors share their memory — "
                     "%s — views, .data/.detach() aliases or a state dict the script kept, or the parameters of one "
                     "flat buffer; paging frees a tensor's memory in place, which those would then read. Drop such "
-                    "references before the model is adopted to have them paged",
-                    len(pm.shared), type(pm.model).__name__, format_size(sum(storages.values())), names)
+                    "references before the model is adopted (or added to it) to have them paged",
+                    len(labels), type(pm.model).__name__,
+                    format_size(sum({pm.shared[label][1]: pm.shared[label][2] for label in labels}.values())), names)
 
     def kept_total(self) -> int:
         """Bytes the paged models' plans keep resident on level 0 now (the next plan has the rest)."""

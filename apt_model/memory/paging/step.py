@@ -3,7 +3,9 @@
 Decision (per adopted model): ``paging=off`` or no memory stack: ``off``; an earlier step's fact
 ``paging_blocked`` (data parallelism reads the storage paging frees): ``off`` with that reason;
 ``off`` too for a model that produces sparse gradients (:func:`sparse_gradient_sources`: paging
-pages dense tensors only; with ``paging=always`` a warning says so);
+pages dense tensors only; with ``paging=always`` a warning says so), and for a module whose
+parameters a paged model pages already (one the script added to that model: its forward adopted
+them);
 otherwise the placement plan (:func:`~apt_model.memory.placement.plan_placement`) compares the
 model's training state with the stack's compute budget — ``resident`` when it fits (unless
 ``paging=always``), else ``paged`` with what stays resident and why, using the levels' measured
@@ -65,6 +67,9 @@ class PagingStep(FeatureStep):
         blocked = ctx.facts.get("paging_blocked")
         if blocked:
             return Decision(self.name, req, "off", blocked)
+        if self.paging is not None and self.paging.owns_all(model):
+            return Decision(self.name, req, "off", "its parameters are paged already, with the paged model the script "
+                            "added it to (or that it wraps)")
         sparse = sparse_gradient_sources(model)
         if sparse:
             reason = (f"the model produces sparse gradients ({'; '.join(sparse[:3])}{' ...' if len(sparse) > 3 else ''}), "

@@ -24,7 +24,7 @@ from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
-from apt_model.memory.paging import backward_hooks, compiled
+from apt_model.memory.paging import backward_hooks, compiled, threads
 from apt_model.memory.paging.backward_step import BackwardStep
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
@@ -160,6 +160,7 @@ class PagingSession:
         self._lock = TimedLock("paging session")
         self.mode = PageFaultMode(self.pager.by_tensor, self)
         self.mode.__enter__()
+        threads.warn_if_off_main_thread()
         self._install_global()
         patches.add_undo(self.close, "paging session", critical=True)
 
@@ -183,6 +184,7 @@ class PagingSession:
         self._patch_backward()
         self._patch_pickling()
         backward_hooks.install(self.mode, self.patches)  # user hooks in backward see the fault handler
+        threads.install(self.patches)  # and threads started from now on
         compiled.install(self.patches)  # torch.compile runs paged models eagerly
         compiled.install_graph_inputs(self, self.patches)  # and loads pages a compiled graph reads directly
         from torch.amp import GradScaler

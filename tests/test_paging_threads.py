@@ -116,3 +116,60 @@ def test_the_projects_own_threads_start_without_the_handler(tmp_path, cpu_device
     finally:
         vb.disable()
     assert seen == {name: 0, "script-thread": 1}
+
+
+def test_a_thread_that_outlives_paging_runs_plain_ops_after_disable(tmp_path, cpu_device):
+    """A thread started while paging is on keeps the handler on its stack for its life; after
+    ``disable()`` (every page back in memory) its ops on the model's tensors are plain."""
+    vb.enable("balanced", swap_dir=str(tmp_path), paging="always", device_budget="64KB", attention="off",
+              mixed_precision="off", banner=False)
+    go, done, out = threading.Event(), threading.Event(), {}
+    try:
+        layer = nn.Linear(64, 64).to("cpu")
+
+        def later():
+            go.wait(60)
+            out["sum"] = float(layer.weight.detach().double().sum())
+            out["stack"] = len(torch.overrides._get_current_function_mode_stack())
+            done.set()
+
+        t = threading.Thread(target=later, name="long-lived")
+        t.start()
+    finally:
+        vb.disable()
+    go.set()
+    t.join(60)
+    assert done.is_set() and out["stack"] == 1  # the handler, inactive
+    assert out["sum"] == float(layer.weight.detach().double().sum())
+
+
+_POOL_SCRIPT = r'''
+import sys, tempfile
+from concurrent.futures import ThreadPoolExecutor
+import torch, torch.nn as nn
+import apt_model.optimization.vb_global as vb
+opts = dict(paging="always", device_budget="64KB", attention="off", mixed_precision="off", banner=False)
+vb.enable("balanced", swap_dir=tempfile.mkdtemp(), **opts)
+nn.Linear(64, 64).to("cpu")
+pool = ThreadPoolExecutor(1)
+pool.submit(lambda: None).result()  # its thread starts in the first session
+vb.disable()
+vb.enable("balanced", swap_dir=tempfile.mkdtemp(), **opts)
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to("cpu")  # paged by the second session
+model(torch.randn(2, 64)).sum().backward()
+total = lambda: sum(float(p.detach().double().sum() + p.grad.double().sum()) for p in model.parameters())
+got = pool.submit(total).result()
+vb.disable()
+print(got == total())
+'''
+
+
+def test_a_thread_started_in_one_session_is_served_by_the_next(cpu_device):
+    """A thread pool started while paging was on outlives ``disable()``; a later ``enable()`` pages
+    a new model, and the pool's thread reads it. The thread kept the first session's handler, not
+    the second's: the read was of freed memory (a segmentation fault, found by a review). Its
+    stand-in serves whichever session is open. In a subprocess: a crash fails this test only."""
+    proc = run_python(_POOL_SCRIPT)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    assert proc.stdout.strip().splitlines()[-1] == "True", proc.stdout

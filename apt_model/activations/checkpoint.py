@@ -44,6 +44,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
+from apt_model.base import functional_call
 from apt_model.base.errors import ConfigError
 
 _EVERY = re.compile(r"^every:(\d+)$")
@@ -119,8 +120,9 @@ def parameters_swapped(module: nn.Module) -> bool:
     ``torch.func.functional_call(module, {name: tensor}, ...)`` (``torch.nn.utils.stateless``),
     as MAML's inner loop and hypernetworks call a model with computed weights. A recomputation in
     backward would run after the call put the module's own parameters back, and use those: wrong
-    gradients (found 2026-11-27: up to 0.03 off). Such a call runs uncheckpointed. Not caught:
-    ``functional_call`` given ``nn.Parameter`` objects (they look like the module's own)."""
+    gradients (found 2026-11-27: up to 0.03 off). Such a call runs uncheckpointed. ``functional_call``
+    given ``nn.Parameter`` objects (they look like the module's own) is caught by the count of
+    :func:`apt_model.base.functional_call.swapped` where ``enable()`` could install it."""
     return any(p is not None and not isinstance(p, nn.Parameter)
                for m in module.modules() for p in m._parameters.values())
 
@@ -286,7 +288,7 @@ class CheckpointedForward:
 
     def __call__(self, *args, **kwargs):
         if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
-                or parameters_swapped(self.module):
+                or functional_call.swapped() or parameters_swapped(self.module):
             return self.forward(*args, **kwargs)
         self.calls += 1
         named = self._buffers()

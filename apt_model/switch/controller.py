@@ -28,6 +28,7 @@ from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from apt_model.activations.checkpoint import in_function_transform
+from apt_model.base import functional_call
 from apt_model.base.version import __version__
 from apt_model.devices.ranking import Selection, select_device
 from apt_model.distributed.wrappers import skip_adoption
@@ -572,6 +573,7 @@ def _install_patches(st: _State) -> None:
         st.patches.set_attr(torch.Tensor, "cuda", tensor_cuda, label="torch.Tensor.cuda")
         st.log.record("device", "redirect_cuda", cfg.redirect_cuda, str(sel.device),
                       f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors go to {sel.device}")
+    functional_call.install(st.patches)  # its swaps are no model to adopt, no surgery to follow
     if cfg.adopt == "auto":
         st.patches.add_handle(register_module_forward_pre_hook(_global_pre_hook), "global forward pre-hook")
         st.patches.add_handle(register_optimizer_step_pre_hook(_check_first_step), "optimizer first-step adoption check")
@@ -615,10 +617,10 @@ def _global_pre_hook(module: nn.Module, args: tuple):
     st = _state
     if st.suspended or module in st.seen:
         return None
-    if in_function_transform():
-        # torch.func (grad, vmap, functional_call inside them): the module's parameters are the
-        # transform's wrappers for now, with no storage to plan with; it is adopted at its first
-        # ordinary call (inside a transform the features stand aside anyway)
+    if in_function_transform() or functional_call.swapped(module):
+        # torch.func (grad, vmap), or functional_call outside them: the module's parameters are
+        # the transform's wrappers or the caller's tensors for now, not its own; it is adopted at
+        # its first ordinary call (inside a transform the features stand aside anyway)
         return None
     ctx = _maybe_adopt(module, "first forward")
     if ctx:  # PyTorch listed this call's pre-hooks before adoption added the steps' own: run them now
@@ -649,8 +651,8 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
                 return None
         reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
                   "nothing for them. A model first called inside a compiled function that reaches it other than "
-                  "through its arguments, their attributes, its closure, globals or bound object (and never moved with .to() or "
-                  "compiled with model.compile()) is not adopted: call model.to(device) after enable(), or "
+                  "through its arguments, their attributes, its closure, globals or bound object, or called only through "
+                  "torch.func.functional_call (and never moved with .to() or compiled with model.compile()), is not adopted: call model.to(device) after enable(), or "
                   "vb.adopt(model)")
         st.log.record("switch", "adoption", "auto", "no model for this optimizer", reason)
         log.warning(reason)

@@ -31,6 +31,7 @@ import functools
 import torch
 import torch.nn as nn
 from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode
 
 from apt_model.base.patches import SessionHook
 from apt_model.memory.paging.compiled import compiling
@@ -58,11 +59,37 @@ class UnderFaults:
         return (_identity, (self.fn,))
 
 
+def open_handler():
+    """The fault handler (:class:`~apt_model.memory.paging.fault.PageFaultMode`) of the paging
+    session open now, or None."""
+    return _CURRENT[0]
+
+
+class ThreadFaults(TorchFunctionMode):
+    """A stand-in for the fault handler at the bottom of a thread's mode stack
+    (:mod:`~apt_model.memory.paging.threads`): each op goes to the handler of the paging session
+    open at that moment (a pass-through while none is, or while it is paused), so a thread that
+    outlives a session is served by the next one and keeps nothing of the old."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        mode = _CURRENT[0]
+        if mode is None or not mode.active:
+            return func(*args, **(kwargs or {}))
+        return mode.__torch_function__(func, types, args, kwargs)
+
+
+#: The one stand-in every such thread gets.
+THREAD_FAULTS = ThreadFaults()
+
+
 def _under_faults(fn, args, kwargs):
-    """``fn(*args, **kwargs)`` with the open session's fault handler pushed if it is active and not
-    on this thread's mode stack already."""
+    """``fn(*args, **kwargs)`` with the open session's fault handler pushed if it is active and
+    this thread's mode stack has neither it nor the stand-in already."""
     mode = _CURRENT[0]
-    if mode is None or not mode.active or mode in torch.overrides._get_current_function_mode_stack():
+    if mode is None or not mode.active:
+        return fn(*args, **kwargs)
+    stack = torch.overrides._get_current_function_mode_stack()
+    if mode in stack or THREAD_FAULTS in stack:
         return fn(*args, **kwargs)
     torch._C._push_on_torch_function_stack(mode)
     try:

@@ -392,7 +392,7 @@ class BackwardStep:
         finally:
             self._stepping = False
             if handler_off:
-                self.session.restore_fault_handler()
+                self.session.restore_fault_handler(handler_off)
 
     def _watch(self, p: torch.Tensor, pending: "_Pending") -> None:
         """Have the fault handler report uses of what the step of ``p`` changed or used that is no

@@ -117,6 +117,13 @@ class PageFaultMode(TorchFunctionMode):
         self.watched: dict[int, str] = {}  # id(tensor) -> "grad" | "value" | "early" (see the module docstring)
         self.passthrough: set = set()  # functions that read no page themselves (backward, grad): not faulted
 
+    def detach(self) -> None:
+        """Let go of the session (paging closed): the mode stays on the stacks of threads started
+        while paging was on (:mod:`~apt_model.memory.paging.threads`), as a pass-through that keeps
+        nothing of the closed session alive."""
+        self.active = False
+        self.lookup, self.watched, self.handler = {}, {}, None
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if compiling():  # Dynamo is tracing: it records the op itself (paging/compiled.py)

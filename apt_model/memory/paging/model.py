@@ -55,6 +55,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
 
+from apt_model.base import functional_call
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import gradient_watch, output_tensors
 from apt_model.memory.pages import Category, Page, State, other_holders, tensor_nbytes
@@ -142,7 +143,7 @@ class PagedModel:
     # ------------------------------------------------------------------ setup
     def install(self, patches) -> None:
         self._patches = patches
-        self._hooked: set[int] = set()
+        self._hooked: dict[int, weakref.ref] = {}  # id(p) -> p: its gradient hooks are registered
         self._declined: dict[int, weakref.ref] = {}  # id(p) -> p: a parameter added later, left resident
         self._registrations = self.session.registrations
         adopted = self._adopt_modules(self.model.named_modules(), _recomputed_aliases(self.model), seen={})
@@ -182,13 +183,21 @@ class PagedModel:
                 if id(p) not in seen:
                     if id(p) in self.session.params or self._was_declined(p):
                         continue
-                    why = self._cannot_page(p)
-                    if why:
-                        self._declined[id(p)] = weakref.ref(p)
-                        log.warning("paging: %s.%s was added to the model after it was paged but %s: it stays "
-                                    "resident, not paged", mname or "(root)", pname, why)
-                        continue
-                    seen[id(p)] = self._adopt_param(p, f"{mname}.{pname}" if mname else pname, known)
+                    label = f"{mname}.{pname}" if mname else pname
+                    if late:
+                        why = self._cannot_page(module, p)
+                        if not why:
+                            try:
+                                seen[id(p)] = self._adopt_param(p, label, known)
+                            except Exception as err:  # noqa: BLE001 - an odd tensor stays as it is, not paged
+                                why = f"adopting it failed ({type(err).__name__}: {err})"
+                        if why:
+                            self._declined[id(p)] = weakref.ref(p)
+                            log.warning("paging: %s was added to the model after it was paged but %s: it stays "
+                                        "resident, not paged", label, why)
+                            continue
+                    else:
+                        seen[id(p)] = self._adopt_param(p, label, known)
                     adopted.append(p)
                 if seen[id(p)] is not None:
                     pages.append(seen[id(p)])
@@ -210,10 +219,14 @@ class PagedModel:
         ref = self._declined.get(id(p))
         return ref is not None and ref() is p
 
-    def _cannot_page(self, p: nn.Parameter) -> str:
-        """Why a parameter added after adoption cannot be paged ('' if it can)."""
+    def _cannot_page(self, module: nn.Module, p: nn.Parameter) -> str:
+        """Why a parameter added to ``module`` after adoption cannot be paged ('' if it can)."""
         if p.is_meta:
             return "it is on the meta device (no data)"
+        if p.layout is not torch.strided:
+            return f"its layout is {p.layout} (paging pages dense tensors)"
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            return "its module produces sparse gradients (paging pages dense tensors)"
         device = self.session.pager.device
         if p.device.type != device.type or (device.index is not None and p.device.index != device.index):
             return f"it is on {p.device}, not on the paged device {device}"
@@ -222,20 +235,20 @@ class PagedModel:
     def _adopt_param(self, p: nn.Parameter, label: str, known: dict[int, int]) -> Page | None:
         """Register ``p`` with the model (and the session) and, where the plan pages parameters
         and nothing else holds its storage, give it a page; returns the page (None: resident)."""
+        page = None
+        if self.page_params:
+            if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
+                with torch.no_grad():
+                    p.data = p.data.clone()
+            holders = other_holders(p) - known.get(id(p), 0)
+            if holders:  # freed in place, its storage would be freed under them: stays resident
+                self.shared[label] = (holders, p.untyped_storage().data_ptr(), tensor_nbytes(p))
+            else:
+                page = self.session.pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
+                self.session.param_pages[id(p)] = page
         self.params.append(p)
         self.names[id(p)] = label
         self.session.add_param(p, label)
-        if not self.page_params:
-            return None
-        if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
-            with torch.no_grad():
-                p.data = p.data.clone()
-        holders = other_holders(p) - known.get(id(p), 0)
-        if holders:  # freed in place, its storage would be freed under them: stays resident
-            self.shared[label] = (holders, p.untyped_storage().data_ptr(), tensor_nbytes(p))
-            return None
-        page = self.session.pager.register(Category.PARAM, weakref.ref(p), label)  # weakly: see PagingSession
-        self.session.param_pages[id(p)] = page
         return page
 
     def _hook_unit(self, unit: Unit) -> None:
@@ -256,13 +269,13 @@ class PagedModel:
         """Page the parameters the script added to the model since it was paged (a new head, a
         block appended, a parameter reassigned, a parametrization's originals), as adoption would
         have; the execution order is learned again at the next forward."""
-        before = len(self.shared)
         present = {id(p) for p in model.parameters()}
         left = [p for p in self.params if id(p) not in present]  # resident by the plan (paged ones: _unregister)
         if left:
             self.params = [p for p in self.params if id(p) in present]
             for p in left:
                 self.shared.pop(self.names.get(id(p)), None)
+        before = len(self.shared)
         seen = {id(p): self.session.param_pages.get(id(p)) for p in self.params}
         adopted = self._adopt_modules(model.named_modules(), _recomputed_aliases(model), seen, late=True)
         if not adopted and not left:
@@ -285,9 +298,12 @@ class PagedModel:
         only be registered on a tensor that requires grad: a parameter unfrozen after adoption
         gets them at the next forward)."""
         for p in self.params:
-            if not p.requires_grad or id(p) in self._hooked:
+            if not p.requires_grad:
                 continue
-            self._hooked.add(id(p))
+            hooked = self._hooked.get(id(p))
+            if hooked is not None and hooked() is p:
+                continue
+            self._hooked[id(p)] = weakref.ref(p)  # by identity: a new parameter may get a dead one's id
             self._patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
                                      f"grad pre-hook {self.names[id(p)]}")
             self._patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),
@@ -342,9 +358,11 @@ class PagedModel:
         are paged (:meth:`_adopt_new`). Cost per forward: a dict lookup per paged parameter and per
         level of each unit's path; the model is walked only when a path changed, a paged
         parameter left, or a module or parameter was registered anywhere since the last walk
-        (torch's global registration hooks count them: ``PagingSession.registrations``)."""
+        (torch's global registration hooks count them: ``PagingSession.registrations``). Skipped
+        while ``torch.func.functional_call`` has swapped tensors into the slots
+        (:mod:`apt_model.base.functional_call`)."""
         model = self.model
-        if model is None or self.session.reparametrized:  # functional_call's swap, undone after the call
+        if model is None or functional_call.swapped():  # functional_call's swap, undone after the call
             return
         moved = any(not self._on_path(model, u) for u in self.units)
         if moved:
@@ -355,8 +373,8 @@ class PagedModel:
             self._unregister(unit, pname, pid)
         registrations = self.session.registrations
         if moved or gone or registrations != self._registrations:
-            self._registrations = registrations
             self._adopt_new(model)
+            self._registrations = registrations  # after: a walk that raised is done again next time
 
     @staticmethod
     def _on_path(model: nn.Module, unit: Unit) -> bool:
@@ -408,6 +426,7 @@ class PagedModel:
                 u.pages = [pg for pg in u.pages if pg is not page]
                 u.learned = [pg for pg in u.learned if pg is not page]
         self.params = [p for p in self.params if id(p) != pid]
+        self.session.forget_param(pid)  # moved elsewhere in the model (a parametrization's original): adopted again
         if module_left:
             log.info("paging: module %s left the model after it was paged: its parameter %s is no longer paged "
                      "(its bytes are back in memory)", unit.name or "(root)", pname)

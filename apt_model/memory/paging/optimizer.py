@@ -462,7 +462,7 @@ class OptimizerPaging:
             finally:
                 pager.phase = phase
                 if handler_off:
-                    self.session.restore_fault_handler()
+                    self.session.restore_fault_handler(handler_off)
         self.steps += 1
         self._last_stepped = weakref.ref(opt)
         for fn in self.after_step:

@@ -10,7 +10,6 @@ still restored and ``disable()`` raises the
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import weakref
@@ -25,6 +24,7 @@ from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
 from apt_model.memory.pages import Category, Page, State
 from apt_model.memory.paging import backward_hooks, compiled, threads
+from apt_model.memory.paging.backward_hooks import THREAD_FAULTS
 from apt_model.memory.paging.backward_step import BackwardStep
 from apt_model.memory.paging.clip import make_clip_grad_norm, make_clip_grad_value
 from apt_model.memory.paging.fault import PageFaultMode
@@ -33,7 +33,7 @@ from apt_model.base.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
 from apt_model.memory.paging.saved import SavedPins
 from apt_model.base.sizes import format_size
-from apt_model.memory.swap import SwapSpace
+from apt_model.memory.swap import SwapError, SwapSpace
 from apt_model.memory.waits import TimedLock
 
 log = get_logger(__name__)
@@ -154,7 +154,6 @@ class PagingSession:
         # modules and parameters registered anywhere since paging began (torch's global registration
         # hooks): a paged model walks itself for ones added to it when this changed (PagedModel._check_slots)
         self.registrations = 0
-        self.reparametrized = 0  # torch.func.functional_call calls under way (their swaps are no surgery)
         self.forward_depth = 0  # > 0 while a paged model's forward runs
         self.uncovered_accesses = 0  # ops in a forward on a paged tensor no module hook had pinned
         self._lock = TimedLock("paging session")
@@ -176,7 +175,6 @@ class PagingSession:
         for register, what in ((register_module_module_registration_hook, "module"),
                                (register_module_parameter_registration_hook, "parameter")):
             self.patches.add_handle(register(self._registered), f"global {what} registration hook")
-        self._patch_reparametrize()
         norm = make_clip_grad_norm(clip_mod.clip_grad_norm_, self.grad_page, self._acquire_one, self._release_one,
                                    self.pager.defer_scale)
         value = make_clip_grad_value(clip_mod.clip_grad_value_, self.grad_page, self._acquire_one, self._release_one)
@@ -280,34 +278,6 @@ class PagingSession:
         self.patches.set_attr(torch.autograd, "backward", backward, label="torch.autograd.backward")
         self.patches.set_attr(torch.autograd, "grad", grad, label="torch.autograd.grad")
 
-    def _patch_reparametrize(self) -> None:
-        """``torch.func.functional_call`` (and ``torch.nn.utils.stateless``) swap the tensors it is
-        given into the module's parameter slots for one call and put the parameters back after.
-        Inside it a paged model's forward must not take the swap for model surgery: until
-        2026-11-27 every paged parameter was let go (unpaged for good, with a warning each) by the
-        first ``functional_call`` over the model. Counted in :attr:`reparametrized`; where torch
-        lacks the private context manager, :meth:`PagedModel._adopt_modules` still adopts only
-        ``nn.Parameter`` objects."""
-        from torch.nn.utils import stateless
-
-        real = getattr(stateless, "_reparametrize_module", None)
-        if real is None:
-            log.debug("torch.nn.utils.stateless._reparametrize_module not found: functional_call is not followed")
-            return
-
-        @functools.wraps(real)
-        @contextlib.contextmanager
-        def _reparametrize_module(*args, **kwargs):
-            self.reparametrized += 1
-            try:
-                with real(*args, **kwargs):
-                    yield
-            finally:
-                self.reparametrized -= 1
-
-        self.patches.set_attr(stateless, "_reparametrize_module", _reparametrize_module,
-                              label="torch.nn.utils.stateless._reparametrize_module")
-
     def _registered(self, *args) -> None:
         """Torch's global module / parameter registration hook: count (the registration stands)."""
         self.registrations += 1
@@ -363,6 +333,12 @@ class PagingSession:
         self.params[id(p)] = p
         self.labels[id(p)] = label
         self._on_death(p, self._param_died, id(p))
+
+    def forget_param(self, pid: int) -> None:
+        """A paged model let go of parameter ``pid`` (it left the model, or moved within it): it
+        is no paged model's any more (its gradient page, if any, stays until it dies)."""
+        self.params.pop(pid, None)
+        self.labels.pop(pid, None)
 
     def model_grew(self, pm: PagedModel, model: nn.Module, new_shared: list[str]) -> None:
         """``pm`` adopted parameters the script added to ``model`` after it was paged: count what
@@ -850,22 +826,26 @@ class PagingSession:
         """Whether the page-fault handler sees this thread's ops now: on its torch-function mode
         stack (not on a thread without it, not inside an op it passes through, such as the
         backward a checkpoint recomputes in), active, and torch functions not disabled."""
-        return (self.mode.active and torch._C._is_torch_function_enabled()
-                and self.mode in torch.overrides._get_current_function_mode_stack())
-
-    def suspend_fault_handler(self) -> bool:
-        """Take the page-fault handler off this thread's torch-function mode stack, if it is on
-        top (a mode pushed above it stays untouched, and so does the handler). Returns whether it
-        was taken off; :meth:`restore_fault_handler` puts it back."""
-        stack = torch.overrides._get_current_function_mode_stack()
-        if not stack or stack[-1] is not self.mode:
+        if not (self.mode.active and torch._C._is_torch_function_enabled()):
             return False
-        torch._C._pop_torch_function_stack()
-        return True
+        stack = torch.overrides._get_current_function_mode_stack()
+        return self.mode in stack or (THREAD_FAULTS in stack and backward_hooks.open_handler() is self.mode)
 
-    def restore_fault_handler(self) -> None:
-        """Put the handler taken off by :meth:`suspend_fault_handler` back on the stack."""
-        torch._C._push_on_torch_function_stack(self.mode)
+    def suspend_fault_handler(self):
+        """Take the page-fault handler (or its stand-in on a thread started while paging:
+        :class:`~apt_model.memory.paging.backward_hooks.ThreadFaults`) off this thread's
+        torch-function mode stack, if it is on top (a mode pushed above it stays untouched, and so
+        does the handler). Returns the mode taken off, or None; :meth:`restore_fault_handler` puts
+        it back."""
+        stack = torch.overrides._get_current_function_mode_stack()
+        if not stack or (stack[-1] is not self.mode and stack[-1] is not THREAD_FAULTS):
+            return None
+        return torch._C._pop_torch_function_stack()
+
+    def restore_fault_handler(self, mode) -> None:
+        """Put the handler (or its thread stand-in) :meth:`suspend_fault_handler` returned back
+        on the stack."""
+        torch._C._push_on_torch_function_stack(mode)
 
     # ------------------------------------------------------------------ state_dict
     def _pause_faults(self) -> None:
@@ -888,20 +868,43 @@ class PagingSession:
         self.mode.active = True
 
     def _state_dict_hook(self, module, state_dict, prefix, local_metadata):
-        copies: dict[str, torch.Tensor] = {}  # page key -> its copy: tied weights stay one tensor
+        """``model.state_dict()``'s entries for paged parameters (taken with the handler paused:
+        aliases of storages that may be freed). Where the compute level is host memory (a CPU
+        run) each becomes what plain PyTorch gives, an alias of the parameter — its page loaded,
+        pinned while the alias lives and written back after, so writes through it reach the model
+        (an EMA kept with ``ema_v.copy_(...)`` over ``ema.state_dict().values()``, as timm's
+        ``ModelEmaV2`` does, was lost with the copies given until 2026-11-27) — at the cost of
+        the whole model resident while the state dict lives, as the copies were. On an
+        accelerator each is a host copy of the page (the model may not fit the device at once).
+        ``keep_vars=True`` entries are the parameters themselves, paged through the handler."""
+        aliases = self.pager.device.type == "cpu"
+        given: dict[str, torch.Tensor] = {}  # page key -> its entry: tied weights stay one tensor
         try:
             with torch._C.DisableTorchFunction():
                 for name, p in module.named_parameters(remove_duplicate=False):
                     page = self.param_pages.get(id(p))
                     key = prefix + name
-                    if page is not None and key in state_dict:
-                        # a copy even when resident: an alias would die with the page's next eviction
-                        if page.key not in copies:
-                            copies[page.key] = self.pager.materialize(page)
-                        state_dict[key] = copies[page.key]
+                    if page is None or key not in state_dict or state_dict[key] is p:
+                        continue
+                    if page.key not in given:
+                        given[page.key] = self._alias(page, p) if aliases else self.pager.materialize(page)
+                    state_dict[key] = given[page.key]
         finally:
             self.resume_faults()
         return None
+
+    def _alias(self, page: Page, p: torch.Tensor) -> torch.Tensor:
+        """``p.detach()``, its page loaded and pinned (for write: what is written through it is
+        written back) until the alias is garbage-collected."""
+        try:
+            self.pager.acquire([page], for_write=True)
+        except SwapError as err:  # no room: evicting others would write to a full or failing disk
+            log.warning("state_dict(): %s is a copy, not an alias of the parameter (writes through it do not reach "
+                        "the model): loading it needs room on level 0, and %s", page.label, err)
+            return self.pager.materialize(page)
+        alias = p.detach()
+        weakref.finalize(alias, self._release_alias, page)
+        return alias
 
     # ------------------------------------------------------------------ teardown and report
     def close(self) -> None:
@@ -921,6 +924,7 @@ class PagingSession:
                 self.mode.__exit__(None, None, None)
         except Exception:  # noqa: BLE001 - never let teardown fail the user's program
             log.debug("could not pop the page-fault mode", exc_info=True)
+        self.mode.detach()  # still on threads started while paging was on: it holds nothing of this session
         try:
             self.release_backward_pins()
             self.release_saved_pins()

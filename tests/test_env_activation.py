@@ -85,6 +85,7 @@ def test_launcher_enables_for_an_unmodified_script(tmp_path):
     assert rep["stats"]["cuda_redirects"] >= 1 and rep["models"][0]["name"] == "Linear"
 
 
+@pytest.mark.slow  # 7 s of subprocesses; the suite's budget is 15 minutes
 def test_the_command_line_is_not_switched_on_by_the_environment(tmp_path):
     """``ENABLE_VIRTUAL_BLACKWELL=1`` in the shell (as the README suggests) must not turn the
     switch on when the process is apt_model's own CLI: its banner went to stdout ahead of every

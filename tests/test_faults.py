@@ -850,6 +850,7 @@ def _unshare_works():
             and subprocess.run(["unshare", "-p", "-f", "--mount-proc", "true"], capture_output=True).returncode == 0)
 
 
+@pytest.mark.slow  # a PID namespace: 4 s, and root only
 @pytest.mark.skipif(not _unshare_works(), reason="needs root and unshare(1) to create a PID namespace")
 def test_a_process_in_another_pid_namespace_keeps_its_folder(tmp_path):
     """Real containers: the owner runs in its own PID namespace (its PID there is 1, which here

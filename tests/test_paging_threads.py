@@ -10,14 +10,14 @@ import torch.nn as nn
 import apt_model.optimization.vb_global as vb
 from conftest import run_python
 
-_WORKER_SCRIPT = r'''
-import json, os, sys, threading
+# a model adopted on the main thread, trained by a thread started afterwards that logs the gradient
+# norm and keeps an EMA of the weights (plain ops on paged tensors); run with ``on`` set
+_WORKER = r'''
+import threading
 import torch, torch.nn as nn
-torch.set_num_threads(1)
-on = sys.argv[1] == "on"
 if on:
     import apt_model.optimization.vb_global as vb
-    vb.enable("balanced", swap_dir=sys.argv[2], paging="always", device_budget="64KB", attention="off",
+    vb.enable("balanced", swap_dir=swap, paging="always", device_budget="64KB", attention="off",
               mixed_precision="off", banner=False)
 torch.manual_seed(0)
 model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to("cpu")  # adopted here, on the main thread
@@ -31,7 +31,6 @@ def train():
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
-        # a gradient norm logged and an EMA kept on the training thread: plain ops on paged tensors
         out["grad_norm"].append(torch.stack([p.grad.norm() for p in model.parameters()]).norm().item())
         opt.step()
         with torch.no_grad():
@@ -43,30 +42,55 @@ t = threading.Thread(target=train)  # started after paging began
 t.start()
 t.join()
 out["ema"] = [float(e.double().sum()) for e in ema]
-out["param_sum"] = float(sum(p.double().sum() for p in model.parameters()))
+out["param_sum"] = float(sum(p.detach().double().sum() for p in model.parameters()))
 if on:
     out["paged"] = vb.get_report()["memory"]["paging"]["models"][0]["paged_parameters"]
     vb.disable()
-print(json.dumps(out))
+'''
+
+# a thread pool started while one session pages, used by the next session's paged model
+_POOL = r'''
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+opts = dict(paging="always", device_budget="64KB", attention="off", mixed_precision="off", banner=False)
+vb.enable("balanced", swap_dir=tempfile.mkdtemp(), **opts)
+nn.Linear(64, 64).to("cpu")
+pool = ThreadPoolExecutor(1)
+pool.submit(lambda: None).result()  # its thread starts in this session
+vb.disable()
+vb.enable("balanced", swap_dir=tempfile.mkdtemp(), **opts)
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to("cpu")  # paged by the next session
+model(torch.randn(2, 64)).sum().backward()
+total = lambda: sum(float(p.detach().double().sum() + p.grad.double().sum()) for p in model.parameters())
+got = pool.submit(total).result()
+vb.disable()
+out["pool_read_as_resident"] = got == total()
 '''
 
 
-def test_a_thread_started_while_paging_runs_plain_ops_on_paged_tensors_as_plain_pytorch(tmp_path, cpu_device):
-    """A model adopted on the main thread, trained by a thread started afterwards that logs the
-    gradient norm and keeps an EMA of the weights. The handler was on the main thread's mode stack
-    only: the worker's ops on paged-out tensors read freed memory (a segmentation fault, found by
-    a probe). Threads started while paging is on get the handler: the numbers are plain PyTorch's.
+def test_threads_started_while_paging_run_plain_ops_on_paged_tensors_as_plain_pytorch(tmp_path, cpu_device):
+    """The handler was on the mode stack of the thread that started paging only:
+    - a training thread's gradient-norm logging and EMA update read freed memory (a segmentation
+      fault, found by a probe); threads started while paging is on get the handler, and the
+      numbers are plain PyTorch's (run here with the switch off);
+    - then a thread pool that outlived ``disable()`` kept the closed session's handler, and read
+      the next session's pages freed (a segmentation fault, found by a review); its stand-in serves
+      whichever session is open.
     In a subprocess, so that a crash fails this test rather than ending the session."""
     import json
 
-    runs = {}
-    for switch in ("off", "on"):
-        proc = run_python(_WORKER_SCRIPT.replace("sys.argv[1]", repr(switch)).replace("sys.argv[2]", repr(str(tmp_path))))
-        assert proc.returncode == 0, (switch, proc.returncode, proc.stderr[-3000:])
-        runs[switch] = json.loads(proc.stdout.strip().splitlines()[-1])
-    on, off = runs["on"], runs["off"]
-    assert on.pop("paged") == 12  # paged, not resident: the worker's reads went through the handler
-    assert on == off
+    plain = {"on": False, "swap": None}
+    torch_threads = torch.get_num_threads()
+    exec(_WORKER, plain)  # noqa: S102 - the same code as the subprocess, the switch off
+    torch.set_num_threads(torch_threads)
+    code = f"on, swap = True, {str(tmp_path)!r}\n" + _WORKER + _POOL + "import json; print(json.dumps(out))\n"
+    proc = run_python(code)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got.pop("paged") == 12  # paged, not resident: the worker's reads went through the handler
+    assert got.pop("pool_read_as_resident") is True
+    assert got == plain["out"]
 
 
 def test_paging_started_on_a_worker_thread_says_which_threads_lack_the_handler(tmp_path, cpu_device, caplog):
@@ -141,35 +165,3 @@ def test_a_thread_that_outlives_paging_runs_plain_ops_after_disable(tmp_path, cp
     t.join(60)
     assert done.is_set() and out["stack"] == 1  # the handler, inactive
     assert out["sum"] == float(layer.weight.detach().double().sum())
-
-
-_POOL_SCRIPT = r'''
-import sys, tempfile
-from concurrent.futures import ThreadPoolExecutor
-import torch, torch.nn as nn
-import apt_model.optimization.vb_global as vb
-opts = dict(paging="always", device_budget="64KB", attention="off", mixed_precision="off", banner=False)
-vb.enable("balanced", swap_dir=tempfile.mkdtemp(), **opts)
-nn.Linear(64, 64).to("cpu")
-pool = ThreadPoolExecutor(1)
-pool.submit(lambda: None).result()  # its thread starts in the first session
-vb.disable()
-vb.enable("balanced", swap_dir=tempfile.mkdtemp(), **opts)
-torch.manual_seed(0)
-model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]).to("cpu")  # paged by the second session
-model(torch.randn(2, 64)).sum().backward()
-total = lambda: sum(float(p.detach().double().sum() + p.grad.double().sum()) for p in model.parameters())
-got = pool.submit(total).result()
-vb.disable()
-print(got == total())
-'''
-
-
-def test_a_thread_started_in_one_session_is_served_by_the_next(cpu_device):
-    """A thread pool started while paging was on outlives ``disable()``; a later ``enable()`` pages
-    a new model, and the pool's thread reads it. The thread kept the first session's handler, not
-    the second's: the read was of freed memory (a segmentation fault, found by a review). Its
-    stand-in serves whichever session is open. In a subprocess: a crash fails this test only."""
-    proc = run_python(_POOL_SCRIPT)
-    assert proc.returncode == 0, (proc.returncode, proc.stderr[-3000:])
-    assert proc.stdout.strip().splitlines()[-1] == "True", proc.stdout

@@ -113,6 +113,7 @@ class PagingSession:
         else:
             self.pager = Pager(budget, swap, device=device, reuse_memory=reuse_memory)
         self.swap = swap
+        self.host_is_level0 = store is None  # no host level: the compute level is host memory (a CPU run)
         if device.type == "cpu":  # the compute level is host RAM: freed pages must leave the RSS at once
             return_big_blocks_to_os()
         self.host_rss = RSSWatch()  # the process's RSS from the first page-out on (report: host_rss)
@@ -874,10 +875,11 @@ class PagingSession:
         pinned while the alias lives and written back after, so writes through it reach the model
         (an EMA kept with ``ema_v.copy_(...)`` over ``ema.state_dict().values()``, as timm's
         ``ModelEmaV2`` does, was lost with the copies given until 2026-11-27) — at the cost of
-        the whole model resident while the state dict lives, as the copies were. On an
-        accelerator each is a host copy of the page (the model may not fit the device at once).
+        the whole model resident while the state dict lives, as the copies were (level 0's
+        ``peak_resident`` counts it). With a host level (an accelerator) each is a host copy of
+        the page (the model may not fit the device at once).
         ``keep_vars=True`` entries are the parameters themselves, paged through the handler."""
-        aliases = self.pager.device.type == "cpu"
+        aliases = self.host_is_level0
         given: dict[str, torch.Tensor] = {}  # page key -> its entry: tied weights stay one tensor
         try:
             with torch._C.DisableTorchFunction():

@@ -487,8 +487,7 @@ class OptimizerPaging:
 
     def _post(self, opt, args, kwargs):
         self._give_back_own_hooks(opt)
-        if self._put_back_lists(opt):
-            self.capturable.restore(opt)  # after a compiled step's write-back (see CapturableFlags)
+        self._put_back_lists(opt)
         return None
 
     def _put_back_lists(self, opt) -> bool:
@@ -499,6 +498,9 @@ class OptimizerPaging:
         if saved is not None:
             for g, params in zip(opt.param_groups, saved):
                 g["params"] = params
+            # the user's flag back, after a compiled step's write-back or the empty body's (see
+            # CapturableFlags): here, so a checkpoint taken after an interrupt between the hooks has it too
+            self.capturable.restore(opt)
         let_go(("optimizer step", id(opt)))
         return saved is not None
 

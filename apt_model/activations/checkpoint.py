@@ -115,18 +115,6 @@ def in_function_transform() -> bool:
     return peek is not None and peek() is not None
 
 
-def parameters_swapped(module: nn.Module) -> bool:
-    """Whether ``module``'s parameters are swapped for plain tensors right now: inside
-    ``torch.func.functional_call(module, {name: tensor}, ...)`` (``torch.nn.utils.stateless``),
-    as MAML's inner loop and hypernetworks call a model with computed weights. A recomputation in
-    backward would run after the call put the module's own parameters back, and use those: wrong
-    gradients (found 2026-11-27: up to 0.03 off). Such a call runs uncheckpointed. ``functional_call``
-    given ``nn.Parameter`` objects (they look like the module's own) is caught by the count of
-    :func:`apt_model.base.functional_call.swapped` where ``enable()`` could install it."""
-    return any(p is not None and not isinstance(p, nn.Parameter)
-               for m in module.modules() for p in m._parameters.values())
-
-
 def running_stats_layers(module: nn.Module) -> list[nn.Module]:
     """The layers in ``module`` whose training forward updates running statistics in place: batch
     norm and instance norm with ``track_running_stats`` (buffers ``running_mean`` /
@@ -287,8 +275,11 @@ class CheckpointedForward:
         return [(m, name) for m in self.module.modules() for name, b in m.named_buffers(recurse=False) if b.numel()]
 
     def __call__(self, *args, **kwargs):
+        # inside functional_call (MAML's inner loop, hypernetworks) a recomputation in backward would
+        # run after the call put the module's own parameters back, and use those: wrong gradients
+        # (found 2026-11-27: up to 0.03 off). Such a call runs uncheckpointed.
         if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
-                or functional_call.swapped() or parameters_swapped(self.module):
+                or functional_call.swapped(self.module):
             return self.forward(*args, **kwargs)
         self.calls += 1
         named = self._buffers()

@@ -94,8 +94,13 @@ class PlacementPlan:
 
 def model_state_sizes(model: nn.Module) -> tuple[int, int]:
     """(parameter bytes, trainable-parameter bytes), tied parameters counted once."""
+    return params_state_sizes(model.parameters())
+
+
+def params_state_sizes(params) -> tuple[int, int]:
+    """(parameter bytes, trainable-parameter bytes) of the tensors ``params``, each counted once."""
     seen, total, trainable = set(), 0, 0
-    for p in model.parameters():
+    for p in params:
         if id(p) in seen:
             continue
         seen.add(id(p))

@@ -54,6 +54,7 @@ import weakref
 import torch
 import torch.nn as nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from apt_model.base import functional_call
 from apt_model.base.log import get_logger
@@ -143,8 +144,9 @@ class PagedModel:
     # ------------------------------------------------------------------ setup
     def install(self, patches) -> None:
         self._patches = patches
-        self._hooked: dict[int, weakref.ref] = {}  # id(p) -> p: its gradient hooks are registered
-        self._declined: dict[int, weakref.ref] = {}  # id(p) -> p: a parameter added later, left resident
+        # by identity, weakly (a new parameter may get a dead one's id): gradient hooks registered;
+        # added after adoption and left resident
+        self._hooked, self._declined = WeakIdKeyDictionary(), WeakIdKeyDictionary()
         self._registrations = self.session.registrations
         adopted = self._adopt_modules(self.model.named_modules(), _recomputed_aliases(self.model), seen={})
         patches.add_handle(self.model.register_forward_pre_hook(SessionHook(lambda m, a: self._root_pre())),
@@ -181,7 +183,7 @@ class PagedModel:
                 if slots.get(pname) == id(p) or late and not isinstance(p, nn.Parameter):
                     continue  # a tensor swapped in for one call (functional_call) was not added
                 if id(p) not in seen:
-                    if id(p) in self.session.params or self._was_declined(p):
+                    if id(p) in self.session.params or p in self._declined:
                         continue
                     label = f"{mname}.{pname}" if mname else pname
                     if late:
@@ -192,7 +194,7 @@ class PagedModel:
                             except Exception as err:  # noqa: BLE001 - an odd tensor stays as it is, not paged
                                 why = f"adopting it failed ({type(err).__name__}: {err})"
                         if why:
-                            self._declined[id(p)] = weakref.ref(p)
+                            self._declined[p] = True
                             log.warning("paging: %s was added to the model after it was paged but %s: it stays "
                                         "resident, not paged", label, why)
                             continue
@@ -214,10 +216,6 @@ class PagedModel:
                 unit.pages = unit.pages + pages
                 unit.slots.update(new_slots)
         return adopted
-
-    def _was_declined(self, p: nn.Parameter) -> bool:
-        ref = self._declined.get(id(p))
-        return ref is not None and ref() is p
 
     def _cannot_page(self, module: nn.Module, p: nn.Parameter) -> str:
         """Why a parameter added to ``module`` after adoption cannot be paged ('' if it can)."""
@@ -298,12 +296,9 @@ class PagedModel:
         only be registered on a tensor that requires grad: a parameter unfrozen after adoption
         gets them at the next forward)."""
         for p in self.params:
-            if not p.requires_grad:
+            if not p.requires_grad or p in self._hooked:
                 continue
-            hooked = self._hooked.get(id(p))
-            if hooked is not None and hooked() is p:
-                continue
-            self._hooked[id(p)] = weakref.ref(p)  # by identity: a new parameter may get a dead one's id
+            self._hooked[p] = True
             self._patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
                                      f"grad pre-hook {self.names[id(p)]}")
             self._patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),

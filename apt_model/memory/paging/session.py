@@ -378,17 +378,18 @@ class PagingSession:
         """Count what ``model``'s plan keeps resident against level 0 — of its parameters no paged
         model adopted before (a wrapper's inner model keeps its own) — and return its entry in
         ``kept``."""
-        own = [p for p in {id(p): p for p in model.parameters()}.values() if id(p) not in self.params]
+        own = [p for p in model.parameters() if id(p) not in self.params]
         entry = self._kept_entry(own, page_params, page_grads, state_factor)
         self.kept.append(entry)
         self._fit_kept(warn=True)
         return entry
 
     def _kept_entry(self, params: list[nn.Parameter], page_params: bool, page_grads: bool, state_factor: float) -> dict:
-        """What a plan keeps resident of ``params`` (each listed once): ``{category: bytes}``, the
-        categories with none left out."""
-        p_bytes = sum(p.numel() * p.element_size() for p in params)
-        t_bytes = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        """What a plan keeps resident of ``params``: ``{category: bytes}``, the categories with none
+        left out."""
+        from apt_model.memory.placement import params_state_sizes
+
+        p_bytes, t_bytes = params_state_sizes(params)
         kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
                 "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
         return {k: v for k, v in kept.items() if v}

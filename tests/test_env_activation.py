@@ -6,6 +6,9 @@ import textwrap
 
 import pytest
 
+import apt_model.optimization.vb_global as vb
+from apt_model.errors import USER_ERRORS
+from apt_model.switch.env import activate_from_environment
 from conftest import clean_env, run_python
 
 PROBE = textwrap.dedent("""
@@ -33,11 +36,22 @@ def test_import_without_env_has_no_side_effects():
     assert r == {"enabled": False, "mode": None, "untouched": True, "global_hooks": 0}
 
 
-@pytest.mark.parametrize("mode,expected", [("memory", "memory"), ("speed", "performance"), ("", "balanced")])
-def test_env_enables_at_import(mode, expected):
-    r = _result(run_python(PROBE, env=clean_env(ENABLE_VIRTUAL_BLACKWELL="1", VB_MODE=mode)))
-    assert r["enabled"] is True and r["mode"] == expected
+def test_env_enables_at_import():
+    r = _result(run_python(PROBE, env=clean_env(ENABLE_VIRTUAL_BLACKWELL="1", VB_MODE="memory")))
+    assert r["enabled"] is True and r["mode"] == "memory"
     assert r["untouched"] is False and r["global_hooks"] == 1
+
+
+# The import runs activate_from_environment() (tests/test_entry_errors.py runs the import itself:
+# one line, status 2); the values are checked here in this process, a fresh interpreter each costs
+# seconds of the suite's budget.
+@pytest.mark.parametrize("mode,expected", [("memory", "memory"), ("speed", "performance"), ("", "balanced"),
+                                           ("Balanced", "balanced")])
+def test_env_modes(mode, expected, monkeypatch, cpu_device):
+    monkeypatch.setenv("ENABLE_VIRTUAL_BLACKWELL", "1")
+    monkeypatch.setenv("VB_MODE", mode)
+    assert activate_from_environment() is True
+    assert vb.is_enabled() and vb.get_config()["mode"] == expected
 
 
 @pytest.mark.parametrize("env,needle", [
@@ -48,16 +62,24 @@ def test_env_enables_at_import(mode, expected):
     ({"VB_LOG_LEVEL": "LOUD"}, "VB_LOG_LEVEL='LOUD' is not valid; use one of DEBUG"),
     ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_DEVICE": "npu:1"}, "VB_DEVICE='npu:1' asks for npu, which is not usable here (npu: not_installed - package torch_npu not installed"),
     ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_DEVICE": "gpu"}, "unknown kind 'gpu'; valid kinds:"),
+    ({"ENABLE_VIRTUAL_BLACKWELL": "1", "VB_CHECKPOINT_POLICY": "half"},
+     "VB_CHECKPOINT_POLICY='half' is not valid; use 'all', 'every:K' (K >= 1) or 'budget'"),
 ])
-def test_invalid_env_values_fail_clearly(env, needle):
-    proc = run_python("import apt_model", env=clean_env(**env))
-    assert proc.returncode != 0
-    assert needle in proc.stderr, proc.stderr[-1500:]
+def test_invalid_env_values_fail_clearly(env, needle, monkeypatch):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(USER_ERRORS) as err:
+        activate_from_environment()
+    assert needle in str(err.value)
+    assert not vb.is_enabled()
 
 
-def test_false_values_keep_it_off():
-    r = _result(run_python(PROBE, env=clean_env(ENABLE_VIRTUAL_BLACKWELL="off", VB_MODE="memory")))
-    assert r["enabled"] is False and r["untouched"] is True
+@pytest.mark.parametrize("value", ["off", "0", "false", "no", ""])
+def test_false_values_keep_it_off(value, monkeypatch):
+    monkeypatch.setenv("ENABLE_VIRTUAL_BLACKWELL", value)
+    monkeypatch.setenv("VB_MODE", "memory")
+    assert activate_from_environment() is False
+    assert not vb.is_enabled()
 
 
 @pytest.mark.slow  # apt-vb run of a script in a subprocess, as test_readme's launcher example; the suite's 15 minutes on 2 cores

@@ -3,7 +3,9 @@ models it leaves alone, memory mode with checkpointing and offload, paging, disa
 TF32 decision (with a CUDA device stood in at the boundary). A real TorchInductor run is `slow`."""
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -109,6 +111,12 @@ def test_balanced_rewrites_hand_written_attention_and_judges_it_against_eager():
     assert all("textbook_attention" in r for r in entry["rewrites"])
     assert entry["trial"]["calls"] >= 8 and entry["warmup_s"] is not None
     assert any(d["feature"] == "compile" and d["chosen"] == compile_["chosen"] for d in vb.get_report()["decisions"])
+    assert gradient_hooks(m) == 0  # the trial's timing hooks went with its verdict (they piled up: 64 per weight)
+
+
+def gradient_hooks(m):
+    """Hooks on the parameters' gradients (the trial's timer puts its backward marks there)."""
+    return sum(len(p._backward_hooks or {}) for p in m.parameters())
 
 
 def test_a_model_without_softmax_is_left_alone_without_any_capture():
@@ -206,10 +214,17 @@ def test_disable_during_the_trial_restores_the_model_and_training_goes_on():
     m.to("cpu")
     train(m, 6)  # warm-up done, trial under way
     assert "forward" in vars(m)
+    assert gradient_hooks(m) == 0  # a timed call's hooks go once its backward has been through
+    m(torch.randint(0, 256, (4, 32)))  # a timed call awaiting its backward (its hooks are on the parameters)
     vb.disable()
     assert "forward" not in vars(m) and not m._forward_pre_hooks
+    assert gradient_hooks(m) == 0
     assert [id(p) for p in m.parameters()] == params
     assert all(math.isfinite(x) for x in train(m, 2))
+    ref = weakref.ref(m)
+    del m
+    gc.collect()
+    assert ref() is None  # nothing of the switch keeps the model (a hook cycle through the ladder did)
 
 
 # ---------------------------------------------------------------------------- TF32

@@ -215,8 +215,34 @@ def test_trial_decides_when_backward_runs_on_another_thread(backward_thread):
         _step(m, opt, x, backward_thread)
         steps += 1
         assert steps <= budget, f"no verdict within the trial's call budget ({budget} calls)"
+        assert _gradient_hooks(m) == 0  # a timed call's hooks go once its backward has been through
     assert len(verdicts) == 1 and verdicts[0][0] is hooks.active
     assert hooks.trial.index == steps  # every call was timed: none lost between threads
+
+
+def _gradient_hooks(m):
+    return sum(len(p._backward_hooks or {}) for p in m.parameters())
+
+
+def test_no_timing_hook_is_left_on_the_parameters_after_the_verdict_or_the_undo():
+    """A timed call whose backward never came (withdrawn at the next call), and one still pending
+    when the patches are undone: their hooks on the parameters are removed (they piled up, one set
+    per call, and kept the timer and the model alive)."""
+    x = torch.randn(8, 32)
+    for undo in (False, True):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+        patches = PatchSet()
+        hooks = attach_autocast(m, "cpu", torch.bfloat16, patches, trial=SpeedTrial(calls=4, settle_max=8))
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        m(x)  # a timed training call awaiting its backward
+        assert _gradient_hooks(m) == 4  # one per parameter
+        if undo:
+            patches.restore_all()
+        else:
+            _step(m, opt, x, backward_thread=False)  # withdraws the first, times and finishes its own
+        assert _gradient_hooks(m) == 0
+        assert hooks.trial.running
 
 
 def test_lagging_events_are_read_in_order_and_the_wait_is_bounded():

@@ -258,6 +258,11 @@ class CompileLadder:
         patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
         patches.add_handle(post, f"compile ladder hook {self.tag}")
         patches.add_handle(self._step_hook, f"compile ladder optimizer-step check {self.tag}")
+        patches.add_undo(self._close_timer, f"compile ladder trial's backward hooks {self.tag}")
+
+    def _close_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.close()
 
     def _finish(self, chosen: str, fn: Callable | None) -> None:
         """Enter ``done``: the chosen callable becomes the model's forward, the hooks go."""
@@ -275,6 +280,7 @@ class CompileLadder:
             model.forward = fn  # the undo registered at attach() removes it again
         for h in self._handles:
             h.remove()
+        self._close_timer()
         self._timer = None
 
     # ------------------------------------------------------------------ the per-call path
@@ -421,6 +427,7 @@ class CompileLadder:
         training call, or eager is concluded."""
         rung = self.rungs[self.index]
         self._entry(rung, outcome, reason, trial=trial)
+        self._close_timer()  # a call timed before the rung was left may still await its backward
         self._fn, self._timer, self._dynamic, self._storms = None, None, False, 0
         self.index += 1
         self.state = "waiting"

@@ -19,7 +19,9 @@ gradient reaching its trainable parameters (``torch.autograd.graph.register_mult
   most ``max_lag`` finished samples wait before the timer blocks on the oldest one event (never on
   the whole device). A trial thus ends within ``settle_max + 2 * calls + max_lag`` training calls.
 * **Nothing after the verdict.** Once the trial has decided, ``begin`` takes no marks and never
-  synchronizes.
+  synchronizes, and no hook of the timer is left on the module: a sample's backward hooks are
+  removed as soon as its marks are taken, a pending sample's at the verdict or when withdrawn, and
+  all of them by :meth:`CallTimer.close` (the owner's detach).
 """
 from __future__ import annotations
 
@@ -48,6 +50,13 @@ class Sample:
     @property
     def end(self) -> Any:
         return self.b1 if self.b1 is not None else self.t1
+
+    def release(self) -> None:
+        """Remove the sample's backward hooks (they sit on the module's parameters, which would
+        otherwise keep them, and through them the timer and its owner, for the parameters' life)."""
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.remove()
 
 
 class CallTimer:
@@ -149,12 +158,22 @@ class CallTimer:
         with self._lock:
             pending, self._pending = self._pending, None
         if pending is not None:
-            for h in pending.handles:
-                h.remove()
+            pending.release()
             self.trial.cancel_last()
 
+    def close(self) -> None:
+        """Remove every hook the timer placed (a pending sample's and any not yet removed) and drop
+        the samples; the trial keeps whatever it has recorded. For the owner's detach; idempotent."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+            measured = list(self._measured)
+            self._measured.clear()
+        for sample in ([pending] if pending is not None else []) + measured:
+            sample.release()
+
     def _finish(self, sample: Sample) -> None:
-        """All marks of ``sample`` are taken: queue it and read what is ready."""
+        """All marks of ``sample`` are taken: remove its hooks, queue it and read what is ready."""
+        sample.release()  # PyTorch allows a hook to be removed while it runs (it holds the hooks)
         with self._lock:
             if self._pending is sample:
                 self._pending = None
@@ -182,8 +201,10 @@ class CallTimer:
                     self.verdict = verdict
                     self._measured.clear()
                     verdict_summary = (verdict, self.trial.summary())
-        if verdict_summary is not None and self.on_verdict is not None:
-            self.on_verdict(*verdict_summary)
+        if verdict_summary is not None:
+            self.close()  # a call timed before the verdict may still await its backward
+            if self.on_verdict is not None:
+                self.on_verdict(*verdict_summary)
 
     def _time_backward(self, module: nn.Module, output, sample: Sample) -> None:
         """Finish ``sample`` when backward has gone through the module (or now, if it cannot)."""

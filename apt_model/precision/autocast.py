@@ -163,4 +163,6 @@ def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patc
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")
     patches.add_undo(hooks.unwind, f"autocast contexts left entered {type(model).__name__}")
+    if hooks.timer is not None:
+        patches.add_undo(hooks.timer.close, f"autocast trial's backward hooks {type(model).__name__}")
     return hooks

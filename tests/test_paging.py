@@ -1868,6 +1868,28 @@ def test_a_dropped_model_is_freed_and_the_next_one_trains_like_plain(tmp_path, k
         vb.disable()
 
 
+def test_a_model_dropped_after_disable_is_freed_and_the_report_stays(tmp_path):
+    """After ``disable()`` the switch's report still reads the closed paging session (until the
+    next ``enable()``): the session kept every parameter and gradient of its models alive with it,
+    so a notebook that disables, then drops its model, kept all of it."""
+    import gc
+    import weakref
+
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    m = model(dropout=0.0).to("cpu")
+    opt = make_opt(m, "adamw")
+    train(m, opt, 2)
+    before = vb.get_report()["memory"]["paging"]
+    vb.disable()
+    refs = [weakref.ref(t) for p in m.parameters() for t in (p, p.grad)] + [weakref.ref(m)]
+    del m, opt
+    gc.collect()
+    assert [r for r in refs if r() is not None] == []
+    after = vb.get_report()["memory"]["paging"]
+    assert after["models"] == before["models"] and after["models"][0]["paged_parameters"] > 0
+    assert after["optimizer_steps"] == before["optimizer_steps"] == 2
+
+
 def test_pre_step_copies_leave_no_swap_files_behind(tmp_path):
     """Where the plan keeps the parameters resident, each step writes a pre-step copy of every
     parameter it updates (for a roll-back). A copy's key is never written again, yet dropping it

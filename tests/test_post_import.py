@@ -1,5 +1,7 @@
 """Post-import hooks (apt_model/base/post_import.py) and the FSDP2 guard they install lazily."""
+import gc
 import sys
+import weakref
 
 from apt_model.base.post_import import when_imported
 from conftest import clean_env, run_python
@@ -26,6 +28,29 @@ def test_the_callback_runs_after_the_first_import_once_and_not_after_undo(tmp_pa
     import vb_post_import_a  # noqa: F401,F811 - imported again: the watch is gone
     assert seen == [("vb_post_import_a", True)]
     assert when_imported("vb_post_import_a", lambda m: seen.append("now")) is None and seen[-1] == "now"
+
+
+def test_nothing_of_the_watch_stays_on_the_loader_after_the_import(tmp_path, monkeypatch):
+    """The module keeps its loader for good: the wrapper put on it (and the callback it holds, a
+    paging session's guard that held every parameter of a model) goes once the import has run."""
+    _module(tmp_path, monkeypatch, "vb_post_import_d")
+    _module(tmp_path, monkeypatch, "vb_post_import_e")
+
+    class Callback:
+        def __call__(self, module):
+            self.seen = module.__name__
+
+    cb, dropped = Callback(), Callback()
+    held, freed = weakref.ref(cb), weakref.ref(dropped)
+    when_imported("vb_post_import_d", cb)
+    undo = when_imported("vb_post_import_e", dropped)
+    import vb_post_import_d  # noqa: F401
+    assert cb.seen == "vb_post_import_d"
+    assert "exec_module" not in vars(vb_post_import_d.__loader__)
+    undo()
+    del cb, dropped
+    gc.collect()
+    assert held() is None and freed() is None
 
 
 def test_a_failing_callback_never_fails_the_scripts_import(tmp_path, monkeypatch, caplog):

@@ -44,13 +44,23 @@ class _Watch(importlib.abc.MetaPathFinder):
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
         run = loader.exec_module
+        own = "exec_module" in getattr(loader, "__dict__", {})  # set on the loader object itself
         watch = self
 
         def exec_module(module):
+            # the loader as it was, first: the module keeps its loader, and a wrapper left on it
+            # would keep the callback (and whatever the callback holds) for the process's life
+            if own:
+                loader.exec_module = run
+            else:
+                vars(loader).pop("exec_module", None)
             run(module)
+            callback = watch.callback
             watch.remove()
+            if callback is None:  # stopped watching while the module was found
+                return
             try:
-                watch.callback(module)
+                callback(module)
             except Exception as err:  # noqa: BLE001 - the script's import must not fail for our patch
                 log.warning("after importing %s: %s: %s", fullname, type(err).__name__, err)
 
@@ -58,7 +68,9 @@ class _Watch(importlib.abc.MetaPathFinder):
         return spec
 
     def remove(self) -> None:
+        """Stop watching and drop the callback (what it holds is freed with it)."""
         self.active = False
+        self.callback = None
         try:
             sys.meta_path.remove(self)
         except ValueError:

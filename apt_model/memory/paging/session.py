@@ -123,6 +123,7 @@ class PagingSession:
         # :meth:`retire_dead`). The id-keyed maps lose a parameter's entries the moment it dies,
         # so a new tensor given its id is never taken for it.
         self.models: list[PagedModel] = []  # live ones (replaced, never mutated: a finalizer edits it)
+        self._closed_report: dict | None = None  # the report at a clean close (models let go: _let_go)
         self.param_pages: dict[int, Page] = {}
         self.grad_pages: dict[int, Page] = {}
         self.params: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(p) -> p
@@ -943,8 +944,23 @@ class PagingSession:
             self.backward_step.close()
         finally:
             self.pager.close()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """After a clean close: keep the report, drop the models. The switch's report reads a
+        closed session until the next ``enable()``; it held every parameter and gradient of the
+        models paged in it (through ``models``), so a model the script dropped after ``disable()``
+        was not freed."""
+        self._closed_report = self.report()
+        self.models = []
+        self._released = []
+        self.param_pages.clear()
+        self.grad_pages.clear()
+        self.labels.clear()
 
     def report(self) -> dict:
+        if self._closed_report is not None:
+            return self._closed_report
         self.retire_dead()
         store = self.pager.store
         return {

@@ -1868,6 +1868,40 @@ def test_a_dropped_model_is_freed_and_the_next_one_trains_like_plain(tmp_path, k
         vb.disable()
 
 
+def test_a_model_kept_whole_counts_against_the_budget_of_the_models_after_it(tmp_path):
+    """Several models share the one level-0 budget: a model that fits and is not paged still
+    occupies level 0, so the model adopted after it is planned against what it leaves, and the pages
+    get that much less room — until the script drops it. (Each of these two fits the budget alone;
+    both were kept whole, twice the budget on level 0.)"""
+    import gc
+
+    def state_bytes(m):
+        n = sum(p.numel() * p.element_size() for p in m.parameters())
+        return n + n + 2 * n  # parameters, gradients, AdamW's m and v
+
+    a, b = model(seed=0, dropout=0.0), model(seed=1, dropout=0.0)
+    budget = int(1.5 * state_bytes(a))
+    ref = model(seed=1, dropout=0.0)
+    expected = train(ref, make_opt(ref, "adamw"), 2)
+    vb.enable("balanced", swap_dir=str(tmp_path), paging="over_budget", device_budget=str(budget), attention="off",
+              mixed_precision="off", banner=False)
+    from apt_model.switch.controller import session as vb_session
+
+    a.to("cpu")
+    b.to("cpu")
+    chosen = [r["features"]["paging"]["chosen"] for r in vb.get_report()["models"]]
+    assert chosen == ["resident", "paged"]
+    opt_a = make_opt(a, "adamw")
+    train(a, opt_a, 1)
+    assert train(b, make_opt(b, "adamw"), 2) == expected
+    s = vb_session().paging
+    assert s.pager.budget == budget - s.kept_total() - state_bytes(a)
+    del a, opt_a
+    gc.collect()
+    b(torch.zeros(1, 8, dtype=torch.long))  # the next paged forward gives the room back
+    assert s.pager.budget == budget - s.kept_total()
+
+
 def test_a_model_dropped_after_disable_is_freed_and_the_report_stays(tmp_path):
     """After ``disable()`` the switch's report still reads the closed paging session (until the
     next ``enable()``): the session kept every parameter and gradient of its models alive with it,
@@ -1997,7 +2031,7 @@ def test_a_model_adopted_later_that_does_not_fit_what_is_left_is_paged_anyway_wi
                 assert torch.equal(p, q)
     finally:
         vb.disable()
-    assert "does not fit what they leave" in reasons[1] and "set device_budget" in reasons[1], reasons
+    assert "does not fit what they keep resident" in reasons[1] and "set device_budget" in reasons[1], reasons
     assert any("paging Sequential anyway" in r.getMessage() for r in caplog.records)
 
 

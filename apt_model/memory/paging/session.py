@@ -99,7 +99,7 @@ class PagingSession:
 
     def __init__(self, budget: int, swap: SwapSpace, patches, page_states: bool = True,
                  device: torch.device | str = "cpu", host_budget: int | None = None, host_level: bool | None = None,
-                 step_in_backward: str = "auto", reuse_memory: bool = True):
+                 step_in_backward: str = "auto", reuse_memory: bool = True, resident=None):
         device = torch.device(device)
         self.level_budget = int(budget)
         store = None
@@ -153,6 +153,9 @@ class PagingSession:
         self._grad_calls = 0  # torch.autograd.grad calls under way (they accumulate into no gradient)
         self._backward_calls = 0  # torch.autograd.backward calls under way (they do)
         self.kept: list[dict] = []  # per paged model: the bytes its plan keeps resident on level 0
+        # the models kept whole on level 0 (not paged: ResidentModels), whose bytes the pages' room excludes too
+        self.resident = resident
+        self._resident_seen = -1  # len(resident) at the last fit: a resident model freed gives its room back
         # modules and parameters registered anywhere since paging began (torch's global registration
         # hooks): a paged model walks itself for ones added to it when this changed (PagedModel._check_slots)
         self.registrations = 0
@@ -417,10 +420,19 @@ class PagingSession:
         """Bytes the paged models' plans keep resident on level 0 now (the next plan has the rest)."""
         return sum(sum(k.values()) for k in self.kept)
 
+    def resident_total(self) -> int:
+        """Bytes of the models kept whole on level 0 (not paged), less their parameters paged since
+        through a model that wraps them."""
+        if self.resident is None:
+            return 0
+        self._resident_seen = len(self.resident)
+        return self.resident.bytes(paged=self.params)
+
     def _fit_kept(self, warn: bool = False) -> int:
-        """Give the pages the level's budget minus the bytes kept resident; returns those bytes.
-        With ``warn``, say so when what is kept leaves the pages no room."""
-        total = self.kept_total()
+        """Give the pages the level's budget minus the bytes kept resident (by the paged models'
+        plans and by the models kept whole); returns those bytes. With ``warn``, say so when what is
+        kept leaves the pages no room."""
+        total = self.kept_total() + self.resident_total()
         self.pager.kept_bytes = total
         self.pager.level_budget = self.level_budget
         self.pager.budget = max(self.level_budget - total, 0)
@@ -471,6 +483,8 @@ class PagingSession:
             self.pager.discard(self._dead_pages.pop())
         if len(self._finalizers) > 64 and any(not f.alive for f in self._finalizers):
             self._finalizers = [f for f in self._finalizers if f.alive]  # fired: nothing left to detach
+        if self.resident is not None and len(self.resident) != self._resident_seen:
+            self._fit_kept()  # a model kept whole was adopted or freed
         if self._released:
             released, self._released = self._released, []
             self.kept = [k for k in self.kept if not any(k is pm.kept for pm in released)]
@@ -669,7 +683,8 @@ class PagingSession:
         taken inside a backward nobody claimed."""
         self._root_scopes.unwind()
         self._root_scopes.push(None, True)
-        if self._dead_pages or self._released:
+        if self._dead_pages or self._released or (self.resident is not None
+                                                  and len(self.resident) != self._resident_seen):
             self.retire_dead()
 
     def root_forward_ends(self) -> None:

@@ -7,7 +7,9 @@ pages dense tensors only; with ``paging=always`` a warning says so), and for a m
 parameters a paged model pages already (one the script added to that model: its forward adopted
 them);
 otherwise the placement plan (:func:`~apt_model.memory.placement.plan_placement`) compares the
-model's training state with the stack's compute budget — ``resident`` when it fits (unless
+model's training state with the budget the models adopted before leave (what the paged ones'
+plans keep resident, and the whole training state of those kept resident:
+:class:`~apt_model.memory.paging.resident.ResidentModels`) — ``resident`` when it fits (unless
 ``paging=always``), else ``paged`` with what stays resident and why, using the levels' measured
 bandwidths, and where the optimizer step runs (:mod:`~apt_model.memory.paging.step_placement`:
 on the device, or on the host where the cost model predicts it faster and exactness allows).
@@ -23,6 +25,7 @@ import torch.nn as nn
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
+from apt_model.memory.paging.resident import ResidentModels
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
 from apt_model.memory.placement import PagingBudgetError, plan_placement
 
@@ -53,6 +56,7 @@ class PagingStep(FeatureStep):
     def __init__(self, session):
         super().__init__(session)
         self.plans: list = []  # the placement plans of the paged models
+        self.resident = ResidentModels()  # the models whose plan keeps everything on level 0
 
     @property
     def paging(self):
@@ -78,27 +82,31 @@ class PagingStep(FeatureStep):
             if req == "always":
                 log.warning("paging='always' not applied: %s", reason)
             return Decision(self.name, req, "off", reason)
-        budget, taken = stack.compute_budget, 0
-        if self.paging is not None:  # the models adopted before keep part of the level resident
+        # the models adopted before keep part of the level resident: paged ones by their plans,
+        # and those kept whole (their parameters this model brings along aside)
+        taken = self.resident.bytes(exclude=model, paged=self.paging.params if self.paging is not None else ())
+        if self.paging is not None:
             self.paging.retire_dead()
-            taken = self.paging.kept_total()
-            budget = max(budget - taken, 0)
+            taken += self.paging.kept_total()
+        budget = max(stack.compute_budget - taken, 0)
         plan = self._plan(model, budget, None, req == "always", taken)
-        if not plan.paged:
-            return Decision(self.name, req, "resident", plan.reason, details={"plan": plan.to_dict()})
+        if not plan.paged:  # applied: remembered as resident (its bytes count for the models after it)
+            return Decision(self.name, req, "resident", plan.reason, act=True, details={"plan": plan.to_dict()})
         bw = stack.measure()
-        plan = self._plan(model, budget, bw["disk"], req == "always", taken, levels=stack.levels, device=ctx.device)
+        plan = self._plan(model, budget, bw["disk"], req == "always", taken, warn=True, levels=stack.levels,
+                          device=ctx.device)
         step = self._step_placement(plan, ctx)
         return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
                         plan=plan, details={"plan": plan.to_dict(), "optimizer_step": step.to_dict()},
                         facts={"paged": True})
 
-    def _plan(self, model: nn.Module, budget: int, disk, force: bool, taken: int, **kw):
+    def _plan(self, model: nn.Module, budget: int, disk, force: bool, taken: int, warn: bool = False, **kw):
         """:func:`plan_placement` for ``model`` with the ``budget`` the models adopted before leave
-        (``taken`` bytes kept resident by their plans). Where that is too small for it, a model
-        adopted later (a block a growing network adds at its first forward) is not refused in the
-        middle of training: everything of it is paged, and a warning says by how much level 0 will
-        go over the budget and what budget holds it. The first model is refused as always."""
+        (``taken`` bytes they keep resident). Where that is too small for it, a model adopted later
+        (a block a growing network adds at its first forward) is not refused in the middle of
+        training: everything of it is paged, and (with ``warn``: the final plan) a warning says by
+        how much level 0 will go over the budget and what budget holds it. The first model is
+        refused as always."""
         setting = self.session.stack.budget_setting
         try:
             return plan_placement(model, budget, disk, force=force, budget_setting=setting, taken=taken, **kw)
@@ -106,9 +114,10 @@ class PagingStep(FeatureStep):
             if not taken:
                 raise
             plan = plan_placement(model, budget, disk, force=True, budget_setting=setting, taken=taken, **kw)
-            log.warning("paging %s anyway, everything of it paged: %s", type(model).__name__, err)
-            plan.reason = (plan.reason.replace("forced by the caller", "everything paged: adopted after other paged "
-                                               "models, it does not fit what they leave", 1) + f" ({err})")
+            if warn:
+                log.warning("paging %s anyway, everything of it paged: %s", type(model).__name__, err)
+            plan.reason = (plan.reason.replace("forced by the caller", "everything paged: adopted after other "
+                                               "models, it does not fit what they keep resident", 1) + f" ({err})")
             return plan
 
     def _step_placement(self, plan, ctx: AdoptionContext):
@@ -127,6 +136,11 @@ class PagingStep(FeatureStep):
             host.capacity - plan.grads_bytes if host else None)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
+        if decision.chosen == "resident":
+            self.resident.add(model)
+            if self.paging is not None:
+                self.paging.retire_dead()  # the pages' room shrinks by its bytes
+            return decision
         plan, stack = decision.plan, self.session.stack
         session = self.paging
         if session is None:
@@ -136,7 +150,7 @@ class PagingStep(FeatureStep):
             session = self.session.services["paging"] = PagingSession(
                 stack.compute_budget, stack.swap, patches, page_states=plan.page_states, device=ctx.device,
                 host_budget=host, step_in_backward=getattr(ctx.config, "paging_step_in_backward", "auto"),
-                reuse_memory=bool(getattr(ctx.config, "paging_reuse_memory", True)))
+                reuse_memory=bool(getattr(ctx.config, "paging_reuse_memory", True)), resident=self.resident)
         session.optimizers.page_states |= plan.page_states
         session.page_model(model, plan.page_params, plan.page_grads)
         if plan.over_budget_expected:  # a forced plan past its working set: the bound is not promised

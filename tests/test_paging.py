@@ -813,6 +813,8 @@ def test_paging_refuses_an_impossible_budget_at_adoption(budgets, names, tmp_pat
         vb.enable("balanced", swap_dir=str(tmp_path), paging="over_budget", attention="off",
                   mixed_precision="off", banner=False, **budgets)
         m.to("cpu")
+    refused = vb.get_report()["models"][0]["features"]["paging"]  # the record says so too (it had no entry)
+    assert refused["chosen"] == "refused" and refused["reason"].startswith("PagingBudgetError: ")
     vb.disable()
     # the size it suggests can be typed as written, and is enough (it was rounded to one decimal
     # of KiB: below the need, and "300.1KiB" is no whole number of bytes)

@@ -92,6 +92,15 @@ def test_index_out_of_range_names_valid_indices(machine, monkeypatch):
         select_device(candidates=machine)
 
 
+def test_a_cpu_index_other_than_0_is_an_error(machine, monkeypatch):
+    monkeypatch.setenv("VB_DEVICE", "cpu:3")  # torch takes it for the one CPU; a typo, most likely
+    with pytest.raises(DeviceSelectionError, match=r"VB_DEVICE='cpu:3': the CPU is one device, valid: 'cpu' or 'cpu:0'"):
+        select_device(candidates=machine)
+    for ok in ("cpu", "cpu:0"):
+        monkeypatch.setenv("VB_DEVICE", ok)
+        assert select_device(candidates=machine).device == torch.device("cpu")
+
+
 def test_unusable_kind_is_an_error_with_the_detection_reason(machine, monkeypatch):
     monkeypatch.setenv("VB_DEVICE", "mlu")
     with pytest.raises(DeviceSelectionError, match="libcnrt.so missing"):

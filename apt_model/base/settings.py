@@ -277,7 +277,7 @@ def number_between(low: float, high: float) -> Check:
         except (TypeError, ValueError):
             raise ConfigError(f"{label}={value!r} is not a number") from None
         if not low < number < high:
-            raise ConfigError(f"{label}={value!r} must be between {low:g} and {high:g}")
+            raise ConfigError(f"{label}={value!r} must be between {low:g} and {high:g}, both excluded")
         return number
 
     return check

@@ -131,6 +131,8 @@ def _resolve(spec: str | torch.device, candidates: list[Candidate], label: str, 
         raise DeviceSelectionError(f"{label}={str(spec)!r} asks for {name}, which is not usable here ({why})")
     cand = min(usable, key=lambda c: c.priority)
     if cand.device_type == "cpu":
+        if index not in (None, 0):  # torch takes "cpu:3" and means the one CPU device: a typo, most likely
+            raise DeviceSelectionError(f"{label}={str(spec)!r}: the CPU is one device, valid: 'cpu' or 'cpu:0'")
         return Selection(torch.device("cpu"), cand, source, f"{label} asked for the CPU", order)
     note = ""
     if index is None:  # under a launcher, a kind without an index means this rank's device

@@ -22,6 +22,7 @@ import torch.nn as nn
 from apt_model.activations.step import CheckpointStep, OffloadStep
 from apt_model.attention.step import AttentionStep
 from apt_model.compile.step import CompileStep
+from apt_model.base.errors import USER_ERRORS
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, ModelRecord, StepSession
 from apt_model.devices.capabilities import Speed, Support, get_speed, get_support
 from apt_model.distributed.step import DistributedStep
@@ -162,9 +163,14 @@ class Adopter:
         ctx = AdoptionContext(self.session, rec, dev, trigger, self.record, self.probes, moved_note)
         ctx.support(), ctx.speed()  # probed up front (not at a step's first need): adoption's cost stays in one place
         for step in self.steps:
-            decision = step.decide(model, ctx)
-            if decision.act:
-                decision = step.apply(model, ctx, self.session.patches, decision)
+            try:
+                decision = step.decide(model, ctx)
+                if decision.act:
+                    decision = step.apply(model, ctx, self.session.patches, decision)
+            except USER_ERRORS as err:  # refused (a budget too small for the plan): the record says so too
+                self.record(rec, Decision(step.name, getattr(ctx.config, step.name, None), "refused",
+                                          f"{type(err).__name__}: {err}"))
+                raise
             self.record(rec, decision)
             ctx.facts.update(decision.facts)
         self._not_built(rec)

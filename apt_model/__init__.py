@@ -6,9 +6,11 @@ plugin cannot make the import fail (see :mod:`apt_model.devices.plugins`), and i
 ``ENABLE_VIRTUAL_BLACKWELL=1`` / ``VB_MODE`` (see :mod:`apt_model.switch.env`). Nothing is probed
 or patched unless the switch is enabled.
 
-A bad value there (``VB_MODE=fast``, a malformed ``.vbrc``, an unusable ``VB_DEVICE``) ends the
-program at this import with one line on stderr naming the variable or file and the valid forms,
-and exit status 2 (``SystemExit(2)``); ``VB_LOG_LEVEL=DEBUG`` adds the traceback.
+A bad value there ends the program at this import with one line on stderr naming the variable or
+file and the valid forms, and exit status 2 (``SystemExit(2)``); ``VB_LOG_LEVEL=DEBUG`` adds the
+traceback. ``ENABLE_VIRTUAL_BLACKWELL``, ``VB_MODE`` and ``VB_LOG_LEVEL`` are checked always; the
+other variables and the ``.vbrc`` files (a malformed file, an unusable ``VB_DEVICE``) when
+``ENABLE_VIRTUAL_BLACKWELL=1`` enables the switch here, else by ``vb.enable()``.
 """
 from apt_model.base.version import __version__
 from apt_model.devices.plugins import import_torch as _import_torch

@@ -12,8 +12,8 @@ _SIZE = "a size: 512MB, 4GiB, bytes"
 
 DEVICE_BUDGET = Setting(
     "device_budget", None, "VB_DEVICE_BUDGET",
-    "level-0 bytes for training state (on a CPU-only run: host RAM); default: the device's free "
-    "memory minus headroom", size_or_none, values=_SIZE)
+    "level-0 bytes for training state (on a CPU-only run: host RAM, and at most host_budget); default: "
+    "the device's free memory minus headroom", size_or_none, values=_SIZE)
 HOST_BUDGET = Setting(
     "host_budget", None, "VB_HOST_BUDGET", "host-level bytes for paged training state", size_or_none,
     values=_SIZE)

@@ -19,7 +19,7 @@ The cost model (:func:`plan_optimizer_step`) predicts both per step, in seconds,
 figures only — the link's GB/s (the stack's host level), the device memory's GB/s (level 0) and
 the host step's rate (:func:`probe_host_step_rate`, bytes of parameters stepped per second) — and
 picks the cheaper, unless the request names one. The prediction is reported beside what was
-measured (``vb.get_report()["memory"]["paging"]["optimizer_step"]``).
+measured (``vb.get_report()["models"][i]["features"]["paging"]["optimizer_step"]``).
 
 **Exactness.** On the device, the paged step is bitwise the in-memory step (the same kernels on
 the same tensors). On the host, the arithmetic is the host's: for a model on an accelerator the

@@ -295,6 +295,28 @@ def test_an_optimizer_stepping_no_adopted_model_is_told_once(caplog, cpu_device)
     assert len(warned) == 1 and warned[0].levelname == "WARNING"
 
 
+def test_enable_between_a_forward_and_its_step_warns_of_nothing(caplog, cpu_device):
+    """``enable()`` called after a forward, before its step: the model is adopted at its next
+    forward, so the first step over its parameters is no sign of a model the switch misses (it
+    warned "no adopted model" there)."""
+    m = tiny_gpt()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+    with caplog.at_level("WARNING", logger="apt_model.switch.controller"):
+        vb.enable("balanced", attention="off", mixed_precision="off", compile="off", banner=False)
+        loss.backward()
+        opt.step()
+        for _ in range(2):
+            opt.zero_grad()
+            F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)).backward()
+            opt.step()
+    report = vb.get_report()
+    assert [r["name"] for r in report["models"]] == ["GPT"]
+    assert not [d for d in report["decisions"] if d["feature"] == "adoption"]
+    assert not [r for r in caplog.records if "of no adopted model" in r.getMessage()]
+
+
 def test_parametrizations_are_never_adopted_as_models_of_their_own(cpu_device):
     """``spectral_norm`` calls its parametrization while the layer is built, and every read of a
     parametrized weight calls a ``ParametrizationList``: with the switch on first, each was

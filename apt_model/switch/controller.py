@@ -56,7 +56,8 @@ class _State:
         self.distributed = None  # apt_model.distributed.session.DistributedSession
         self.steps = None  # apt_model.switch.steps.StepRecorder: per-step time and memory for the report
         self.seen: weakref.WeakSet = weakref.WeakSet()
-        self.checked_optimizers: weakref.WeakSet = weakref.WeakSet()  # first step checked for adopted parameters
+        self.checked_optimizers: weakref.WeakSet = weakref.WeakSet()  # checked for adopted parameters
+        self.unadopted_once: weakref.WeakSet = weakref.WeakSet()  # stepped once over no adopted model's parameters
         self.suspended = 0
         self.redirect_target: torch.device | None = None
         self.counters = {"cuda_redirects": 0, "adoptions": 0}
@@ -132,6 +133,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         st.distributed = distributed
         st.seen = weakref.WeakSet()
         st.checked_optimizers = weakref.WeakSet()
+        st.unadopted_once = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at = time.time()
         st.log.record("switch", "mode", mode or config.mode, config.mode,
@@ -630,25 +632,31 @@ def _global_pre_hook(module: nn.Module, args: tuple):
 
 
 def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
-    """At an optimizer's first step (``adopt="auto"``): if none of its parameters belongs to an
-    adopted model, say so (a warning, and an entry in the report's decisions). The switch then does
-    nothing for that training: its model was never moved with ``.to()`` and was first called
-    inside a compiled function that does not name it where :mod:`~apt_model.switch.reachable`
-    looks (its arguments and their attributes, closure, globals, bound object), or the parameters
-    belong to no module.
+    """At an optimizer's second step under the switch (``adopt="auto"``): if none of its parameters
+    belongs to an adopted model, say so (a warning, and an entry in the report's decisions). The
+    switch then does nothing for that training: its model was never moved with ``.to()`` and was
+    first called inside a compiled function that does not name it where
+    :mod:`~apt_model.switch.reachable` looks (its arguments and their attributes, closure, globals,
+    bound object), or the parameters belong to no module. Not at the first: ``enable()`` called
+    between a forward and its step adopts the model at its next forward.
     Never raises; does nothing while anything compiles."""
     st = _state
     try:
         if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling() or opt in st.checked_optimizers:
             return None
-        st.checked_optimizers.add(opt)
         params = {id(p) for g in opt.param_groups for p in g["params"]}
         if not params:
+            st.checked_optimizers.add(opt)
             return None
         for rec in st.adopter.records if st.adopter is not None else ():
             model = rec.ref() if rec.ref is not None else None
             if model is not None and any(id(p) in params for p in model.parameters()):
+                st.checked_optimizers.add(opt)
                 return None
+        if opt not in st.unadopted_once:
+            st.unadopted_once.add(opt)  # asked again at its next step
+            return None
+        st.checked_optimizers.add(opt)
         reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
                   "nothing for them. A model first called inside a compiled function that reaches it other than "
                   "through its arguments, their attributes, its closure, globals or bound object, or called only through "

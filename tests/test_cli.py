@@ -1,5 +1,6 @@
 """apt-vb as users run it: in a subprocess, parsing its JSON."""
 import json
+import os
 import subprocess
 import sys
 
@@ -66,6 +67,24 @@ def test_run_refuses_a_missing_module_and_an_unwritable_report_before_the_script
     bad = apt_vb("run", "--quiet", "--report", str(blocked / "sub" / "r.json"), str(script))
     assert bad.returncode == 2 and "--report" in bad.stderr and "SCRIPT RAN" not in bad.stdout, bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc")
+def test_the_output_path_check_tries_the_file_and_leaves_nothing(tmp_path):
+    """Root may write to every folder by the permission bits, so ``os.access`` said yes for
+    ``/proc`` and the run failed at its end; the check now opens the file, and removes it again
+    when it made it (an existing file keeps its bytes)."""
+    from apt_model.cli.launcher import check_output_path
+    from apt_model.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--report '/proc/vb-report.json': not a writable file path \("):
+        check_output_path("/proc/vb-report.json", "--report")
+    check_output_path(str(tmp_path / "sub" / "r.json"), "--report")
+    assert (tmp_path / "sub").is_dir() and not (tmp_path / "sub" / "r.json").exists()
+    kept = tmp_path / "old.json"
+    kept.write_text("{}")
+    check_output_path(str(kept), "--json")
+    assert kept.read_text() == "{}"
 
 
 def test_run_m_finds_a_module_in_the_current_folder_as_python_m_does(tmp_path, monkeypatch, capsys):

@@ -93,3 +93,14 @@ def check_output_path(path: str, flag: str) -> None:
         raise ConfigError(f"{flag} {path!r}: its folder cannot be created ({err})") from None
     if os.path.isdir(path) or not os.access(folder, os.W_OK):
         raise ConfigError(f"{flag} {path!r}: not a writable file path")
+    existed = os.path.exists(path)
+    try:  # os.access answers yes to root for folders no file can be made in (/proc): try it
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"{flag} {path!r}: not a writable file path ({err.strerror})") from None
+    if not existed:
+        try:
+            os.remove(path)
+        except OSError:
+            pass

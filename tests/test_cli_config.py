@@ -76,6 +76,8 @@ def test_config_save_and_load(project, tmp_path, capsys):
     assert swap.is_dir()  # created: the switch needs an existing swap dir
     data = json.loads((project / ".vbrc").read_text())
     assert data["mode"] == "memory" and data["attention"] == "off" and "_comment" in data and "_why" in data
+    # the header's summary is the suggestion's; what was set by hand is said after it (it read as if kept)
+    assert f"; then set by hand: mode=memory, attention=off, swap_dir={swap}." in data["_comment"]
     assert main(["config", "save", "--no-measure"]) == 2
     assert "exists; pass overwrite=True" in capsys.readouterr().err
     assert main(["config", "save", "--no-measure", "--path", str(tmp_path / "t.toml"), "--all-features"]) == 0

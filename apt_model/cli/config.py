@@ -191,11 +191,15 @@ def run_config(args) -> int:
             for k, v in MODE_TABLE[values["mode"]].items():
                 values.setdefault(k, v)
                 reasons.setdefault(k, f"the {values['mode']} mode's request (edit to override)")
+        by_hand = [f"mode={values['mode']}"] if args.mode else []
         for item in args.sets:
             k, v = _parse_set(item)
             values[k] = v
             reasons[k] = "set with --set"
-        header = (f"Written by apt-vb config save: {s['summary']}.\n"
+            by_hand.append(f"{k}={v}")
+        # the summary is the suggestion's: what --mode and --set changed is said after it
+        header = (f"Written by apt-vb config save; suggested for this machine: {s['summary']}"
+                  + (f"; then set by hand: {', '.join(by_hand)}" if by_hand else "") + ".\n"
                   "Precedence: enable() arguments > VB_* variables > this file > the mode's defaults. "
                   "See docs/configuration.md.")
         try:

@@ -233,6 +233,27 @@ def test_a_recompile_storm_retries_with_dynamic_shapes_then_leaves_the_rung():
     patches.restore_all()
 
 
+def test_a_storm_restarting_the_warm_up_leaves_no_timing_hook_on_the_parameters():
+    """A timed call still awaiting its backward when a recompile storm sends the rung back to its
+    warm-up: its hooks on the parameters went with nothing (the new trial's timer replaced the old
+    one unclosed) and held the model for good."""
+    model = Net()
+    counter = Counter()
+    ladder, patches = ladder_for(model, [rung("compile", lambda eager, dynamic: eager, counter)], [],
+                                 recompile_limit=2)
+    steps = 0
+    while ladder.state != "trial":
+        train(model, 1)
+        steps += 1
+        assert steps < 50
+    model(torch.randn(8, 16))  # timed, its backward never comes
+    counter.compiles += 10  # a storm, seen at the next call: warm-up again, then a new trial
+    train(model, WARMUP_CALLS + 48 + 2 * 8 + 4)
+    assert [e["outcome"] for e in ladder.timeline][:1] == ["recompile storm"] and ladder.state == "done"
+    assert sum(len(p._backward_hooks or {}) for p in model.parameters()) == 0
+    patches.restore_all()
+
+
 def test_evaluation_calls_never_start_a_rung_and_the_gate_holds_it():
     model = Net()
     open_ = [False]

@@ -53,6 +53,30 @@ def test_nothing_of_the_watch_stays_on_the_loader_after_the_import(tmp_path, mon
     assert held() is None and freed() is None
 
 
+def test_a_loader_shared_with_other_modules_is_never_changed(tmp_path, monkeypatch):
+    """A zip archive's modules share one loader: a spec found only to ask whether the watched
+    module exists (``importlib.util.find_spec``) left the wrapper on it, and the next module
+    imported from the archive ran the callback in the watched one's place."""
+    import importlib.util
+    import zipfile
+
+    archive = tmp_path / "mods.zip"
+    with zipfile.ZipFile(archive, "w") as z:
+        z.writestr("vbz_watched_a.py", "X = 1\n")
+        z.writestr("vbz_other_a.py", "Y = 2\n")
+    monkeypatch.syspath_prepend(str(archive))
+    for name in ("vbz_watched_a", "vbz_other_a"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    seen = []
+    when_imported("vbz_watched_a", lambda m: seen.append(m.__name__))
+    assert importlib.util.find_spec("vbz_watched_a") is not None  # an availability probe
+    import vbz_other_a  # noqa: F401
+    assert seen == []
+    import vbz_watched_a
+    assert seen == ["vbz_watched_a"] and vbz_watched_a.__loader__ is vbz_other_a.__loader__
+    assert vbz_watched_a.__spec__.loader is vbz_watched_a.__loader__
+
+
 def test_a_failing_callback_never_fails_the_scripts_import(tmp_path, monkeypatch, caplog):
     _module(tmp_path, monkeypatch, "vb_post_import_c")
     when_imported("vb_post_import_c", lambda m: 1 / 0)

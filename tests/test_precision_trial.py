@@ -245,6 +245,48 @@ def test_no_timing_hook_is_left_on_the_parameters_after_the_verdict_or_the_undo(
         assert hooks.trial.running
 
 
+def test_a_backward_finishing_after_the_undo_records_nothing():
+    """On an accelerator backward runs on autograd's device thread: a timed call's backward that
+    has taken its last mark when ``disable()`` closes the timer must not be recorded afterwards
+    (the trial went on after the undo, and a verdict fired then; the compile ladder put its rung
+    back on the model's forward for good). The backward thread is held just before it queues the
+    sample, while the patches are undone."""
+    import sys
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    patches = PatchSet()
+    verdicts = []
+    hooks = attach_autocast(m, "cpu", torch.bfloat16, patches, trial=SpeedTrial(calls=4, settle_max=0),
+                            on_verdict=lambda keep, summary: verdicts.append(keep))
+    reached, go = threading.Event(), threading.Event()
+
+    def tracer(frame, event, arg):  # hold the thread where the finished sample would be queued
+        if (event == "call" and frame.f_code.co_name == "_finish"
+                and frame.f_globals.get("__name__") == "apt_model.devices.call_timer"):
+            reached.set()
+            go.wait(10)
+        return None
+
+    def backward(loss):
+        sys.settrace(tracer)
+        try:
+            loss.backward()
+        finally:
+            sys.settrace(None)
+
+    loss = m(torch.randn(4, 16)).float().sum()
+    index = hooks.trial.index
+    t = threading.Thread(target=backward, args=(loss,))
+    t.start()
+    assert reached.wait(10)
+    patches.restore_all()  # disable()
+    go.set()
+    t.join()
+    assert hooks.trial.index == index and verdicts == []
+    assert _gradient_hooks(m) == 0
+
+
 def test_lagging_events_are_read_in_order_and_the_wait_is_bounded():
     clock = CountingClock(lag=40)  # events far behind: the hooks must block on the oldest, in order
     m, hooks, verdicts = _mlp_hooks(clock=clock, settle_max=8, calls=4)

@@ -3,11 +3,12 @@
 For patches on classes of a costly, optional part of torch (FSDP2 pulls in DTensor and SymPy: about
 a second) that most scripts never import: the switch must not import it itself just to patch it,
 yet must patch it before the script uses it. :func:`when_imported` puts a finder at the front of
-``sys.meta_path`` that, for that one module name, lets the other finders find it, and wraps its
-loader's ``exec_module`` so that the callback runs once the module's code has run (the module is in
-``sys.modules`` then, its classes defined), before the ``import`` statement returns to the script.
-This is the "post-import hook" of PEP 369 (withdrawn; ``wrapt.register_post_import_hook`` ships
-one), in a dozen lines for one name.
+``sys.meta_path`` that, for that one module name, lets the other finders find it and hands the
+import machinery their spec with a stand-in loader, which runs the module with the real one and then
+the callback (the module is in ``sys.modules`` then, its classes defined), before the ``import``
+statement returns to the script. The real loader is never changed (one may serve many modules, as
+a zip archive's does), and the module keeps it. This is the "post-import hook" of PEP 369
+(withdrawn; ``wrapt.register_post_import_hook`` ships one), in a few lines for one name.
 """
 from __future__ import annotations
 
@@ -43,28 +44,10 @@ class _Watch(importlib.abc.MetaPathFinder):
         loader = getattr(spec, "loader", None)
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
-        run = loader.exec_module
-        own = "exec_module" in getattr(loader, "__dict__", {})  # set on the loader object itself
-        watch = self
-
-        def exec_module(module):
-            # the loader as it was, first: the module keeps its loader, and a wrapper left on it
-            # would keep the callback (and whatever the callback holds) for the process's life
-            if own:
-                loader.exec_module = run
-            else:
-                vars(loader).pop("exec_module", None)
-            run(module)
-            callback = watch.callback
-            watch.remove()
-            if callback is None:  # stopped watching while the module was found
-                return
-            try:
-                callback(module)
-            except Exception as err:  # noqa: BLE001 - the script's import must not fail for our patch
-                log.warning("after importing %s: %s: %s", fullname, type(err).__name__, err)
-
-        loader.exec_module = exec_module
+        # the spec found carries a stand-in for its loader: the loader itself may serve other
+        # modules (one zipimporter per archive, the built-in and frozen importers' classes), and a
+        # spec found only to ask whether the module exists must change nothing
+        spec.loader = _WatchedLoader(loader, self)
         return spec
 
     def remove(self) -> None:
@@ -75,6 +58,39 @@ class _Watch(importlib.abc.MetaPathFinder):
             sys.meta_path.remove(self)
         except ValueError:
             pass
+
+
+class _WatchedLoader(importlib.abc.Loader):
+    """Stands in for a watched module's loader in the spec :class:`_Watch` returns: runs the
+    module with the real loader (which the module keeps: ``__loader__``, ``__spec__.loader``),
+    then the callback. Any other attribute is the real loader's."""
+
+    def __init__(self, loader, watch: _Watch):
+        self._loader = loader
+        self._watch = watch
+
+    def create_module(self, spec):
+        create = getattr(self._loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module):
+        loader, watch = self._loader, self._watch
+        module.__loader__ = loader  # the module's code, and everyone after, see its own loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = loader
+        loader.exec_module(module)
+        self._watch = None
+        callback = watch.callback
+        watch.remove()
+        if callback is None:  # stopped watching while the module was found
+            return
+        try:
+            callback(module)
+        except Exception as err:  # noqa: BLE001 - the script's import must not fail for our patch
+            log.warning("after importing %s: %s: %s", module.__name__, type(err).__name__, err)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
 
 
 def when_imported(name: str, callback: Callable[[ModuleType], None]) -> Callable[[], None] | None:

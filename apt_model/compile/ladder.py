@@ -403,13 +403,16 @@ class CompileLadder:
                         f"{extra} recompilations after the warm-up (limit {self.policy.recompile_limit}): "
                         "compiled again with dynamic shapes (dynamic=True)")
             self._dynamic = True
+            self._close_timer()  # the trial starts again after a new warm-up, with a timer of its own
+            self._timer = None
             self._start()
             return
         self._leave(f"{extra} recompilations after the warm-up (limit {self.policy.recompile_limit})"
                     + (" even with dynamic shapes" if self._dynamic else ""), outcome="recompile storm")
 
     def _verdict(self, keep: bool, summary: dict) -> None:
-        """The trial's verdict (possibly on autograd's device thread)."""
+        """The trial's verdict (possibly on autograd's device thread). A closed timer gives none
+        (:meth:`CallTimer.close`: the rung was left, or the switch disabled, meanwhile)."""
         rung = self.rungs[self.index]
         timing = (f"{rung.name} {summary['on_ms']} ms vs eager {summary['off_ms']} ms per forward+backward "
                   f"(median of {summary['calls'] // 2} calls each): {summary['speedup']:.2f}x")

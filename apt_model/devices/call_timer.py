@@ -94,10 +94,11 @@ class CallTimer:
 
     def _init_runtime(self) -> None:
         self._lock = threading.RLock()
+        self._closed = False  # close() ran: a backward finishing after it records nothing, decides nothing
         self._pending: Sample | None = None  # forward done, backward not yet through the module
         self._measured: deque[Sample] = deque()  # all marks taken, durations not yet read
 
-    _RUNTIME = ("_lock", "_pending", "_measured", "on_verdict")
+    _RUNTIME = ("_lock", "_closed", "_pending", "_measured", "on_verdict")
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}  # no live hooks
@@ -124,7 +125,7 @@ class CallTimer:
         for this timed call (None: not a timed call, use the current verdict), ``sample`` the marks
         to pass to :meth:`end` (None when not timed). Only training calls (grad enabled, module in
         train mode) are timed."""
-        if not self.trial.running:
+        if not self.trial.running or self._closed:
             return None, None
         self.settle()
         if not (self.trial.running and torch.is_grad_enabled() and module.training):
@@ -163,8 +164,11 @@ class CallTimer:
 
     def close(self) -> None:
         """Remove every hook the timer placed (a pending sample's and any not yet removed) and drop
-        the samples; the trial keeps whatever it has recorded. For the owner's detach; idempotent."""
+        the samples; the trial keeps whatever it has recorded, and nothing more is recorded (a
+        backward still running on autograd's device thread delivers no verdict afterwards). For
+        the owner's detach, and at the verdict; idempotent."""
         with self._lock:
+            self._closed = True
             pending, self._pending = self._pending, None
             measured = list(self._measured)
             self._measured.clear()
@@ -177,6 +181,8 @@ class CallTimer:
         with self._lock:
             if self._pending is sample:
                 self._pending = None
+            if self._closed:
+                return
             self._measured.append(sample)
         self._resolve()
 
@@ -186,7 +192,7 @@ class CallTimer:
         verdict_summary = None
         with self._lock:
             clock = self.clock
-            while self._measured and self.trial.running:
+            while self._measured and self.trial.running and not self._closed:
                 sample = self._measured[0]
                 if not clock.ready(sample.end):
                     if len(self._measured) <= self.max_lag:

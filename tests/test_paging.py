@@ -1904,6 +1904,32 @@ def test_a_model_kept_whole_counts_against_the_budget_of_the_models_after_it(tmp
     assert s.pager.budget == budget - s.kept_total()
 
 
+def test_a_model_kept_whole_then_paged_through_a_wrapper_is_counted_once(tmp_path, caplog):
+    """A resident model later paged by a module that wraps it: its bytes are the pages' now, not
+    still counted as kept whole too (the room was fitted before the wrapper's parameters were
+    paged: no room for pages at all, and a false warning that level 0 was full)."""
+    a = model(seed=0, dropout=0.0)
+    n = sum(p.numel() * p.element_size() for p in a.parameters())
+    budget = 6 * n  # a's training state (4 n) fits; the wrapper's (about 8 n) does not
+    vb.enable("balanced", swap_dir=str(tmp_path), paging="over_budget", device_budget=str(budget), attention="off",
+              mixed_precision="off", banner=False)
+    a.to("cpu")
+    wrapper = torch.nn.Sequential(a, torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    with caplog.at_level("WARNING", logger="apt_model.memory.paging.session"):
+        wrapper.to("cpu")
+    from apt_model.switch.controller import session as vb_session
+
+    assert [r["features"]["paging"]["chosen"] for r in vb.get_report()["models"]] == ["resident", "paged"]
+    s = vb_session().paging
+    assert s.pager.budget == budget - s.kept_total() > 0
+    assert not [r for r in caplog.records if "fills the level-0 budget" in r.getMessage()]
+    before = vb.get_report()["memory"]["paging"]
+    vb.disable()
+    report = vb.get_report()["memory"]["paging"]  # the closed session's: each caller gets its own
+    report["models"].clear()
+    assert vb.get_report()["memory"]["paging"]["models"] == before["models"] != []
+
+
 def test_a_model_dropped_after_disable_is_freed_and_the_report_stays(tmp_path):
     """After ``disable()`` the switch's report still reads the closed paging session (until the
     next ``enable()``): the session kept every parameter and gradient of its models alive with it,

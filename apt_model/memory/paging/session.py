@@ -10,6 +10,7 @@ still restored and ``disable()`` raises the
 """
 from __future__ import annotations
 
+import copy
 import functools
 import threading
 import weakref
@@ -385,7 +386,7 @@ class PagingSession:
         own = [p for p in model.parameters() if id(p) not in self.params]
         entry = self._kept_entry(own, page_params, page_grads, state_factor)
         self.kept.append(entry)
-        self._fit_kept(warn=True)
+        self._fit_kept(warn=True, adding=model)
         return entry
 
     def _kept_entry(self, params: list[nn.Parameter], page_params: bool, page_grads: bool, state_factor: float) -> dict:
@@ -405,7 +406,7 @@ class PagingSession:
         storages = {key: nbytes for _, key, nbytes in pm.shared.values()}
         if storages:
             pm.kept["parameters sharing memory"] = sum(storages.values())
-        self._fit_kept(warn=True)
+        self._fit_kept(warn=True, adding=pm.model)
         if not labels:
             return
         names = ", ".join(f"{label} ({pm.shared[label][0]} other)" for label in labels)
@@ -420,19 +421,21 @@ class PagingSession:
         """Bytes the paged models' plans keep resident on level 0 now (the next plan has the rest)."""
         return sum(sum(k.values()) for k in self.kept)
 
-    def resident_total(self) -> int:
+    def resident_total(self, adding: nn.Module | None = None) -> int:
         """Bytes of the models kept whole on level 0 (not paged), less their parameters paged since
-        through a model that wraps them."""
+        through a model that wraps them (``adding``: one being paged now, whose parameters are not
+        in ``params`` yet)."""
         if self.resident is None:
             return 0
         self._resident_seen = len(self.resident)
-        return self.resident.bytes(paged=self.params)
+        return self.resident.bytes(exclude=adding, paged=self.params)
 
-    def _fit_kept(self, warn: bool = False) -> int:
+    def _fit_kept(self, warn: bool = False, adding: nn.Module | None = None) -> int:
         """Give the pages the level's budget minus the bytes kept resident (by the paged models'
-        plans and by the models kept whole); returns those bytes. With ``warn``, say so when what is
-        kept leaves the pages no room."""
-        total = self.kept_total() + self.resident_total()
+        plans and by the models kept whole; ``adding``: a model being paged now, see
+        :meth:`resident_total`); returns those bytes. With ``warn``, say so when what is kept
+        leaves the pages no room."""
+        total = self.kept_total() + self.resident_total(adding)
         self.pager.kept_bytes = total
         self.pager.level_budget = self.level_budget
         self.pager.budget = max(self.level_budget - total, 0)
@@ -975,7 +978,7 @@ class PagingSession:
 
     def report(self) -> dict:
         if self._closed_report is not None:
-            return self._closed_report
+            return copy.deepcopy(self._closed_report)  # the caller's to change, as a live report is
         self.retire_dead()
         store = self.pager.store
         return {

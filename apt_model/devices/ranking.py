@@ -131,9 +131,10 @@ def _resolve(spec: str | torch.device, candidates: list[Candidate], label: str, 
         raise DeviceSelectionError(f"{label}={str(spec)!r} asks for {name}, which is not usable here ({why})")
     cand = min(usable, key=lambda c: c.priority)
     if cand.device_type == "cpu":
-        if index not in (None, 0):  # torch takes "cpu:3" and means the one CPU device: a typo, most likely
-            raise DeviceSelectionError(f"{label}={str(spec)!r}: the CPU is one device, valid: 'cpu' or 'cpu:0'")
-        return Selection(torch.device("cpu"), cand, source, f"{label} asked for the CPU", order)
+        # torch takes "cpu:3" for the one CPU device (a script may write f"{kind}:{local_rank}" for
+        # every kind): so does the switch, and the reason says so
+        note = f" ({str(spec)!r}: the CPU is one device, as torch takes it)" if index not in (None, 0) else ""
+        return Selection(torch.device("cpu"), cand, source, f"{label} asked for the CPU{note}", order)
     note = ""
     if index is None:  # under a launcher, a kind without an index means this rank's device
         bound = bind_for_launcher(cand)

@@ -1950,6 +1950,9 @@ def test_a_model_dropped_after_disable_is_freed_and_the_report_stays(tmp_path):
     after = vb.get_report()["memory"]["paging"]
     assert after["models"] == before["models"] and after["models"][0]["paged_parameters"] > 0
     assert after["optimizer_steps"] == before["optimizer_steps"] == 2
+    # the swap folder is gone, and so are the bytes the report and the stats said were in it
+    assert before["swap"]["bytes_on_disk"] > 0 and after["swap"]["bytes_on_disk"] == after["swap"]["stale_bytes"] == 0
+    assert [(lv["resident_bytes"], lv["stale_bytes"]) for lv in vb.get_stats()["levels"] if lv["kind"] == "nvme"] == [(0, 0)]
 
 
 def test_pre_step_copies_leave_no_swap_files_behind(tmp_path):

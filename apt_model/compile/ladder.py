@@ -258,11 +258,13 @@ class CompileLadder:
         patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
         patches.add_handle(post, f"compile ladder hook {self.tag}")
         patches.add_handle(self._step_hook, f"compile ladder optimizer-step check {self.tag}")
-        patches.add_undo(self._close_timer, f"compile ladder trial's backward hooks {self.tag}")
+        patches.add_undo(self._drop_timer, f"compile ladder trial's backward hooks {self.tag}")
 
-    def _close_timer(self) -> None:
+    def _drop_timer(self) -> None:
+        """Close the trial's timer (its hooks off the parameters, no verdict after) and let it go."""
         if self._timer is not None:
             self._timer.close()
+        self._timer = None
 
     def _finish(self, chosen: str, fn: Callable | None) -> None:
         """Enter ``done``: the chosen callable becomes the model's forward, the hooks go."""
@@ -280,8 +282,7 @@ class CompileLadder:
             model.forward = fn  # the undo registered at attach() removes it again
         for h in self._handles:
             h.remove()
-        self._close_timer()
-        self._timer = None
+        self._drop_timer()
 
     # ------------------------------------------------------------------ the per-call path
     def _dispatch(self, *args, **kwargs):
@@ -403,8 +404,7 @@ class CompileLadder:
                         f"{extra} recompilations after the warm-up (limit {self.policy.recompile_limit}): "
                         "compiled again with dynamic shapes (dynamic=True)")
             self._dynamic = True
-            self._close_timer()  # the trial starts again after a new warm-up, with a timer of its own
-            self._timer = None
+            self._drop_timer()  # the trial starts again after a new warm-up, with a timer of its own
             self._start()
             return
         self._leave(f"{extra} recompilations after the warm-up (limit {self.policy.recompile_limit})"
@@ -430,8 +430,8 @@ class CompileLadder:
         training call, or eager is concluded."""
         rung = self.rungs[self.index]
         self._entry(rung, outcome, reason, trial=trial)
-        self._close_timer()  # a call timed before the rung was left may still await its backward
-        self._fn, self._timer, self._dynamic, self._storms = None, None, False, 0
+        self._drop_timer()  # a call timed before the rung was left may still await its backward
+        self._fn, self._dynamic, self._storms = None, False, 0
         self.index += 1
         self.state = "waiting"
         if self.index >= len(self.rungs):

@@ -205,10 +205,9 @@ class CallTimer:
                 verdict = self.trial.record(seconds)
                 if verdict is not None:
                     self.verdict = verdict
-                    self._measured.clear()
                     verdict_summary = (verdict, self.trial.summary())
         if verdict_summary is not None:
-            self.close()  # a call timed before the verdict may still await its backward
+            self.close()  # drops the samples left; a call timed before the verdict may still await its backward
             if self.on_verdict is not None:
                 self.on_verdict(*verdict_summary)
 

@@ -645,18 +645,14 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
         if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling() or opt in st.checked_optimizers:
             return None
         params = {id(p) for g in opt.param_groups for p in g["params"]}
-        if not params:
-            st.checked_optimizers.add(opt)
-            return None
-        for rec in st.adopter.records if st.adopter is not None else ():
-            model = rec.ref() if rec.ref is not None else None
-            if model is not None and any(id(p) in params for p in model.parameters()):
-                st.checked_optimizers.add(opt)
-                return None
-        if opt not in st.unadopted_once:
+        models = (rec.ref() for rec in (st.adopter.records if st.adopter is not None else ()) if rec.ref is not None)
+        adopted = not params or any(m is not None and any(id(p) in params for p in m.parameters()) for m in models)
+        if not adopted and opt not in st.unadopted_once:
             st.unadopted_once.add(opt)  # asked again at its next step
             return None
         st.checked_optimizers.add(opt)
+        if adopted:
+            return None
         reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
                   "nothing for them. A model first called inside a compiled function that reaches it other than "
                   "through its arguments, their attributes, its closure, globals or bound object, or called only through "

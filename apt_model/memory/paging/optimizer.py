@@ -490,9 +490,8 @@ class OptimizerPaging:
         self._put_back_lists(opt)
         return None
 
-    def _put_back_lists(self, opt) -> bool:
-        """Give ``opt``'s groups back the parameter lists :meth:`_pre` emptied (False: none were):
-        done by :meth:`_post`, or — where an interrupt landed between the two hooks — by the next
+    def _put_back_lists(self, opt) -> None:
+        """Give ``opt``'s groups back the parameter lists :meth:`_pre` emptied (if it did): done by :meth:`_post`, or — where an interrupt landed between the two hooks — by the next
         step, ``state_dict()`` or ``load_state_dict()``."""
         saved = self._stash.pop(id(opt), None)
         if saved is not None:
@@ -502,7 +501,6 @@ class OptimizerPaging:
             # CapturableFlags): here, so a checkpoint taken after an interrupt between the hooks has it too
             self.capturable.restore(opt)
         let_go(("optimizer step", id(opt)))
-        return saved is not None
 
     def _pages_of(self, opt, p: torch.Tensor) -> tuple[list[Page], list[Page]]:
         """(pages written by ``opt``'s step, pages only read) for parameter ``p``."""

@@ -33,6 +33,7 @@ from apt_model.memory.paging.model import PagedModel
 from apt_model.base.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
 from apt_model.memory.paging.saved import SavedPins
+from apt_model.memory.placement import model_state_sizes, params_state_sizes
 from apt_model.base.sizes import format_size
 from apt_model.memory.swap import SwapError, SwapSpace
 from apt_model.memory.waits import TimedLock
@@ -373,8 +374,6 @@ class PagingSession:
         self.host_step.add(params)
         pool = getattr(self.pager.store, "pool", None)
         if pool is not None:
-            from apt_model.memory.placement import model_state_sizes
-
             p_bytes, t_bytes = model_state_sizes(model)
             need = p_bytes + 3 * t_bytes  # host copies, gradient buffers, Adam's m and v
             pool.shrink(need)
@@ -392,8 +391,6 @@ class PagingSession:
     def _kept_entry(self, params: list[nn.Parameter], page_params: bool, page_grads: bool, state_factor: float) -> dict:
         """What a plan keeps resident of ``params``: ``{category: bytes}``, the categories with none
         left out."""
-        from apt_model.memory.placement import params_state_sizes
-
         p_bytes, t_bytes = params_state_sizes(params)
         kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
                 "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
@@ -429,6 +426,11 @@ class PagingSession:
             return 0
         self._resident_seen = len(self.resident)
         return self.resident.bytes(exclude=adding, paged=self.params)
+
+    def _resident_changed(self) -> bool:
+        """Whether a model kept whole was adopted or freed since the room was last fitted (cheap:
+        a length)."""
+        return self.resident is not None and len(self.resident) != self._resident_seen
 
     def _fit_kept(self, warn: bool = False, adding: nn.Module | None = None) -> int:
         """Give the pages the level's budget minus the bytes kept resident (by the paged models'
@@ -486,7 +488,7 @@ class PagingSession:
             self.pager.discard(self._dead_pages.pop())
         if len(self._finalizers) > 64 and any(not f.alive for f in self._finalizers):
             self._finalizers = [f for f in self._finalizers if f.alive]  # fired: nothing left to detach
-        if self.resident is not None and len(self.resident) != self._resident_seen:
+        if self._resident_changed():
             self._fit_kept()  # a model kept whole was adopted or freed
         if self._released:
             released, self._released = self._released, []
@@ -686,8 +688,7 @@ class PagingSession:
         taken inside a backward nobody claimed."""
         self._root_scopes.unwind()
         self._root_scopes.push(None, True)
-        if self._dead_pages or self._released or (self.resident is not None
-                                                  and len(self.resident) != self._resident_seen):
+        if self._dead_pages or self._released or self._resident_changed():
             self.retire_dead()
 
     def root_forward_ends(self) -> None:

@@ -1870,7 +1870,7 @@ def test_a_dropped_model_is_freed_and_the_next_one_trains_like_plain(tmp_path, k
         vb.disable()
 
 
-def test_a_model_kept_whole_counts_against_the_budget_of_the_models_after_it(tmp_path):
+def test_a_model_kept_whole_counts_against_the_budget_of_the_models_after_it(tmp_path, cpu_device):
     """Several models share the one level-0 budget: a model that fits and is not paged still
     occupies level 0, so the model adopted after it is planned against what it leaves, and the pages
     get that much less room — until the script drops it. (Each of these two fits the budget alone;
@@ -1904,7 +1904,7 @@ def test_a_model_kept_whole_counts_against_the_budget_of_the_models_after_it(tmp
     assert s.pager.budget == budget - s.kept_total()
 
 
-def test_a_model_kept_whole_then_paged_through_a_wrapper_is_counted_once(tmp_path, caplog):
+def test_a_model_kept_whole_then_paged_through_a_wrapper_is_counted_once(tmp_path, caplog, cpu_device):
     """A resident model later paged by a module that wraps it: its bytes are the pages' now, not
     still counted as kept whole too (the room was fitted before the wrapper's parameters were
     paged: no room for pages at all, and a false warning that level 0 was full)."""
@@ -1930,7 +1930,7 @@ def test_a_model_kept_whole_then_paged_through_a_wrapper_is_counted_once(tmp_pat
     assert vb.get_report()["memory"]["paging"]["models"] == before["models"] != []
 
 
-def test_a_model_dropped_after_disable_is_freed_and_the_report_stays(tmp_path):
+def test_a_model_dropped_after_disable_is_freed_and_the_report_stays(tmp_path, cpu_device):
     """After ``disable()`` the switch's report still reads the closed paging session (until the
     next ``enable()``): the session kept every parameter and gradient of its models alive with it,
     so a notebook that disables, then drops its model, kept all of it."""

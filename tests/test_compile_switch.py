@@ -78,7 +78,9 @@ def train(m, steps, seed=1):
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo(cpu_device):
+def fresh_dynamo(request):
+    if request.node.get_closest_marker("gpu") is None:  # the accelerator tests must not be pinned to the CPU
+        request.getfixturevalue("cpu_device")
     torch._dynamo.reset()
     yield
     vb.disable()

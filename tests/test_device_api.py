@@ -27,8 +27,10 @@ def test_cpu_backend_gives_every_figure_and_never_raises():
     after = b.memory_allocated()
     assert after - before > 32 * 2**20  # RSS really moved
     del big
-    # the kernel batches per-thread RSS counters, so the high-water mark may trail by a few pages
-    assert b.memory_reserved() > 0 and b.max_memory_allocated() >= after - 2**20
+    # the kernel keeps RSS in per-CPU counters, read approximately: the high-water mark may trail the
+    # RSS read before it by a batch of pages per CPU (1.3 MB on a 16-core machine); a peak figure
+    # that forgot the 64 MiB would trail by all of it
+    assert b.memory_reserved() > 0 and b.max_memory_allocated() >= after - 8 * 2**20
     b.empty_cache()
     b.synchronize()
     assert b.reset_peak_memory_stats() is False and "cannot be reset" in b.why("reset_peak_memory_stats")

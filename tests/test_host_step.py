@@ -511,3 +511,26 @@ def test_a_dropped_model_and_optimizer_leave_the_host_step(tmp_path):
         assert session.report()["models_released"] == 2
     finally:
         patches.restore_all()
+
+
+def test_the_host_step_speed_probe_is_no_step_of_the_users(caplog, cpu_device):
+    """The cost model probes the host's step speed with an optimizer of its own (on an accelerator,
+    when it weighs the host step). Its steps went through torch's hook wrapper: on the H200 the
+    switch warned "AdamW steps 1 parameter tensors of no adopted model" at the probe's second step,
+    and the report's step recorder counted the probe's steps as the user's. Now no global optimizer
+    hook sees them, and the rate is still a positive measurement."""
+    from apt_model.memory.paging.step_placement import probe_host_step_rate
+
+    seen = []
+    handle = register_optimizer_step_pre_hook(lambda opt, args, kwargs: seen.append(type(opt).__name__))
+    vb.enable("balanced", attention="off", mixed_precision="off", compile="off", banner=False)
+    try:
+        with caplog.at_level("WARNING"):
+            rate = probe_host_step_rate(torch.optim.Adamax, nbytes=4096)  # a class no other test probes
+        report = vb.get_report()
+    finally:
+        vb.disable()
+        handle.remove()
+    assert rate > 0 and seen == []
+    assert not [r for r in caplog.records if "of no adopted model" in r.getMessage()]
+    assert not [d for d in report["decisions"] if d["feature"] == "adoption"]

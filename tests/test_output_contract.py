@@ -232,6 +232,7 @@ def test_main_job_says_when_the_cores_look_shared(capsys, tmp_path, monkeypatch)
     from apt_model.bench import contention
 
     monkeypatch.setattr(contention, "_load", lambda: 8.0)  # a busy machine, as os.getloadavg would say
+    monkeypatch.setattr(contention, "usable_cores", lambda: 2)  # on 2 cores (8.0 on 16 is room enough)
     monkeypatch.setattr(contention, "MIN_CPU_SHARE", 2.0)  # and a CPU share below it, as a shared core gives
     rep, out = run_main_job(capsys, tmp_path, "--plot", "off")
     notes = [line for line in out.splitlines() if line.startswith("note: the CPU cores look shared")]

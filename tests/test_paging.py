@@ -1768,7 +1768,7 @@ print("SAME" if a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1
 '''
 
 
-def test_a_parameter_moved_to_shared_memory_is_paged_through_a_copy(tmp_path):
+def test_a_parameter_moved_to_shared_memory_is_paged_through_a_copy(tmp_path, cpu_device):
     """Sending a model to a DataLoader's spawn workers moves its tensors' storages to shared memory
     (``share_memory_()``). Paging then resized that memory to free and reload the page, and the
     process died (SIGSEGV, at the latest in ``disable()``). Such a parameter gets a private copy to

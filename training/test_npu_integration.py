@@ -114,7 +114,8 @@ def test_4_vgpu_stack_levels_are_measured_and_paging_keeps_the_result():
     finally:
         stack.close()
     ref_losses, ref_params = _train_tiny(device)
-    vb.enable("balanced", paging="always", device_budget="64KB", attention="off", mixed_precision="off", banner=False)
+    vb.enable("balanced", paging="always", device_budget="64KB", attention="off", mixed_precision="off",
+              tf32="off", banner=False)  # the reference's IEEE fp32 matmuls (balanced turns TF32 on from Ampere)
     losses, params = _train_tiny(device)
     moved = sum(lv.get("bytes_in", 0) + lv.get("bytes_out", 0) for lv in vb.get_stats()["levels"])
     vb.disable()

@@ -10,7 +10,7 @@
 # Optional: BENCH_S (seconds for the benchmark, default 200: the vb variants add up to 10 untimed steps
 # each, until the step inside backward is decided), BENCH_ARGS (extra offload.py flags,
 # e.g. "--variants in_memory,vb_host_step"), GPU_TEST_S (seconds per test file, default 60),
-# SKIP_BENCH=1, SKIP_SUITE=1. Wheels in .whl/ (carried to a machine without a registry) are
+# SKIP_BENCH=1, SKIP_SUITE=1, SUITE_ALONGSIDE=1 (below). Wheels in .whl/ (carried to a machine without a registry) are
 # installed into /tmp/site first. The data folder is $APT_DATA_DIR, else .devrun/data if present.
 set -u
 export PYTHONUNBUFFERED=1
@@ -33,6 +33,15 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   for f in /tmp/gpu-check-prof/*.txt; do [ -e "$f" ] && { echo "######## $f"; cat "$f"; }; done > "$OUT/profiles.txt"
 fi
 
+# SUITE_ALONGSIDE=1: the default suite runs beside the -m gpu tests (xdist workers on the cores the
+# benchmark has left), so a short lease sees both; it is stopped when the budget is spent.
+SUITE_PID=
+if [ "${SKIP_SUITE:-0}" != 1 ] && [ "${SUITE_ALONGSIDE:-0}" = 1 ] && python3 -c "import xdist" 2>/dev/null; then
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=1 timeout -s INT -k 10 "$(( $(left) - 10 ))" python3 -m pytest \
+    -p no:cacheprovider -q -rfE --tb=short -n $(( $(nproc) > 4 ? $(nproc) - 4 : 1 )) --dist loadfile \
+    > "$OUT/pytest_suite.log" 2>&1 &
+  SUITE_PID=$!
+fi
 : > "$OUT/pytest_gpu.log"
 for f in $(grep -l "mark.gpu" tests/test_*.py); do
   [ "$(left)" -lt 20 ] && { echo "== out of time before $f" | tee -a "$OUT/pytest_gpu.log"; break; }
@@ -43,8 +52,12 @@ done
 echo "== gpu tests done at $(( $(date +%s) - T0 ))s: $(grep -c "^PASSED" "$OUT/pytest_gpu.log") passed"
 grep -E "^(FAILED|ERROR|SKIPPED)" "$OUT/pytest_gpu.log" | head -40
 
+if [ -n "$SUITE_PID" ]; then
+  wait "$SUITE_PID"; echo "== default suite (alongside) rc=$? at $(( $(date +%s) - T0 ))s"
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/pytest_suite.log" | tail -20
+fi
 R=$(left)
-if [ "${SKIP_SUITE:-0}" != 1 ] && [ "$R" -gt 40 ]; then
+if [ "${SKIP_SUITE:-0}" != 1 ] && [ -z "$SUITE_PID" ] && [ "$R" -gt 40 ]; then
   WORKERS=$(python3 -c "import xdist" 2>/dev/null && echo "-n $(( $(nproc) > 2 ? $(nproc) - 2 : 1 )) --dist loadfile")
   CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=1 timeout -s INT -k 10 "$R" python3 -m pytest -p no:cacheprovider -q \
     -rfE --tb=short $WORKERS > "$OUT/pytest_suite.log" 2>&1

@@ -312,10 +312,15 @@ def gpu_worker(conn, name: str, args, budget: int | None) -> None:
         if reason:
             conn.send(("skip", reason))
             return
+        t0 = time.perf_counter()
         run = Variant(name, args, budget)
+        t1 = time.perf_counter()
         for _ in range(args.warmup):
             run.step()
+        t2 = time.perf_counter()
         run.settle()
+        print(f"  {name}: built in {t1 - t0:.1f} s, warm-up {t2 - t1:.1f} s, settled in {time.perf_counter() - t2:.1f} s",
+              file=sys.stderr, flush=True)
         info = run.ready_info()
         if run.cuda and not args.keep_cuda_cache:
             torch.cuda.empty_cache()  # the next worker warms up on the same GPU
@@ -370,6 +375,7 @@ def run_gpu(args) -> dict:
         budget = sizes["plans"].get(name, {}).get("budget")
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=gpu_worker, args=(child, name, args, budget), daemon=True)
+        started = time.perf_counter()
         proc.start()
         child.close()
         msg = _recv(parent, proc, args.worker_timeout)
@@ -379,7 +385,8 @@ def run_gpu(args) -> dict:
         else:
             rows[name] = _not_run(msg)
             proc.join(30)
-        print(f"  {name}: {rows[name]['status']}", file=sys.stderr, flush=True)
+        rows[name]["start_s"] = round(time.perf_counter() - started, 1)  # start, build, warm-up, settle
+        print(f"  {name}: {rows[name]['status']} ({rows[name]['start_s']:.0f} s to start)", file=sys.stderr, flush=True)
     times = {n: [] for n in live}
     moved = {n: [0, 0, 0.0, 0, 0] for n in live}
     peaks = {n: [0, 0] for n in live}

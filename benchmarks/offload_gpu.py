@@ -568,6 +568,12 @@ def print_result(result: dict, args) -> None:
         if name in VB and (where or sib):
             print(f"  {name}: optimizer step on the {where.get('where', '?')}; step inside backward "
                   f"{sib.get('state', '?')} ({sib.get('reason', '')})")
+        levels = (row.get("final") or {}).get("levels") or []
+        kinds = next((lv.get("bytes_in_by_kind") for lv in levels if lv.get("kind") == "host"), None)
+        if name in VB and kinds:  # all the worker's steps (warm-up, settling, timed, profiled), in parameter bytes
+            pb = result["model"]["params_bytes"]
+            print(f"  {name}: written to the host level over all its steps, in parameter bytes: "
+                  + ", ".join(f"{k} {v / pb:.1f}x" for k, v in sorted(kinds.items())))
     print("  against the issue's targets:")
     for c in result["comparison"]:
         if c["value"] is None:

@@ -340,7 +340,7 @@ def test_the_ladder_on_the_accelerator_times_with_events_and_reaches_a_verdict(m
         loss.backward()
         opt.step()
         steps += 1
-    ladder = step.ladders[0]
+    ladder = step.ladders[0]()  # held weakly by the step
     assert ladder.state == "done", ladder.describe()
     trials = [e for e in ladder.timeline if "trial" in e]
     assert all(e["trial"]["calls"] >= 8 for e in trials)

@@ -513,17 +513,22 @@ def test_resident_parameters_are_copied_for_the_step_during_backward_and_still_r
         opt.fail_on = None
         opt.step()
         opt.zero_grad()
-        written = s.pager.store.stats()["bytes_in"]
+        written, kinds0 = s.pager.store.stats()["bytes_in"], s.pager.store.stats()["bytes_in_by_kind"]
         backward(m, data[3])
-        mid = s.pager.store.stats()["bytes_in"]
+        mid, kinds1 = s.pager.store.stats()["bytes_in"], s.pager.store.stats()["bytes_in_by_kind"]
         opt.step()
-        in_step = s.pager.store.stats()["bytes_in"] - mid
+        in_step, kinds2 = s.pager.store.stats()["bytes_in"] - mid, s.pager.store.stats()["bytes_in_by_kind"]
         in_backward_again = mid - written
     finally:
         patches.restore_all()
     assert_same(snapshot(m, opt), after)
     assert in_backward == in_backward_again == 2 * p_bytes  # each gradient, and each parameter's pre-step copy
     assert in_step == 2 * p_bytes  # AdamW's m and v written back; no parameter copy left for the step
+    # the same bytes by what they are (the split that tells where a step's traffic goes)
+    delta = lambda a, b: {k: b.get(k, 0) - a.get(k, 0) for k in b if b.get(k, 0) != a.get(k, 0)}  # noqa: E731
+    assert delta(kinds0, kinds1) == {"grad": p_bytes, "pre-step copy": p_bytes}
+    assert delta(kinds1, kinds2) == {"state": 2 * p_bytes}
+    assert sum(kinds2.values()) == s.pager.store.stats()["bytes_in"]
 
 
 def test_early_copies_no_step_takes_are_let_go(tmp_path):

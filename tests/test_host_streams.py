@@ -787,11 +787,20 @@ def test_host_copies_on_the_accelerator_use_a_side_stream_and_training_is_exact(
         pytest.skip(f"{dev}: torch offers no streams and events here")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     mod = getattr(torch, dev.type)
+    default = mod.default_stream(dev).stream_id if hasattr(mod, "default_stream") else None
     queued_on = []
     copy = streams.StreamOps.copy
 
+    offenders = []
+
     def spying(self, dst, src, stream):
         queued_on.append((stream.stream_id, self.current_stream().stream_id))
+        if len(offenders) < 3 and queued_on[-1][0] in (queued_on[-1][1], default):
+            import threading
+            import traceback
+
+            here = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno} {f.name}" for f in traceback.extract_stack()[-14:-1]]
+            offenders.append((len(queued_on), queued_on[-1], threading.current_thread().name, here))
         return copy(self, dst, src, stream)
 
     monkeypatch.setattr(streams.StreamOps, "copy", spying)
@@ -824,7 +833,8 @@ def test_host_copies_on_the_accelerator_use_a_side_stream_and_training_is_exact(
     assert got == ref
     assert_bitwise(state, ref_state)
     assert store.copies is not None and not store.copies.is_default_stream() and host["async_copies"]
-    default = mod.default_stream(dev).stream_id if hasattr(mod, "default_stream") else None
-    assert queued_on and all(s != c and s != default for s, c in queued_on)
+    # (on the H200, 2026-11-27, some copies failed this with the side stream as the caller's current
+    # stream, training bitwise all the same; not understood yet: the offenders' threads and stacks say more)
+    assert queued_on and all(s != c and s != default for s, c in queued_on), (len(queued_on), offenders)
     assert host["spills_to_disk"] > 0 and host["pinned"] is True
     assert syncs == []

@@ -1211,7 +1211,8 @@ class Pager:
         """Start writing ``t``'s bytes to the level below as a copy (not a managed page: ``t``
         keeps its memory). Returns the copy's handle for :meth:`copy_wait` / :meth:`copy_in` /
         :meth:`copy_drop`. ``t`` must not be modified until :meth:`copy_wait` returned."""
-        copy = Page(Category.STATE, (lambda t=t: t), int(t.untyped_storage().nbytes()), f"{label} (pre-step copy)")
+        copy = Page(Category.STATE, (lambda t=t: t), int(t.untyped_storage().nbytes()), f"{label} (pre-step copy)",
+                    pre_step_copy=True)
         copy.bind(t)
         with self._lock:
             copy.future = self._submit_write(copy, t.untyped_storage())

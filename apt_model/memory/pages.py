@@ -64,6 +64,8 @@ class Page:
             page stays resident and clean (a cached copy) instead of being freed.
         cached: resident and clean after such a write, not used since: eviction drops these
             first (no I/O), before the least recently used pages in use.
+        pre_step_copy: a copy of a tensor the plan keeps resident, written before an optimizer
+            step so that the step can be rolled back (:meth:`Pager.copy_out`), not a managed page.
     """
 
     category: Category
@@ -77,6 +79,7 @@ class Page:
     keep: bool = False
     retain: bool = False
     cached: bool = False
+    pre_step_copy: bool = False
     last_use: int = 0
     future: Future | None = None
     zero_on_load: bool = False  # a gradient zeroed in place while paged: load as zeros
@@ -90,6 +93,12 @@ class Page:
     #: Counts the new storages user code gave the tensor (``p.data = x``; see ``Pager.restorage``);
     #: a copy paging makes itself (a storage exported to NumPy) does not count.
     generation: int = 0
+
+    @property
+    def kind(self) -> str:
+        """What the bytes are, for traffic figures: ``"param"``, ``"grad"``, ``"state"`` or
+        ``"pre-step copy"``."""
+        return "pre-step copy" if self.pre_step_copy else self.category.value
 
     def bound(self) -> torch.Tensor | None:
         """The tensor whose storage this page manages (None once it was garbage-collected)."""

@@ -282,6 +282,8 @@ class HostStore:
         self._lock = TimedLock("host level (pinned pool)")
         self.hits = self.misses = self.spills = 0
         self.bytes_in = self.bytes_out = 0
+        #: bytes written into this level by what they are (``Page.kind``: param, grad, state, pre-step copy)
+        self.bytes_in_by_kind: dict[str, int] = {}
         self._nbytes: dict[str, int] = {}
         self._inflight: set[str] = set()  # being read (start_read), not yet finished: never spilled
         self._from_disk: set[str] = set()  # of those, the ones read from disk into the host (misses)
@@ -428,6 +430,7 @@ class HostStore:
             self.disk.remove(page)
             self._touch(page.key)
             self.bytes_in += page.nbytes
+            self.bytes_in_by_kind[page.kind] = self.bytes_in_by_kind.get(page.kind, 0) + page.nbytes
         return fut
 
     def start_read(self, page: Page, storage: torch.UntypedStorage, ticket: JobTicket | None = None) -> Future:
@@ -594,12 +597,14 @@ class HostStore:
         return self.disk.describe(key)
 
     def stats(self) -> dict:
-        """The level's figures: bytes resident, capacity and moved in/out, hits, misses, spills,
+        """The level's figures: bytes resident, capacity and moved in/out (``bytes_in_by_kind``: the
+        bytes written in, by what they are: param, grad, state, pre-step copy), hits, misses, spills,
         whether copies run on a copy stream (``async_copies``), the copies in flight now and the
         host waits for one copy's event (``copy_waits``), and the disk level's."""
         return {"resident_bytes": self.pool.used, "capacity": self.pool.budget, "pinned": self.pool.pin,
                 "slabs": len(self.pool.slabs), "hits": self.hits, "misses": self.misses, "spills_to_disk": self.spills,
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out, "async_copies": self.copies is not None,
+                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+                "bytes_in_by_kind": dict(self.bytes_in_by_kind), "async_copies": self.copies is not None,
                 "copies_in_flight": len(self._copying), "copy_waits": self.copy_waits, "disk": self.disk.stats()}
 
     def close(self) -> None:

@@ -1064,7 +1064,7 @@ class PagingSession:
             return out
         if level.kind == "host":
             hs = self.pager.store.stats() if self.pager.store.level_kind == "host" else {}
-            return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_out", "hits", "misses", "spills_to_disk")}
+            return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_in_by_kind", "bytes_out", "hits", "misses", "spills_to_disk")}
         if level.kind == "nvme":
             io = self.pager.io
             return {"resident_bytes": self.swap.bytes_on_disk, "stale_bytes": self.swap.stale_bytes,

@@ -1106,6 +1106,11 @@ def test_paging_on_the_accelerator_is_exact_pinned_and_within_budget(tmp_path, m
     assert pinned and rep["memory"]["paging"]["host_level"]["pinned"] is True
     assert levels[0]["misses"] > 0 and levels[1]["bytes_in"] > 0
     assert levels[0]["peak_resident"] <= budget + 65536, levels[0]
+    # a parameter is written to the host once per step that changes it (and once when first paged
+    # out): an eviction of one whose host copy is current writes nothing (on the H200 every eviction
+    # wrote, with a device-to-device copy first, as if each storage were in shared memory)
+    p_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    assert levels[1]["bytes_in_by_kind"].get("param", 0) <= 7 * p_bytes, (levels[1]["bytes_in_by_kind"], p_bytes)
     plan = rep["models"][0]["features"]["paging"]
     if host_budget is None:
         assert levels[1]["spills_to_disk"] == 0 and levels[2]["writes"] == 0
@@ -1780,6 +1785,30 @@ def test_a_parameter_moved_to_shared_memory_is_paged_through_a_copy(tmp_path, cp
                           env=clean_env(), timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.strip().endswith("SAME"), proc.stdout
+
+
+def test_only_a_cpu_storage_can_be_in_shared_memory_for_paging():
+    """Paging gives a tensor a private copy before freeing a page whose storage resizing would not
+    free in place: exported to NumPy, or in the CPU's shared memory. ``UntypedStorage.is_shared()``
+    answers True for every storage off the CPU, so on the H200 every eviction copied the page on the
+    device and wrote it to the host again, clean or not (7.9x the parameter bytes written per step
+    where 4x was planned). A storage standing in for a CUDA one (device ``cuda``, resizable, and
+    ``is_shared()`` True, as torch answers there) frees in place."""
+    from types import SimpleNamespace
+
+    from apt_model.memory.pages import frees_in_place
+
+    t = torch.ones(8)
+    assert frees_in_place(t.untyped_storage())
+    shared = torch.ones(8).share_memory_()
+    assert not frees_in_place(shared.untyped_storage())
+    exported = torch.ones(8)
+    exported.numpy()
+    assert not frees_in_place(exported.untyped_storage())
+    cuda_like = SimpleNamespace(device=torch.device("cuda", 0), resizable=lambda: True, is_shared=lambda: True)
+    assert frees_in_place(cuda_like)
+    assert not frees_in_place(SimpleNamespace(device=torch.device("cuda", 0), resizable=lambda: False,
+                                              is_shared=lambda: True))
 
 
 def test_torch_save_of_the_optimizer_object_writes_its_paged_states(tmp_path):

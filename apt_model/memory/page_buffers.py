@@ -38,6 +38,7 @@ from __future__ import annotations
 import torch
 
 from apt_model.memory.host import MMAP_THRESHOLD
+from apt_model.memory.pages import frees_in_place
 
 _SWAP = getattr(torch.UntypedStorage, "_swap_data_ptr_", None)
 
@@ -98,7 +99,7 @@ class FreePageBuffers:
         n = storage.nbytes()
         if not self._eligible(storage, n) or self.held + n > limit:
             return False
-        if not storage.resizable() or storage.is_shared():  # exported to NumPy, or shared memory
+        if not frees_in_place(storage):  # exported to NumPy, or shared memory
             return False
         holder = torch.UntypedStorage(0, device="cpu")
         try:

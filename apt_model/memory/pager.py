@@ -74,7 +74,7 @@ from apt_model.base.log import get_logger
 from apt_model.memory.host import release_free_memory
 from apt_model.memory.io_engine import IOEngine, JobTicket
 from apt_model.memory.page_buffers import FreePageBuffers, supported as page_buffers_supported
-from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage
+from apt_model.memory.pages import Category, Page, State, alloc_storage, free_storage, frees_in_place
 from apt_model.memory.stores import DiskStore, HostLevelFullError, byte_view
 from apt_model.memory.swap import PagingRecoveryError, SwapError, SwapSpace, SwapTimeoutError
 from apt_model.memory.waits import TimedLock, wait_future, wait_timeout
@@ -744,7 +744,7 @@ class Pager:
         if self._live(page) is None or page.state is not State.RESIDENT:
             return  # its tensor is gone (or was replaced and is being written): nothing to free here
         storage = page.storage()
-        if not storage.resizable() or storage.is_shared():
+        if not frees_in_place(storage):
             # exported to NumPy (``p.detach().numpy()``: TensorBoard histograms), which fixes the
             # storage's size for good, or moved to shared memory (a DataLoader's spawn workers were
             # sent a model: torch.multiprocessing shares its tensors' storages; resizing that memory

@@ -149,6 +149,18 @@ def cpu_byte_view(storage: torch.UntypedStorage) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
 
 
+def frees_in_place(storage: torch.UntypedStorage) -> bool:
+    """Whether resizing ``storage`` to 0 bytes frees its memory in place, as paging does to evict a
+    page: False for a storage exported to NumPy (``Tensor.numpy()`` fixes its size for good) or in
+    the CPU's shared memory (``share_memory_()``, as ``torch.multiprocessing`` does to a tensor it
+    sends to spawn workers: resizing it crashes the process). An accelerator's storage is never
+    shared memory in that sense, although ``UntypedStorage.is_shared()`` answers True for every
+    storage off the CPU (PyTorch: "always True for CUDA tensors"). Never raises."""
+    if not storage.resizable():
+        return False
+    return storage.device.type != "cpu" or not storage.is_shared()
+
+
 def free_storage(storage: torch.UntypedStorage) -> None:
     """Release ``storage``'s bytes (resize to 0); tensors that view it stay valid objects."""
     storage.resize_(0)

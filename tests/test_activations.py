@@ -546,6 +546,37 @@ def test_a_saved_activation_modified_in_place_raises_as_without_the_switch(tmp_p
         vb.disable()
 
 
+@pytest.mark.parametrize("host_budget", [None, 1 << 20], ids=["disk", "host-level"])
+@pytest.mark.parametrize("when", ["before-offload", "after-offload"])
+def test_an_offloaded_activation_modified_in_place_raises_at_backward(tmp_path, host_budget, when):
+    """A sigmoid's saved output changed in place while the offloader holds it: plain PyTorch raises
+    at backward. Below an accelerator (a host level, the CPU standing in) the offloader copied the
+    changed bytes to the host (changed before its offload) and backward used them: wrong gradients,
+    silently. Changed after its bytes went below, backward used the old bytes where plain PyTorch
+    raises. Both now raise, on the disk path too."""
+    from apt_model.activations.offload import ActivationOffloader
+    from apt_model.memory.swap import SwapSpace
+
+    off = ActivationOffloader(1 if when == "after-offload" else 5000, SwapSpace(tmp_path), "cpu", min_bytes=16,
+                              host_budget=host_budget, host_pin=False)
+    try:
+        x = torch.randn(1024, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack):
+            a = torch.sigmoid(x * 1.0)  # saves its output (4 KiB)
+            if when == "before-offload":
+                with torch.no_grad():
+                    a.mul_(2)  # still held in memory
+            b = torch.exp(x * 1.0)  # this pack sends ``a`` below
+            if when == "after-offload":
+                with torch.no_grad():
+                    a.mul_(2)
+        assert off.stats.packed == 2
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (a.sum() + b.sum()).backward()
+    finally:
+        off.close()
+
+
 class _InPlaceBlock(torch.nn.Module):
     def __init__(self, source=None):
         super().__init__()

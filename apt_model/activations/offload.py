@@ -56,7 +56,7 @@ class SavedActivation:
     """The pack hook's handle for one saved tensor (see the module docstring)."""
 
     __slots__ = ("seq", "tensor", "nbytes", "shape", "stride", "dtype", "device", "state", "future", "key",
-                 "segment", "version", "__weakref__")
+                 "segment", "version", "source", "__weakref__")
 
     def __init__(self, seq: int, t: torch.Tensor, key: str):
         self.seq = seq
@@ -64,6 +64,9 @@ class SavedActivation:
         self.nbytes = t.numel() * t.element_size()
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self.version = t._version
+        #: the tensor autograd saved, held weakly: once its bytes were copied below, an in-place change
+        #: of the caller's tensor (its version counter) still raises at backward, as plain PyTorch does
+        self.source = weakref.ref(t)
         self.state = RESIDENT
         self.future: Future | None = None
         self.key = key
@@ -104,11 +107,12 @@ class KeptActivation:
         self.tensor, self.version, self.shape = t, version, t.shape
 
 
-def _modified(h) -> RuntimeError:
+def _modified(h, now: int | None = None) -> RuntimeError:
+    now = h.tensor._version if now is None else now
     return RuntimeError(
         "one of the variables needed for gradient computation has been modified by an inplace operation: "
         f"a tensor of shape {tuple(h.shape)} saved for backward was modified in place after it was saved "
-        f"(version {h.version} -> {h.tensor._version}); its gradient cannot be computed from the saved value"
+        f"(version {h.version} -> {now}); its gradient cannot be computed from the saved value"
     )
 
 
@@ -294,6 +298,10 @@ class ActivationOffloader:
                 self._reap()
 
     def _offload(self, h: SavedActivation) -> None:
+        if h.tensor._version != h.version:
+            # changed in place since it was saved: its bytes are not the saved value. It stays in
+            # memory, and its unpack raises the error plain PyTorch raises at backward.
+            return
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += h.nbytes
         if self.host is not None:
@@ -371,6 +379,10 @@ class ActivationOffloader:
             if h.tensor._version != h.version:
                 raise _modified(h)
             return h.tensor
+        src = h.source()
+        now = None if src is None else _version(src)
+        if now is not None and now != h.version:  # the caller's tensor changed after its bytes went below
+            raise _modified(h, now)
         if h.state == HOST:
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
             byte_view(out.untyped_storage(), 0, h.nbytes).copy_(self.host.view(h.segment, h.nbytes))  # host -> device

@@ -656,6 +656,28 @@ def test_pinned_pool_reuses_and_coalesces():
     assert pool.alloc(40_000) is None  # over the 64 KiB budget
 
 
+def test_a_pinned_pool_counts_the_power_of_two_its_slabs_really_pin():
+    """PyTorch's caching host allocator rounds each pinned allocation up to a power of two: a slab
+    sized for a 70 MB page pins 128 MiB. The pool counted 70 MB against its budget and pinned up to
+    twice its budget; now a pinned pool's slabs are powers of two, counted as such (a slab that would
+    pass the budget is refused before anything is allocated), and an unpinned pool's are not."""
+    from apt_model.memory.stores import PinnedPool, pinned_bytes
+
+    assert [pinned_bytes(n) for n in (1, 4096, 4097, 70 * 10**6, 2**26)] == [1, 4096, 8192, 2**27, 2**26]
+    assert pinned_bytes(70 * 10**6, pin=False) == 70 * 10**6
+    pinned = PinnedPool(100 * 2**20, pin=True)  # nothing is pinned until a slab is needed
+    assert pinned.slab_bytes == 2**26 and pinned.slab_size_for(70 * 10**6) == 2**27
+    assert pinned.alloc(70 * 10**6) is None and pinned.slabs == []  # 128 MiB > 100 MiB: refused, not pinned
+    small = PinnedPool(48 * 2**20, pin=True)
+    assert small.slab_bytes == 2**25  # a power of two within the budget, not the whole 48 MiB
+    small.shrink(40 * 2**20)
+    assert small.slab_bytes == 2**23 and small.budget == 8 * 2**20
+    plain = PinnedPool(100 * 2**20, pin=False)
+    assert plain.slab_size_for(70 * 10**6) == 70 * 10**6 // 4096 * 4096 + 4096
+    seg = plain.alloc(70 * 10**6)
+    assert seg is not None and plain.slabs[0].numel() == plain.slab_size_for(70 * 10**6)
+
+
 # ------------------------------------------------------------------ the level-0 budget is a promise
 def wide_model(seed=0):
     """A GPT whose largest parameter (an MLP weight, 256 KiB) is small next to its state (1.7 MB)."""

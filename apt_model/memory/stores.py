@@ -134,6 +134,21 @@ class HostLevelFullError(MemoryError):
         self.in_flight = in_flight
 
 
+def pinned_bytes(nbytes: int, pin: bool = True) -> int:
+    """Host bytes a ``torch.empty(nbytes, pin_memory=True)`` takes: PyTorch's caching host allocator
+    rounds every pinned allocation up to a power of two before asking the driver for it
+    (``ATen/core/CachingHostAllocator.h``, ``PowerOf2Ceil``), so 65 MiB pins 128 MiB. Unpinned
+    (``pin`` False): ``nbytes``."""
+    nbytes = int(nbytes)
+    if not pin or nbytes <= 1:
+        return max(nbytes, 0)
+    return 1 << (nbytes - 1).bit_length()
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
 @dataclass
 class Segment:
     """A piece of a pinned slab: slab index, byte offset and size (bytes, rounded up to 4 KiB)."""
@@ -145,7 +160,10 @@ class Segment:
 
 class PinnedPool:
     """Host memory for page copies: slabs of ``slab_bytes`` allocated on demand (pinned when
-    ``pin``), up to ``budget`` bytes, sub-allocated first-fit in 4 KiB units and reused.
+    ``pin``), up to ``budget`` bytes, sub-allocated first-fit in 4 KiB units and reused. Pinned
+    slabs are powers of two (:func:`pinned_bytes`: what PyTorch pins for them anyway), so the bytes
+    counted against the budget are the bytes pinned; a page larger than ``slab_bytes`` gets a slab
+    of its own, rounded up the same way, whose rest holds other pages.
 
     The pool knows nothing of copies in flight: its user gives a segment back (:meth:`release`)
     only once no copy reads or writes it any more (:class:`HostStore` tracks that with the copies'
@@ -160,13 +178,23 @@ class PinnedPool:
             raise ValueError(f"host pool budget {budget} bytes is below one {_ALIGN}-byte unit")
         self.budget = budget
         self.pin = pin
-        self.slab_bytes = min(slab_bytes, budget)
+        self.slab_bytes = self._slab_cap(slab_bytes)
         self.slabs: list[torch.Tensor] = []
         self.free: list[list[tuple[int, int]]] = []  # per slab: sorted (offset, length) holes
         self.used = 0
 
+    def _slab_cap(self, slab_bytes: int) -> int:
+        """The standard slab size within the budget (pinned: a power of two)."""
+        return min(slab_bytes, _pow2_floor(self.budget) if self.pin else self.budget)
+
+    def slab_size_for(self, nbytes: int) -> int:
+        """Bytes a new slab holding an ``nbytes`` segment takes (and counts against the budget):
+        at least ``slab_bytes``, in 4 KiB units; pinned, rounded up to a power of two."""
+        size = max(self.slab_bytes, (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
+        return pinned_bytes(size, self.pin)
+
     def _new_slab(self, at_least: int) -> int | None:
-        size = max(self.slab_bytes, (at_least + _ALIGN - 1) // _ALIGN * _ALIGN)
+        size = self.slab_size_for(at_least)
         if sum(s.numel() for s in self.slabs) + size > self.budget:
             return None
         self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
@@ -194,7 +222,7 @@ class PinnedPool:
         """Give ``nbytes`` of the budget to another user of host memory (never below one 4 KiB
         unit); slabs allocated from now on fit the smaller budget."""
         self.budget = max(self.budget - int(nbytes), _ALIGN)
-        self.slab_bytes = min(self.slab_bytes, self.budget)
+        self.slab_bytes = self._slab_cap(self.slab_bytes)
 
     def release(self, seg: Segment) -> None:
         holes = self.free[seg.slab]

@@ -394,11 +394,15 @@ class HostStep:
 
     # ------------------------------------------------------------------ report
     def host_bytes(self) -> int:
-        """Host bytes the host step holds: parameter copies, gradient buffers and states."""
+        """Host bytes the host step holds: parameter copies and gradient buffers (pinned ones as
+        pinned, rounded up to a power of two each: :func:`~apt_model.memory.stores.pinned_bytes`)
+        and states."""
+        from apt_model.memory.stores import pinned_bytes
+
         n = 0
         for sh in self.shadows.values():
-            n += sum(t.numel() * t.element_size() for t in sh.masters.values())
-            n += sum(t.numel() * t.element_size() for t in sh.grads.values())
+            n += sum(pinned_bytes(t.numel() * t.element_size(), sh.pin) for t in sh.masters.values())
+            n += sum(pinned_bytes(t.numel() * t.element_size(), sh.pin) for t in sh.grads.values())
             for st in sh.host.state.values():
                 n += sum(v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor))
         return n

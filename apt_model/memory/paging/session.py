@@ -33,7 +33,8 @@ from apt_model.memory.paging.model import PagedModel
 from apt_model.base.patches import SessionHook
 from apt_model.memory.paging.optimizer import OptimizerPaging
 from apt_model.memory.paging.saved import SavedPins
-from apt_model.memory.placement import model_state_sizes, params_state_sizes
+from apt_model.memory.placement import params_state_sizes
+from apt_model.memory.stores import pinned_bytes
 from apt_model.base.sizes import format_size
 from apt_model.memory.swap import SwapError, SwapSpace
 from apt_model.memory.waits import TimedLock
@@ -374,8 +375,9 @@ class PagingSession:
         self.host_step.add(params)
         pool = getattr(self.pager.store, "pool", None)
         if pool is not None:
-            p_bytes, t_bytes = model_state_sizes(model)
-            need = p_bytes + 3 * t_bytes  # host copies, gradient buffers, Adam's m and v
+            sizes = [p.numel() * p.element_size() for p in params]
+            pinned = sum(pinned_bytes(n, pool.pin) for n in sizes)  # each one rounded up where pinned
+            need = 2 * pinned + 2 * sum(sizes)  # host copies and gradient buffers (pinned); Adam's m and v
             pool.shrink(need)
 
     def _keep_resident(self, model: nn.Module, page_params: bool, page_grads: bool, state_factor: float) -> dict:

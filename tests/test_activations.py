@@ -577,6 +577,22 @@ def test_an_offloaded_activation_modified_in_place_raises_at_backward(tmp_path, 
         off.close()
 
 
+def test_the_activation_offloader_takes_a_quarter_of_the_host_level_on_an_accelerator():
+    """On an accelerator the paging level and the activation offloader each keep a pinned pool.
+    Both were sized to the whole host level, so pinned memory could reach twice the host budget;
+    the offloader's is now a quarter of it. A model on the CPU, or a host that is level 0, has no
+    host pool for activations (straight to disk)."""
+    from types import SimpleNamespace
+
+    from apt_model.activations.manager import ActivationManager
+
+    stack = SimpleNamespace(shared_host=False, levels=[None, SimpleNamespace(capacity=8 * 2**30)])
+    manager = ActivationManager(SimpleNamespace(), None, stack, torch.device("cuda", 0))
+    assert manager.host_budget("cuda:0") == 2 * 2**30
+    assert manager.host_budget("cpu") is None
+    assert ActivationManager(SimpleNamespace(), None, SimpleNamespace(shared_host=True), "cpu").host_budget("cuda") is None
+
+
 class _InPlaceBlock(torch.nn.Module):
     def __init__(self, source=None):
         super().__init__()

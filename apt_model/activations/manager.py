@@ -120,13 +120,21 @@ class ActivationManager:
             return self.stack.compute_budget // 4
         return None
 
+    def host_budget(self, device: torch.device | str) -> int | None:
+        """Bytes of pinned host memory the offloader of a model on ``device`` may use: on an
+        accelerator, a quarter of the host level (the paging level's own pinned pool is sized to the
+        whole host budget, so the two together stay within 1.25x of it, not 2x); None (no host
+        level: straight to disk) for a model on the CPU or where the host is level 0."""
+        dev = torch.device(device)
+        if dev.type == "cpu" or self.stack is None or self.stack.shared_host:
+            return None
+        return max(self.stack.levels[1].capacity // 4, 1 << 20)
+
     def _offloader(self, device: torch.device) -> ActivationOffloader:
         dev = torch.device(device)
         key = str(dev)
         if key not in self.offloaders:
-            host = None
-            if dev.type != "cpu" and self.stack is not None and not self.stack.shared_host:
-                host = self.stack.levels[1].capacity
+            host = self.host_budget(dev)
             off = ActivationOffloader(self.budget(dev), self.stack.swap, dev,
                                       min_bytes=int(self.config.offload_min_bytes), host_budget=host)
             self.offloaders[key] = off

@@ -1245,3 +1245,45 @@ def test_disable_in_a_forked_child_is_quick_and_leaves_the_parent_alone(tmp_path
         assert_same(snapshot(m, opt), snapshot(plain, popt))
     finally:
         vb.disable()
+
+
+def test_a_tensor_reusing_a_dead_gradients_id_is_not_taken_for_its_page(tmp_path):
+    """The pager finds a tensor's page by ``id()`` and holds the tensor weakly. After
+    ``zero_grad(set_to_none=True)`` a gradient dies before its page is settled, and CPython hands
+    its ``id()`` to the next tensor made; the fault handler took that unrelated tensor for the
+    gradient's page (on the H200 a fresh byte view inside a side-stream copy, which then evicted
+    pages from there). A page is now the tensor's only if the page holds that very tensor."""
+    from apt_model.base.patches import PatchSet
+    from apt_model.memory.paging.session import PagingSession
+    from apt_model.memory.swap import SwapSpace
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    patches = PatchSet()
+    session = PagingSession(4096, SwapSpace(tmp_path), patches, device="cpu")
+    try:
+        session.page_model(m, page_params=True, page_grads=True)
+        m(torch.randn(4, 64)).sum().backward()
+        pager = session.pager
+        grad_pages = {pg.tensor_id: pg for pg in session.grad_pages.values()}
+        for p in m.parameters():
+            p.grad = None  # the gradients die; their pages hold them weakly, their entries stay for now
+        stale = {tid for tid, pg in grad_pages.items() if pager.by_tensor.get(tid) is pg and pg.bound() is None}
+        assert stale
+        keep, found = [], None
+        for _ in range(10000):  # CPython gives a freed object's memory to the next object of its size
+            t = torch.zeros(16)
+            if id(t) in stale:
+                found = t
+                break
+            keep.append(t)
+        if found is None:
+            pytest.skip("no new tensor reused a dead gradient's id() here")
+        seen = []
+        real = session.enter
+        session.enter = lambda pages, *a, **k: (seen.extend(pages), real(pages, *a, **k))[1]
+        found.add_(1)  # an op on a tensor that is no page
+        assert seen == [], [pg.label for pg in seen]
+        assert torch.equal(found, torch.ones(16))
+    finally:
+        patches.restore_all()

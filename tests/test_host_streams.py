@@ -834,7 +834,62 @@ def test_host_copies_on_the_accelerator_use_a_side_stream_and_training_is_exact(
     assert_bitwise(state, ref_state)
     assert store.copies is not None and not store.copies.is_default_stream() and host["async_copies"]
     # (on the H200, 2026-11-27, some copies failed this with the side stream as the caller's current
-    # stream, training bitwise all the same; not understood yet: the offenders' threads and stacks say more)
+    # stream, training bitwise all the same: the fault handler saw the copy_ inside the stream switch,
+    # took a fresh byte view for a dead gradient's page and evicted pages from there; should it
+    # recur, the offenders' threads and stacks say where from)
     assert queued_on and all(s != c and s != default for s, c in queued_on), (len(queued_on), offenders)
     assert host["spills_to_disk"] > 0 and host["pinned"] is True
     assert syncs == []
+
+
+class _RecordingMode(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_side_stream_copy_is_seen_by_no_torch_function_mode():
+    """``StreamOps.copy`` runs its ``copy_`` with the side stream current. The paging fault handler
+    (a torch-function mode) saw that ``copy_``, took a fresh byte view for a dead gradient's page and
+    evicted pages from inside it: on the H200, copies were then queued while the side stream was the
+    caller's current stream. No mode sees the copy now (the stream switch stood in by a no-op)."""
+    import contextlib
+
+    class NoStreams(streams.StreamOps):
+        def __init__(self):  # the primitives of a device without one: only copy() is used
+            self.device = torch.device("cpu")
+
+        def using(self, stream):
+            return contextlib.nullcontext()
+
+    dst, src = torch.zeros(8, dtype=torch.uint8), torch.arange(8, dtype=torch.uint8)
+    mode = _RecordingMode()
+    with mode:
+        NoStreams().copy(dst, src, None)
+    assert torch.equal(dst, src)
+    assert "copy_" not in mode.seen, mode.seen
+
+
+@pytest.mark.gpu
+def test_nested_stream_switches_give_back_the_callers_stream():
+    """``StreamOps.using`` is re-entrant: inside a nested use the inner stream is current, after it
+    the outer one, after both the caller's (entering ``torch.Stream`` itself was not re-entrant
+    in some torch releases and could leave a side stream current for good)."""
+    from conftest import require_accelerator
+
+    dev = require_accelerator()
+    ops = streams.stream_ops(dev)
+    if ops is None:
+        pytest.skip(f"{dev}: torch offers no streams and events here")
+    caller = ops.current_stream()
+    s1, s2 = ops.new_stream(), ops.new_stream()
+    with ops.using(s1):
+        assert ops.current_stream() == s1
+        with ops.using(s2):
+            assert ops.current_stream() == s2
+        assert ops.current_stream() == s1
+    assert ops.current_stream() == caller

@@ -29,6 +29,7 @@ caller's timeout (polled with ``query``; ``Event.synchronize`` only for an unbou
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -110,10 +111,36 @@ class StreamOps:
         """Block the host until the device has passed ``event`` (this event only)."""
         event.synchronize()
 
+    @contextlib.contextmanager
+    def using(self, stream: Any):
+        """Make ``stream`` the calling thread's current stream for the ``with`` block, then give
+        back the caller's stream (and current device). Re-entrant: it saves and restores the
+        caller's stream itself rather than entering ``torch.Stream`` as a context manager, which is
+        not re-entrant in some torch releases (a nested use left the side stream current for the
+        rest of the run: seen on an H200, copies queued while the side stream was the caller's
+        current stream)."""
+        if self._generic:
+            index = torch.accelerator.current_device_index()
+            prev = torch.accelerator.current_stream(self.device)
+            torch.accelerator.set_stream(stream)
+            try:
+                yield
+            finally:
+                torch.accelerator.set_stream(prev)
+                if torch.accelerator.current_device_index() != index:
+                    torch.accelerator.set_device_index(index)
+        elif hasattr(self._mod, "stream"):
+            with self._mod.stream(stream):  # a new context object per call: it keeps its own previous stream
+                yield
+        else:
+            with stream:
+                yield
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
-        """Enqueue ``dst.copy_(src, non_blocking=True)`` on ``stream``."""
-        ctx = stream if self._generic or not hasattr(self._mod, "stream") else self._mod.stream(stream)
-        with ctx:
+        """Enqueue ``dst.copy_(src, non_blocking=True)`` on ``stream`` (:meth:`using`). The copy runs
+        with torch functions disabled: no torch-function mode sees it (the paging fault handler
+        did, and ran Python, even evicted pages, while the side stream was current)."""
+        with torch._C.DisableTorchFunction(), self.using(stream):
             dst.copy_(src, non_blocking=True)
 
 

@@ -149,6 +149,17 @@ def cpu_byte_view(storage: torch.UntypedStorage) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(storage.data_ptr())).cast("B")
 
 
+def live_page(lookup: dict, t) -> "Page | None":
+    """The page of ``lookup`` (the pager's ``id(tensor) -> page`` map) that manages ``t`` itself, or
+    None. The map is keyed by ``id()`` and a page holds its tensor weakly, so a tensor that died
+    (a gradient set to None by ``zero_grad()``) can leave its ``id()`` to a new, unrelated tensor
+    before its entry is settled: that tensor must not be taken for the page's. (It was, inside
+    the side-stream copies of the host level on the H200: the fault handler took a fresh byte view
+    for a dead gradient and evicted pages from inside the copy.)"""
+    page = lookup.get(id(t))
+    return page if page is not None and page.bound() is t else None
+
+
 def frees_in_place(storage: torch.UntypedStorage) -> bool:
     """Whether resizing ``storage`` to 0 bytes frees its memory in place, as paging does to evict a
     page: False for a storage exported to NumPy (``Tensor.numpy()`` fixes its size for good) or in

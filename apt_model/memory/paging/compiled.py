@@ -61,6 +61,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_mod
 
 from apt_model.base.log import get_logger
+from apt_model.memory.pages import live_page
 
 log = get_logger(__name__)
 
@@ -209,7 +210,7 @@ class _PagedInputs:
         for a in (*args, attrs):
             for t in (a if isinstance(a, (list, tuple)) else (a,)):  # a boxed call passes one list
                 if isinstance(t, torch.Tensor):
-                    page = lookup.get(id(t))
+                    page = live_page(lookup, t)
                     if page is not None:
                         hit.append(page)
         if not hit:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
+from apt_model.memory.pages import live_page
 from apt_model.memory.paging.compiled import compiling
 
 _TB = torch._C.TensorBase
@@ -160,7 +161,7 @@ class PageFaultMode(TorchFunctionMode):
                     else:
                         with saving:
                             out = func(*args, **kwargs)
-                    if func == _DATA_SET and (page := self.lookup.get(id(args[0]))) is not None \
+                    if func == _DATA_SET and (page := live_page(self.lookup, args[0])) is not None \
                             and _storage_key(args[0]) != before:  # Module.to() sets p.data = p when nothing changes
                         self.handler.storage_replaced(page)  # p.data = x: the page follows the new storage
                 finally:
@@ -174,10 +175,10 @@ class PageFaultMode(TorchFunctionMode):
         """``t.zero_()`` / ``torch._foreach_zero_(ts)`` on paged-out tensors: marked to load as zeros,
         no read (``handler.zero_lower(page) -> bool``). Returns (handled, the op's result)."""
         if func is _TB.zero_:
-            page = self.lookup.get(id(args[0])) if args else None
+            page = live_page(self.lookup, args[0]) if args else None
             return (True, args[0]) if page is not None and self.handler.zero_lower(page) else (False, None)
         tensors = list(args[0]) if args else []
-        rest = [t for t in tensors if (page := self.lookup.get(id(t))) is None or not self.handler.zero_lower(page)]
+        rest = [t for t in tensors if (page := live_page(self.lookup, t)) is None or not self.handler.zero_lower(page)]
         if len(rest) == len(tensors):
             return False, None
         if rest:
@@ -200,13 +201,13 @@ class PageFaultMode(TorchFunctionMode):
 
     def _collect(self, a, hit: list) -> None:
         if isinstance(a, torch.Tensor):
-            page = self.lookup.get(id(a))
+            page = live_page(self.lookup, a)
             if page is not None:
                 hit.append(page)
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
-                    page = self.lookup.get(id(b))
+                    page = live_page(self.lookup, b)
                     if page is not None:
                         hit.append(page)
 

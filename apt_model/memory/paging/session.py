@@ -23,7 +23,7 @@ from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
-from apt_model.memory.pages import Category, Page, State
+from apt_model.memory.pages import Category, Page, State, live_page
 from apt_model.memory.paging import backward_hooks, compiled, threads
 from apt_model.memory.paging.backward_hooks import THREAD_FAULTS
 from apt_model.memory.paging.backward_step import BackwardStep
@@ -219,7 +219,7 @@ class PagingSession:
 
         @functools.wraps(real)
         def __reduce_ex__(t, proto):
-            page = lookup.get(id(t)) if self.mode.active else None
+            page = live_page(lookup, t) if self.mode.active else None
             if page is None:
                 return real(t, proto)
             held = self.enter([page])

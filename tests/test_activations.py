@@ -1,4 +1,5 @@
 """Activation checkpointing and offload: exact gradients, policies, faults, memory."""
+import contextlib
 import copy
 import io
 
@@ -553,7 +554,8 @@ def test_an_offloaded_activation_modified_in_place_raises_at_backward(tmp_path, 
     at backward. Below an accelerator (a host level, the CPU standing in) the offloader copied the
     changed bytes to the host (changed before its offload) and backward used them: wrong gradients,
     silently. Changed after its bytes went below, backward used the old bytes where plain PyTorch
-    raises. Both now raise, on the disk path too."""
+    raises. Both now raise, on the disk path too — the second only while the caller still holds
+    the tensor object (here ``a``; see the module docstring of activations/offload.py)."""
     from apt_model.activations.offload import ActivationOffloader
     from apt_model.memory.swap import SwapSpace
 
@@ -575,6 +577,61 @@ def test_an_offloaded_activation_modified_in_place_raises_at_backward(tmp_path, 
             (a.sum() + b.sum()).backward()
     finally:
         off.close()
+
+
+@pytest.mark.parametrize("host_budget", [None, 1 << 20], ids=["disk", "host-level"])
+def test_a_second_backward_reads_an_offloaded_activation_saved_after_an_in_place_op(tmp_path, host_budget):
+    """``F.relu(h, inplace=True)`` saves ``h`` at version 1. Read back from the host level its copy
+    is a new tensor at version 0, and the second backward of ``retain_graph=True`` compared that
+    with the saved version 1: a false "modified by an inplace operation" error where plain
+    PyTorch (and the disk path) trains on. Both paths now give plain PyTorch's gradients."""
+    from apt_model.activations.offload import ActivationOffloader
+    from apt_model.memory.swap import SwapSpace
+
+    def grads(off):
+        torch.manual_seed(0)
+        x = torch.randn(2048, requires_grad=True)
+        ctx = torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off else contextlib.nullcontext()
+        with ctx:
+            h = x * 2.0
+            F.relu(h, inplace=True)  # relu_ saves its output: h at version 1
+            loss = h.exp().sum()  # exp saves its output: the next pack sends h below
+        loss.backward(retain_graph=True)
+        loss.backward()
+        return x.grad
+
+    off = ActivationOffloader(1, SwapSpace(tmp_path), "cpu", min_bytes=16, host_budget=host_budget, host_pin=False)
+    try:
+        got = grads(off)
+        assert off.stats.offloaded >= 1
+    finally:
+        off.close()
+    assert torch.equal(got, grads(None))
+
+
+def test_an_activation_larger_than_the_host_level_stays_in_memory(tmp_path):
+    """With the offloader's host pool a quarter of the host level, an activation larger than that
+    pool raised MemoryError from the pack hook (forward crashed). It now stays in memory
+    (``kept_too_big``), and backward gives plain PyTorch's gradients."""
+    from apt_model.activations.offload import ActivationOffloader
+    from apt_model.memory.swap import SwapSpace
+
+    def grads(off):
+        torch.manual_seed(0)
+        x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB activations
+        ctx = torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off else contextlib.nullcontext()
+        with ctx:
+            loss = (x * 1.0).sigmoid().exp().sum()
+        loss.backward()
+        return x.grad
+
+    off = ActivationOffloader(1, SwapSpace(tmp_path), "cpu", min_bytes=16, host_budget=128 * 1024, host_pin=False)
+    try:
+        got = grads(off)
+        assert off.stats.kept_too_big >= 1 and off.stats.offloaded == 0
+    finally:
+        off.close()
+    assert torch.equal(got, grads(None))
 
 
 def test_the_activation_offloader_takes_a_quarter_of_the_host_level_on_an_accelerator():

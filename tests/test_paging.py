@@ -656,26 +656,36 @@ def test_pinned_pool_reuses_and_coalesces():
     assert pool.alloc(40_000) is None  # over the 64 KiB budget
 
 
-def test_a_pinned_pool_counts_the_power_of_two_its_slabs_really_pin():
+def test_a_pinned_pool_counts_the_power_of_two_its_slabs_really_pin(monkeypatch):
     """PyTorch's caching host allocator rounds each pinned allocation up to a power of two: a slab
-    sized for a 70 MB page pins 128 MiB. The pool counted 70 MB against its budget and pinned up to
-    twice its budget; now a pinned pool's slabs are powers of two, counted as such (a slab that would
-    pass the budget is refused before anything is allocated), and an unpinned pool's are not."""
+    sized for a 70 MB page pins 128 MiB. A pinned pool's slabs are now powers of two, counted as
+    such, where that fits the budget; where only the page's own size fits, it still gets a slab of
+    that size (as before: the page is held, not refused) and ``pinned_bytes`` says what is really
+    pinned. An unpinned pool's slabs are not rounded. (Pinning stood in: this CPU build cannot pin.)"""
     from apt_model.memory.stores import PinnedPool, pinned_bytes
 
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
     assert [pinned_bytes(n) for n in (1, 4096, 4097, 70 * 10**6, 2**26)] == [1, 4096, 8192, 2**27, 2**26]
     assert pinned_bytes(70 * 10**6, pin=False) == 70 * 10**6
-    pinned = PinnedPool(100 * 2**20, pin=True)  # nothing is pinned until a slab is needed
-    assert pinned.slab_bytes == 2**26 and pinned.slab_size_for(70 * 10**6) == 2**27
-    assert pinned.alloc(70 * 10**6) is None and pinned.slabs == []  # 128 MiB > 100 MiB: refused, not pinned
+    own = 70 * 10**6 // 4096 * 4096 + 4096  # the 70 MB page in 4 KiB units
+    roomy = PinnedPool(300 * 2**20, pin=True)
+    assert roomy.slab_bytes == 2**26 and roomy.slab_size_for(70 * 10**6) == 2**27
+    big = roomy.alloc(70 * 10**6)
+    assert big is not None and roomy.slabs[big.slab].numel() == 2**27 == roomy.pinned_bytes
+    rest = roomy.alloc(50 * 2**20)  # the rounded slab's rest holds another page
+    assert rest is not None and rest.slab == big.slab and len(roomy.slabs) == 1
+    tight = PinnedPool(100 * 2**20, pin=True)  # 128 MiB would pass the budget: the page's own size
+    seg = tight.alloc(70 * 10**6)
+    assert seg is not None and tight.slabs[0].numel() == own and tight.pinned_bytes == 2**27
+    assert tight.alloc(40 * 2**20) is None  # 70 MB + a 64 MiB slab > 100 MiB
     small = PinnedPool(48 * 2**20, pin=True)
     assert small.slab_bytes == 2**25  # a power of two within the budget, not the whole 48 MiB
     small.shrink(40 * 2**20)
     assert small.slab_bytes == 2**23 and small.budget == 8 * 2**20
     plain = PinnedPool(100 * 2**20, pin=False)
-    assert plain.slab_size_for(70 * 10**6) == 70 * 10**6 // 4096 * 4096 + 4096
-    seg = plain.alloc(70 * 10**6)
-    assert seg is not None and plain.slabs[0].numel() == plain.slab_size_for(70 * 10**6)
+    assert plain.slab_size_for(70 * 10**6) == own
+    assert plain.alloc(70 * 10**6) is not None and plain.slabs[0].numel() == own == plain.pinned_bytes
 
 
 # ------------------------------------------------------------------ the level-0 budget is a promise

@@ -17,6 +17,12 @@ address, which the caching allocator reuses, so backward could receive another t
   (pinned pool), spilling to the swap files when the host budget is full.
 * Backward unpacks in roughly reverse order; unpacking one handle starts reading the ones packed
   just before it, so they are back in memory when needed.
+* A saved tensor changed in place raises at backward, as plain PyTorch does: changed before its
+  offload, it is kept in memory and its unpack raises; changed after its bytes went below, its
+  unpack raises while the caller still holds the tensor object it saved (a local of a forward
+  that has returned is gone: then, as with ``torch.autograd.graph.save_on_cpu``, the change is not
+  seen and backward uses the saved bytes). An activation the host level cannot hold at all stays
+  in memory (``kept_too_big``).
 * A failed write (disk full, swap folder gone) keeps the tensor in memory and raises the
   :class:`~apt_model.memory.swap.SwapError` at the next pack or unpack; a failed read raises from
   backward. A gradient is never computed from missing or altered data.
@@ -43,11 +49,14 @@ from concurrent.futures import Future
 import torch
 import torch.nn as nn
 
+from apt_model.base.log import get_logger
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import cpu_byte_view
 from apt_model.memory.stores import PinnedPool, byte_view
 from apt_model.memory.swap import SwapSpace
 from apt_model.memory.waits import TimedLock, wait_future
+
+log = get_logger(__name__)
 
 RESIDENT, WRITING, HOST, DISK = "resident", "writing", "host", "disk"
 
@@ -56,7 +65,7 @@ class SavedActivation:
     """The pack hook's handle for one saved tensor (see the module docstring)."""
 
     __slots__ = ("seq", "tensor", "nbytes", "shape", "stride", "dtype", "device", "state", "future", "key",
-                 "segment", "version", "source", "__weakref__")
+                 "segment", "version", "source", "copy_version", "__weakref__")
 
     def __init__(self, seq: int, t: torch.Tensor, key: str):
         self.seq = seq
@@ -65,8 +74,10 @@ class SavedActivation:
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self.version = t._version
         #: the tensor autograd saved, held weakly: once its bytes were copied below, an in-place change
-        #: of the caller's tensor (its version counter) still raises at backward, as plain PyTorch does
+        #: of the caller's tensor (its version counter) still raises at backward while it lives
         self.source = weakref.ref(t)
+        #: the version of the copy read back from below (None: ``tensor`` is the saved tensor itself)
+        self.copy_version: int | None = None
         self.state = RESIDENT
         self.future: Future | None = None
         self.key = key
@@ -80,6 +91,7 @@ class OffloadStats:
         self.packed = 0
         self.packed_bytes = 0
         self.kept_small = 0
+        self.kept_too_big = 0  # too big for the host level: left in memory
         self.offloaded = 0
         self.offloaded_bytes = 0
         self.to_disk_bytes = 0
@@ -302,11 +314,13 @@ class ActivationOffloader:
             # changed in place since it was saved: its bytes are not the saved value. It stays in
             # memory, and its unpack raises the error plain PyTorch raises at backward.
             return
+        if self.host is not None:
+            if self._to_host(h):
+                self.stats.offloaded += 1
+                self.stats.offloaded_bytes += h.nbytes
+            return
         self.stats.offloaded += 1
         self.stats.offloaded_bytes += h.nbytes
-        if self.host is not None:
-            self._to_host(h)
-            return
         t = h.tensor
         view = cpu_byte_view(t.untyped_storage())[t.storage_offset() * t.element_size():][:h.nbytes]
         h.state = WRITING
@@ -317,18 +331,23 @@ class ActivationOffloader:
         self._writing[h.seq] = h
         self.stats.to_disk_bytes += h.nbytes
 
-    def _to_host(self, h: SavedActivation) -> None:
-        seg = self.host.alloc(h.nbytes)
-        while seg is None and self._spill_host():
+    def _to_host(self, h: SavedActivation) -> bool:
+        """Copy ``h`` into the host level; False (``h`` left in memory) if it cannot hold it at all."""
+        seg = self.host.alloc(h.nbytes) if h.nbytes <= self.host.budget else None
+        while seg is None and h.nbytes <= self.host.budget and self._spill_host():
             seg = self.host.alloc(h.nbytes)
-        if seg is None:
-            raise MemoryError(f"the host level ({self.host.budget} bytes) cannot hold a {h.nbytes}-byte activation")
+        if seg is None:  # larger than the whole host level: it stays where it is (as if not eligible)
+            self.stats.kept_too_big += 1
+            log.info("a %d-byte saved activation is larger than the host level (%d bytes): kept in memory",
+                     h.nbytes, self.host.budget)
+            return False
         t = h.tensor
         self.host.view(seg, h.nbytes).copy_(byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(),
                                                       h.nbytes))  # device -> host
         h.segment, h.state, h.tensor = seg, HOST, None
         self._unhold(h.seq)
         self._on_host[h.seq] = h
+        return True
 
     def _spill_host(self) -> bool:
         if not self._on_host:
@@ -375,7 +394,7 @@ class ActivationOffloader:
                 self._error = self._error or err  # the tensor is still here: backward can use it
             self._writing.pop(h.seq, None)
             h.future, h.state = None, RESIDENT
-        if h.state == RESIDENT:
+        if h.state == RESIDENT and h.copy_version is None:  # the saved tensor itself
             if h.tensor._version != h.version:
                 raise _modified(h)
             return h.tensor
@@ -383,12 +402,16 @@ class ActivationOffloader:
         now = None if src is None else _version(src)
         if now is not None and now != h.version:  # the caller's tensor changed after its bytes went below
             raise _modified(h, now)
+        if h.state == RESIDENT:  # a copy read back for an earlier backward (retain_graph=True)
+            if h.tensor._version != h.copy_version:
+                raise _modified(h, h.version + h.tensor._version - h.copy_version)
+            return h.tensor
         if h.state == HOST:
             out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
             byte_view(out.untyped_storage(), 0, h.nbytes).copy_(self.host.view(h.segment, h.nbytes))  # host -> device
             self.host.release(h.segment)
             self._on_host.pop(h.seq, None)
-            h.segment, h.tensor, h.state = None, out, RESIDENT
+            h.segment, h.tensor, h.state, h.copy_version = None, out, RESIDENT, out._version
             self._hold(h)
             self.stats.loaded_bytes += h.nbytes
             return out
@@ -402,10 +425,10 @@ class ActivationOffloader:
                 self._unhold(h.seq)
             raise
         h.future, h.state = None, RESIDENT
-        h.version = h.tensor._version
         self.stats.loaded_bytes += h.nbytes
         if h.device.type != "cpu":
             h.tensor = h.tensor.to(h.device)
+        h.copy_version = h.tensor._version
         return h.tensor
 
     def _prefetch_before(self, seq: int) -> None:

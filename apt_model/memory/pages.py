@@ -165,8 +165,9 @@ def frees_in_place(storage: torch.UntypedStorage) -> bool:
     page: False for a storage exported to NumPy (``Tensor.numpy()`` fixes its size for good) or in
     the CPU's shared memory (``share_memory_()``, as ``torch.multiprocessing`` does to a tensor it
     sends to spawn workers: resizing it crashes the process). An accelerator's storage is never
-    shared memory in that sense, although ``UntypedStorage.is_shared()`` answers True for every
-    storage off the CPU (PyTorch: "always True for CUDA tensors"). Never raises."""
+    shared memory in that sense, although ``UntypedStorage.is_shared()`` answers True for CUDA
+    storages (PyTorch: "always True for CUDA tensors"; newer releases: for every device but the CPU
+    and meta). Never raises."""
     if not storage.resizable():
         return False
     return storage.device.type != "cpu" or not storage.is_shared()

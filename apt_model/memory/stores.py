@@ -162,8 +162,10 @@ class PinnedPool:
     """Host memory for page copies: slabs of ``slab_bytes`` allocated on demand (pinned when
     ``pin``), up to ``budget`` bytes, sub-allocated first-fit in 4 KiB units and reused. Pinned
     slabs are powers of two (:func:`pinned_bytes`: what PyTorch pins for them anyway), so the bytes
-    counted against the budget are the bytes pinned; a page larger than ``slab_bytes`` gets a slab
-    of its own, rounded up the same way, whose rest holds other pages.
+    counted against the budget are the bytes pinned. A page larger than ``slab_bytes`` gets a slab
+    of its own, rounded up the same way (its rest holds other pages) where that fits the budget;
+    where only the page's own size fits, the slab is that size, as the pool has always held such a
+    page, and PyTorch pins more than the budget says: :attr:`pinned_bytes` counts it.
 
     The pool knows nothing of copies in flight: its user gives a segment back (:meth:`release`)
     only once no copy reads or writes it any more (:class:`HostStore` tracks that with the copies'
@@ -193,10 +195,18 @@ class PinnedPool:
         size = max(self.slab_bytes, (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
         return pinned_bytes(size, self.pin)
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes the slabs really take (pinned ones rounded up to a power of two each)."""
+        return sum(pinned_bytes(s.numel(), self.pin) for s in self.slabs)
+
     def _new_slab(self, at_least: int) -> int | None:
         size = self.slab_size_for(at_least)
-        if sum(s.numel() for s in self.slabs) + size > self.budget:
-            return None
+        held = sum(s.numel() for s in self.slabs)
+        if held + size > self.budget:
+            size = max(self.slab_bytes, (int(at_least) + _ALIGN - 1) // _ALIGN * _ALIGN)  # the page's own size
+            if held + size > self.budget:
+                return None
         self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))
         self.free.append([(0, size)])
         return len(self.slabs) - 1
@@ -625,11 +635,13 @@ class HostStore:
         return self.disk.describe(key)
 
     def stats(self) -> dict:
-        """The level's figures: bytes resident, capacity and moved in/out (``bytes_in_by_kind``: the
+        """The level's figures: bytes resident, capacity, host bytes the slabs really take
+        (``pinned_bytes``), and moved in/out (``bytes_in_by_kind``: the
         bytes written in, by what they are: param, grad, state, pre-step copy), hits, misses, spills,
         whether copies run on a copy stream (``async_copies``), the copies in flight now and the
         host waits for one copy's event (``copy_waits``), and the disk level's."""
         return {"resident_bytes": self.pool.used, "capacity": self.pool.budget, "pinned": self.pool.pin,
+                "pinned_bytes": self.pool.pinned_bytes,
                 "slabs": len(self.pool.slabs), "hits": self.hits, "misses": self.misses, "spills_to_disk": self.spills,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
                 "bytes_in_by_kind": dict(self.bytes_in_by_kind), "async_copies": self.copies is not None,

@@ -263,10 +263,14 @@ def test_tf32_is_turned_on_for_ampere_and_restored(monkeypatch):
     assert before in ("none", "ieee")
     decision, patches, step = tf32_decision("auto", (8, 0), monkeypatch)
     assert decision.chosen == "tf32" and torch.backends.cuda.matmul.fp32_precision == "tf32"
+    # both of PyTorch's settings agree: reading the legacy ones (Lightning, Inductor, the script)
+    # raised "mix of the legacy and new APIs" when only the new one was written
+    assert torch.backends.cuda.matmul.allow_tf32 is True and torch.get_float32_matmul_precision() == "high"
     again, _, _ = tf32_decision("auto", (8, 0), monkeypatch, step=step)  # a second model: the session's decision
     assert again.chosen == "tf32" and not again.act and "decided for this session" in again.reason
     patches.restore_all()
     assert torch.backends.cuda.matmul.fp32_precision == before
+    assert torch.backends.cuda.matmul.allow_tf32 is False and torch.get_float32_matmul_precision() == "highest"
 
 
 def test_tf32_is_not_used_before_ampere_nor_when_off_nor_over_the_scripts_choice(monkeypatch):

@@ -379,3 +379,24 @@ def test_on_the_accelerator_the_trial_decides_with_events_and_never_synchronizes
         opt.step()
         opt.zero_grad()
     assert calls == []
+
+
+def test_device_events_are_recorded_on_the_models_own_device(monkeypatch):
+    """``torch.Event(device="cuda:1")`` keeps only the device type, and ``record()`` with no stream
+    records on the current device's stream: a model on ``cuda:1`` while ``cuda:0`` was current was
+    timed on the idle device (launch time), and the trials judged noise. The clock now records on
+    the stream of its own device. (The device and its streams stood in at torch's boundary.)"""
+    recorded = []
+
+    class FakeEvent:
+        def __init__(self, device=None, enable_timing=False):
+            self.device = device
+
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    streams_of = {1: "stream of cuda:1", 0: "stream of cuda:0"}
+    monkeypatch.setattr(torch, "Event", FakeEvent)
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: streams_of[torch.device(device).index])
+    EventClock(torch.device("cuda", 1)).mark()
+    assert recorded == ["stream of cuda:1"]

@@ -99,9 +99,20 @@ class EventClock:
         self.device = device
 
     def mark(self) -> torch.Event:
-        """Record an event on the device's current stream (returns at once)."""
+        """Record an event on the device's current stream (returns at once). The stream is that of
+        :attr:`device` itself: ``torch.Event(device=...)`` keeps only the device's type, and
+        ``record()`` without a stream records on the *current* device's stream, so a model on
+        ``cuda:1`` while ``cuda:0`` is current was timed on an idle device (launch time, not its
+        kernels)."""
         ev = torch.Event(device=self.device, enable_timing=True)
-        ev.record()
+        try:
+            stream = torch.accelerator.current_stream(self.device)
+        except Exception:  # noqa: BLE001 - a backend without it: the current device's stream
+            stream = None
+        if stream is None:
+            ev.record()
+        else:
+            ev.record(stream)
         return ev
 
     def ready(self, mark: torch.Event) -> bool:

@@ -5,10 +5,13 @@ compute capability >= 8.0; PyTorch docs, "TensorFloat-32 (TF32) on Ampere (and l
 It changes numerics, so it is a mode's decision: ``tf32=auto`` in performance, balanced and full;
 ``off`` in memory mode, whose promise is the script's own fp32. It is process-wide state
 (``torch.backends.cuda.matmul.fp32_precision``), decided once per switch session at the first
-adopted model on a CUDA device and restored by ``disable()``. Only the new precision API is read
-and written (PyTorch refuses a mix of the legacy ``allow_tf32`` flags and the new API); a script
-that already chose a matmul precision keeps its choice. cuDNN convolutions already default to
-TF32 in PyTorch and are left alone.
+adopted model on a CUDA device and restored by ``disable()``. It is written through the legacy
+``torch.backends.cuda.matmul.allow_tf32`` flag, which sets both of PyTorch's settings (the new
+``fp32_precision`` and the legacy ``float32_matmul_precision``). Writing only the new one leaves
+the two disagreeing: PyTorch then raises "mix of the legacy and new APIs" from every read of the
+legacy one (``torch.get_float32_matmul_precision()``, ``allow_tf32``), as Lightning, Inductor's
+autotuning and many scripts do. A script that already chose a matmul precision keeps its choice.
+cuDNN convolutions already default to TF32 in PyTorch and are left alone.
 """
 from __future__ import annotations
 
@@ -66,8 +69,9 @@ class TF32Step(FeatureStep):
         previous = decision.plan
 
         def undo():
-            torch.backends.cuda.matmul.fp32_precision = previous
+            torch.backends.cuda.matmul.allow_tf32 = False  # both settings back to IEEE fp32, in agreement
+            torch.backends.cuda.matmul.fp32_precision = previous  # "none" (inherit) or "ieee", as it was
 
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = True  # both settings: fp32_precision "tf32", precision "high"
         patches.add_undo(undo, f"fp32 matmul precision back to {previous}")
         return decision

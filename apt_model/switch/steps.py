@@ -7,7 +7,9 @@ step it records:
 
 * ``step_s``: wall time since the same optimizer's previous step ended (the whole loop
   iteration: data, forward, backward, step); None for an optimizer's first step;
-* ``optimizer_s``: the time inside ``optimizer.step()`` (with paging: the streamed step);
+* ``optimizer_s``: the host's time inside ``optimizer.step()`` (with paging: the streamed step).
+  On an accelerator the step only queues its kernels: this is the time to queue them (and any
+  wait the step made), not the device's time; ``step_s`` is the device-paced figure;
 * ``memory``: process RSS at the step's end (``process_rss``) and its peak since the previous
   step's end (``process_rss_peak``: a background thread samples the RSS every ``sample_interval``
   seconds while the hooks are installed, so the forward/backward peak between two steps is seen),

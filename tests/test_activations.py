@@ -547,6 +547,23 @@ def test_a_saved_activation_modified_in_place_raises_as_without_the_switch(tmp_p
         vb.disable()
 
 
+@contextlib.contextmanager
+def offloading(tmp_path, budget: int, host_budget: int | None):
+    """An :class:`ActivationOffloader` on the CPU (keeping ``budget`` bytes of activations, with a
+    host level of ``host_budget`` bytes or none) as the saved-tensor hooks of the block; closed
+    after it."""
+    from apt_model.activations.offload import ActivationOffloader
+    from apt_model.memory.swap import SwapSpace
+
+    off = ActivationOffloader(budget, SwapSpace(tmp_path), "cpu", min_bytes=16, host_budget=host_budget,
+                              host_pin=False)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack):
+            yield off
+    finally:
+        off.close()
+
+
 @pytest.mark.parametrize("host_budget", [None, 1 << 20], ids=["disk", "host-level"])
 @pytest.mark.parametrize("when", ["before-offload", "after-offload"])
 def test_an_offloaded_activation_modified_in_place_raises_at_backward(tmp_path, host_budget, when):
@@ -556,27 +573,19 @@ def test_an_offloaded_activation_modified_in_place_raises_at_backward(tmp_path, 
     silently. Changed after its bytes went below, backward used the old bytes where plain PyTorch
     raises. Both now raise, on the disk path too — the second only while the caller still holds
     the tensor object (here ``a``; see the module docstring of activations/offload.py)."""
-    from apt_model.activations.offload import ActivationOffloader
-    from apt_model.memory.swap import SwapSpace
-
-    off = ActivationOffloader(1 if when == "after-offload" else 5000, SwapSpace(tmp_path), "cpu", min_bytes=16,
-                              host_budget=host_budget, host_pin=False)
-    try:
+    with offloading(tmp_path, 1 if when == "after-offload" else 5000, host_budget) as off:
         x = torch.randn(1024, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack):
-            a = torch.sigmoid(x * 1.0)  # saves its output (4 KiB)
-            if when == "before-offload":
-                with torch.no_grad():
-                    a.mul_(2)  # still held in memory
-            b = torch.exp(x * 1.0)  # this pack sends ``a`` below
-            if when == "after-offload":
-                with torch.no_grad():
-                    a.mul_(2)
+        a = torch.sigmoid(x * 1.0)  # saves its output (4 KiB)
+        if when == "before-offload":
+            with torch.no_grad():
+                a.mul_(2)  # still held in memory
+        b = torch.exp(x * 1.0)  # this pack sends ``a`` below
+        if when == "after-offload":
+            with torch.no_grad():
+                a.mul_(2)
         assert off.stats.packed == 2
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             (a.sum() + b.sum()).backward()
-    finally:
-        off.close()
 
 
 @pytest.mark.parametrize("host_budget", [None, 1 << 20], ids=["disk", "host-level"])
@@ -585,53 +594,41 @@ def test_a_second_backward_reads_an_offloaded_activation_saved_after_an_in_place
     is a new tensor at version 0, and the second backward of ``retain_graph=True`` compared that
     with the saved version 1: a false "modified by an inplace operation" error where plain
     PyTorch (and the disk path) trains on. Both paths now give plain PyTorch's gradients."""
-    from apt_model.activations.offload import ActivationOffloader
-    from apt_model.memory.swap import SwapSpace
-
-    def grads(off):
+    def forward():
         torch.manual_seed(0)
         x = torch.randn(2048, requires_grad=True)
-        ctx = torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off else contextlib.nullcontext()
-        with ctx:
-            h = x * 2.0
-            F.relu(h, inplace=True)  # relu_ saves its output: h at version 1
-            loss = h.exp().sum()  # exp saves its output: the next pack sends h below
+        h = x * 2.0
+        F.relu(h, inplace=True)  # relu_ saves its output: h at version 1
+        return x, h.exp().sum()  # exp saves its output: the next pack sends h below
+
+    def grads(x, loss):
         loss.backward(retain_graph=True)
         loss.backward()
         return x.grad
 
-    off = ActivationOffloader(1, SwapSpace(tmp_path), "cpu", min_bytes=16, host_budget=host_budget, host_pin=False)
-    try:
-        got = grads(off)
+    with offloading(tmp_path, 1, host_budget) as off:
+        got = grads(*forward())
         assert off.stats.offloaded >= 1
-    finally:
-        off.close()
-    assert torch.equal(got, grads(None))
+    assert torch.equal(got, grads(*forward()))
 
 
 def test_an_activation_larger_than_the_host_level_stays_in_memory(tmp_path):
     """With the offloader's host pool a quarter of the host level, an activation larger than that
     pool raised MemoryError from the pack hook (forward crashed). It now stays in memory
     (``kept_too_big``), and backward gives plain PyTorch's gradients."""
-    from apt_model.activations.offload import ActivationOffloader
-    from apt_model.memory.swap import SwapSpace
-
-    def grads(off):
+    def forward():
         torch.manual_seed(0)
         x = torch.randn(64 * 1024, requires_grad=True)  # 256 KiB activations
-        ctx = torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack) if off else contextlib.nullcontext()
-        with ctx:
-            loss = (x * 1.0).sigmoid().exp().sum()
+        return x, (x * 1.0).sigmoid().exp().sum()
+
+    def grads(x, loss):
         loss.backward()
         return x.grad
 
-    off = ActivationOffloader(1, SwapSpace(tmp_path), "cpu", min_bytes=16, host_budget=128 * 1024, host_pin=False)
-    try:
-        got = grads(off)
+    with offloading(tmp_path, 1, 128 * 1024) as off:
+        got = grads(*forward())
         assert off.stats.kept_too_big >= 1 and off.stats.offloaded == 0
-    finally:
-        off.close()
-    assert torch.equal(got, grads(None))
+    assert torch.equal(got, grads(*forward()))
 
 
 def test_the_activation_offloader_takes_a_quarter_of_the_host_level_on_an_accelerator():

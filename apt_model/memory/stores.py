@@ -189,11 +189,14 @@ class PinnedPool:
         """The standard slab size within the budget (pinned: a power of two)."""
         return min(slab_bytes, _pow2_floor(self.budget) if self.pin else self.budget)
 
+    def _own_size(self, nbytes: int) -> int:
+        """At least ``slab_bytes``, room for ``nbytes`` in 4 KiB units."""
+        return max(self.slab_bytes, (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
+
     def slab_size_for(self, nbytes: int) -> int:
         """Bytes a new slab holding an ``nbytes`` segment takes (and counts against the budget):
         at least ``slab_bytes``, in 4 KiB units; pinned, rounded up to a power of two."""
-        size = max(self.slab_bytes, (int(nbytes) + _ALIGN - 1) // _ALIGN * _ALIGN)
-        return pinned_bytes(size, self.pin)
+        return pinned_bytes(self._own_size(nbytes), self.pin)
 
     @property
     def pinned_bytes(self) -> int:
@@ -204,7 +207,7 @@ class PinnedPool:
         size = self.slab_size_for(at_least)
         held = sum(s.numel() for s in self.slabs)
         if held + size > self.budget:
-            size = max(self.slab_bytes, (int(at_least) + _ALIGN - 1) // _ALIGN * _ALIGN)  # the page's own size
+            size = self._own_size(at_least)  # the page's own size (PyTorch pins it rounded up)
             if held + size > self.budget:
                 return None
         self.slabs.append(torch.empty(size, dtype=torch.uint8, pin_memory=self.pin))

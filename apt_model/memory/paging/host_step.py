@@ -68,6 +68,7 @@ import torch
 
 from apt_model.base.log import get_logger
 from apt_model.memory.pages import State
+from apt_model.memory.stores import pinned_bytes
 from apt_model.memory.paging.optimizer import PER_PARAMETER
 
 log = get_logger(__name__)
@@ -397,8 +398,6 @@ class HostStep:
         """Host bytes the host step holds: parameter copies and gradient buffers (pinned ones as
         pinned, rounded up to a power of two each: :func:`~apt_model.memory.stores.pinned_bytes`)
         and states."""
-        from apt_model.memory.stores import pinned_bytes
-
         n = 0
         for sh in self.shadows.values():
             n += sum(pinned_bytes(t.numel() * t.element_size(), sh.pin) for t in sh.masters.values())

@@ -12,8 +12,9 @@ Why this is exact: the supported optimizers update each parameter from its own g
 state only (SGD, Adam, AdamW, RMSprop, Adagrad, Adamax, NAdam, RAdam, Adadelta, ASGD, Rprop, and
 subclasses that override neither ``step`` nor ``_init_group``: :func:`steps_per_parameter`); a chunk runs
 the same per-tensor arithmetic — the single-tensor loop on CPU, the same ``_foreach`` kernels
-on accelerators — as the full step would. An optimizer outside that list, or a ``step(closure)``
-call, is refused with a clear error rather than stepped differently. The optimizer's own step
+on accelerators — as the full step would. An optimizer outside that list is refused with a clear
+error rather than stepped differently. ``step(closure)`` calls the closure once, first, as those
+optimizers' own ``step`` does, then streams the step; it returns the closure's loss. The optimizer's own step
 hooks (``register_step_pre_hook`` / ``register_step_post_hook``) run around the streamed step,
 with its parameters in place (:meth:`OptimizerPaging._take_own_hooks`).
 
@@ -204,6 +205,11 @@ def _state_of(opt_ref, p_ref, key):
     return None if st is None else st.get(key)  # user took out (optimizer.state_dict() then fails)
 
 
+def _evaluated(loss):
+    """The closure handed to torch's step call after the paged step evaluated the user's: the loss."""
+    return loss
+
+
 class OptimizerPaging:
     """Global step hooks plus per-optimizer state pages for one paging session."""
 
@@ -376,28 +382,68 @@ class OptimizerPaging:
         except Exception as err:  # noqa: BLE001 - a failed drop must not fail the step or the teardown
             log.warning("the pre-step copy %s could not be dropped: %s", copy.label, err)
 
-    @shielded  # the paged step is not cut by a signal: one arriving meanwhile waits (interrupts.py)
     def _pre(self, opt, args, kwargs):
+        """The global step pre-hook: the whole step of an optimizer holding paged tensors runs here
+        (:meth:`_prepare`, the closure if one was given, :meth:`_streamed`); torch's call that
+        follows finds every parameter group empty, and a closure that returns the loss already
+        computed. Returns the (possibly changed) ``(args, kwargs)`` for that call, or None."""
         if self._in_step or not self._involves_paging(opt):
             return None
+        own = self._prepare(opt)
+        try:
+            for hook in own[0].values():  # the optimizer's own pre-hooks, with its parameters in place
+                changed = hook(opt, args, kwargs)
+                if changed is not None:  # torch's rule for a pre-hook's result
+                    if not (isinstance(changed, tuple) and len(changed) == 2):
+                        raise RuntimeError(f"{hook} must return None or a tuple of (new_args, new_kwargs), "
+                                           f"but got {changed!r}")
+                    args, kwargs = changed
+            # not shielded: an interrupt in the closure's forward or backward lands as without paging
+            args, kwargs = self._evaluate_closure(opt, args, kwargs)
+        except BaseException:
+            self._give_back_own_hooks(opt)
+            raise
+        self._streamed(opt, own, args, kwargs)
+        return args, kwargs
+
+    @shielded  # the paged step is not cut by a signal: one arriving meanwhile waits (interrupts.py)
+    def _prepare(self, opt) -> tuple[dict, dict]:
+        """Adopt ``opt`` (refusing what cannot be stepped in chunks) and take its own step hooks
+        out; returns them (pre-hooks, post-hooks)."""
         self._put_back_lists(opt)  # a signal (held back too long) landed between this hook and _post
         self._adopt(opt, self.session.patches)
         self._refuse_duplicates(opt)
-        # torch passes the wrapped call's positional arguments, the optimizer itself first
-        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
-        if closure is not None:
-            raise PagedOptimizerError(
-                f"{type(opt).__name__}.step(closure) re-evaluates the model inside the step, which cannot be "
-                "streamed in chunks; call loss.backward() yourself and then optimizer.step() without a closure"
-            )
         self.capturable.remember(opt)
         self.capturable.restore(opt)
-        own = self._take_own_hooks(opt)
+        return self._take_own_hooks(opt)
+
+    def _evaluate_closure(self, opt, args, kwargs) -> tuple[tuple, dict]:
+        """``optimizer.step(closure)``: the closure (which re-evaluates the model: zero_grad, forward,
+        backward, and returns the loss) is called here, once, with grad enabled, as every supported
+        optimizer's ``step`` calls it first. Torch's call that follows gets a closure returning that
+        loss, so ``step`` returns it without evaluating the model again. The step inside backward
+        is turned off: the closure's backward runs inside the step call. Returns ``(args, kwargs)``."""
+        if "closure" in kwargs:
+            closure = kwargs["closure"]
+        else:
+            closure = args[1] if len(args) > 1 else None
+        if closure is None:
+            return args, kwargs
+        self.session.backward_step.abandon(
+            "the loop calls optimizer.step(closure): the closure's backward runs inside the step")
+        with torch.enable_grad():
+            loss = closure()
+        done = functools.partial(_evaluated, loss)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": done}
+        return (args[0], done, *args[2:]), kwargs
+
+    @shielded  # the paged step is not cut by a signal: one arriving meanwhile waits (interrupts.py)
+    def _streamed(self, opt, own: tuple[dict, dict], args, kwargs) -> None:
+        """The step itself, the optimizer's own post-hooks, then every group emptied for torch's call."""
         try:
-            for hook in own[0].values():  # the optimizer's own pre-hooks, with its parameters in place
-                hook(opt, args, kwargs)
             self._step(opt)
-            for hook in own[1].values():  # and its post-hooks, after the update, before the lists go
+            for hook in own[1].values():  # its post-hooks, after the update, before the lists go
                 hook(opt, args, kwargs)
         except BaseException:
             self._give_back_own_hooks(opt)
@@ -409,7 +455,6 @@ class OptimizerPaging:
         for g in opt.param_groups:
             g["params"] = []  # the step already under way has nothing left to do
         self.capturable.for_empty_body(opt)  # its compiled code's guard holds: no recompile (CapturableFlags)
-        return None
 
     def _refuse_duplicates(self, opt) -> None:
         """Raises PagedOptimizerError when a parameter appears twice in ``opt``'s groups. Plain

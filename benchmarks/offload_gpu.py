@@ -569,7 +569,11 @@ def print_result(result: dict, args) -> None:
             print(f"  {name}: optimizer step on the {where.get('where', '?')}; step inside backward "
                   f"{sib.get('state', '?')} ({sib.get('reason', '')})")
         levels = (row.get("final") or {}).get("levels") or []
-        kinds = next((lv.get("bytes_in_by_kind") for lv in levels if lv.get("kind") == "host"), None)
+        host = next((lv for lv in levels if lv.get("kind") == "host"), {})
+        if name in VB and host:
+            print(f"  {name}: host level copies on {host.get('copy_streams')} side stream(s); "
+                  f"{host.get('copy_waits')} host waits for a copy's event; {host.get('spills_to_disk')} spills to disk")
+        kinds = host.get("bytes_in_by_kind")
         if name in VB and kinds:  # all the worker's steps (warm-up, settling, timed, profiled), in parameter bytes
             pb = result["model"]["params_bytes"]
             print(f"  {name}: written to the host level over all its steps, in parameter bytes: "

@@ -12,6 +12,11 @@ freed before it ran is recorded as a violation and poisons its destination. Whil
 has not completed, the memory it touches is watched: a pinned-pool segment released, handed out
 again, or spilled to the swap files over it is recorded as a violation.
 
+The host level copies on two side streams, one per direction. A wait of one side stream for an
+event of the other is honoured (the other stream runs up to that event first), and a copy queued
+while a copy on the other stream that touches the same memory (one of the two writing it) is
+still pending, with no wait for an event behind it, is recorded as a violation.
+
 So a premature free, a premature spill or reuse, or a missing wait corrupts data or is observed.
 """
 from __future__ import annotations
@@ -134,10 +139,28 @@ class FakeOps:
         if not after_compute:
             self.violations.append(f"copy {self.copies} was not ordered after the compute stream")
         c = FakeCopy(dst, src, self.copies)
+        self._check_other_streams(c, stream)
         # a destination nothing queued before reads is poisoned: reading it before the copy ran shows as NaN
         if not any(_overlap(c.dst_range, p.src_range) for p in self.pending()):
             dst.fill_(0xFF)
         q.append(("copy", c))
+
+    def _check_other_streams(self, c: FakeCopy, stream: FakeStream) -> None:
+        """A copy on another side stream, not yet run, touching ``c``'s memory with either writing
+        it, must be behind an event ``stream`` waits for."""
+        waited = {id(e) for kind, e in stream.queue if kind == "wait"}
+        for other in self.side:
+            if other is stream:
+                continue
+            for i, (kind, op) in enumerate(other.queue):
+                if kind != "copy" or op.ran:
+                    continue
+                if not (_overlap(c.dst_range, op.dst_range) or _overlap(c.dst_range, op.src_range)
+                        or _overlap(c.src_range, op.dst_range)):
+                    continue
+                if not any(k == "event" and id(e) in waited for k, e in other.queue[i + 1:]):
+                    self.violations.append(f"copy {c.seq} on {stream.name} touches the memory of copy {op.seq} "
+                                           f"on {other.name} with no event ordering them")
 
     # test control and checks
     def pending(self) -> list[FakeCopy]:
@@ -174,14 +197,22 @@ class FakeOps:
         dst.copy_(src)
 
     def _run_until(self, event) -> None:
-        for kind, op in event.stream.queue:
+        for kind, op in list(event.stream.queue):
             if kind == "copy":
                 self._run(op)
+            elif kind == "wait" and self._waits_on_side_stream(op):
+                self._run_until(op)  # the other side stream's copies up to that event run first
             elif kind == "event" and op is event:
                 return
 
+    def _waits_on_side_stream(self, event) -> bool:
+        return event.stream is not None and not event.stream.compute and not event.completed
+
     def _pop(self, s: FakeStream) -> FakeEvent | None:
-        kind, op = s.queue.pop(0)
+        kind, op = s.queue[0]
+        if kind == "wait" and self._waits_on_side_stream(op):
+            self._complete(op)  # the other side stream gets to that event first
+        s.queue.pop(0)
         if kind == "copy":
             self._run(op)
         elif kind == "event":
@@ -342,7 +373,8 @@ def test_training_through_async_host_copies_is_bitwise_identical(tmp_path, monke
         state = state_of(m, opt)
     finally:
         patches.restore_all()
-    assert store.copies is not None and host["async_copies"] is True  # the fake layer was used
+    assert store.down is not None and host["async_copies"] is True  # the fake layer was used
+    assert store.up is not store.down and host["copy_streams"] == 2 and len(fake.side) == 2  # one per direction
     assert fake.violations == []
     assert got == ref
     assert_bitwise(state, state_of(ref_m, ref_opt))
@@ -604,6 +636,72 @@ def test_reaping_asks_the_device_about_the_oldest_running_write_only(tmp_path, f
     pager.close()
 
 
+def test_a_load_up_does_not_queue_behind_the_writes_down(tmp_path, fake):
+    """Copies down (device -> host) and up (host -> device) run on two side streams. On the one
+    stream of before, a page loaded from the host level while a write down was still queued (a
+    parameter prefetched in backward behind the gradients written as they land, each waiting for
+    the compute that produces it) could not run before that write (a suspected part of the
+    everything-paged step's 1.59x the link floor on the H200; not measured since). Here the load
+    up completes while the write down is held."""
+    from apt_model.memory.pages import State
+
+    fake.after = None  # events complete only when the test says so
+    pager, store = pager_with_host_level(tmp_path, 1 << 22)
+    a, b = torch.randn(4096), torch.randn(4096)
+    want_a, want_b = a.clone(), b.clone()
+    pa, pb = register(pager, a, "A"), register(pager, b, "B")
+    pager.evict_now([pa])
+    fake.complete_all()
+    pager.reap()
+    assert pa.state is State.LOWER
+    pager.evict_now([pb])  # B's write down is queued and held
+    (write_b,) = fake.pending()
+    pager.acquire([pa])  # a host hit: A's copy up, joined by compute
+    assert torch.equal(a, want_a)
+    load_a = store._loads.get(pa.key) or store._copying[id(store.entries[pa.key])][1]
+    fake._complete(load_a.event)
+    assert load_a.done() and not write_b.ran and not pb.future.done()  # up went first; down still held
+    assert store.down is not store.up and store.stats()["copy_streams"] == 2
+    pager.release([pa])
+    fake.complete_all()
+    fake.after = 1
+    pager.reap()
+    pager.acquire([pb])
+    assert torch.equal(b, want_b) and fake.violations == []
+    pager.release([pb])
+    pager.close()
+
+
+def test_copies_of_one_host_segment_on_the_two_streams_are_ordered_by_an_event(tmp_path, fake):
+    """A page's host segment is written down and, with that copy still queued, copied up (read after
+    write: a step rolled back reads a pre-step copy written moments before); then a copy up is
+    queued and the segment is written again (write after read). On two streams nothing orders
+    such copies but an event: the copy up read the NaN-poisoned segment, and the fake layer saw
+    copies on the two streams touching one segment unordered."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, 1 << 20)
+    t = torch.randn(4096)
+    want = t.clone()
+    page = register(pager, t, "A")
+    store.start_write(page, t.untyped_storage())  # down, held
+    out = torch.empty(4096)
+    store.start_read(page, out.untyped_storage())  # a host hit: up from the segment being written
+    store.finish_read(page, out.untyped_storage())  # compute joins the copy up
+    assert torch.equal(out, want)
+    again = torch.empty(4096)
+    store.start_read(page, again.untyped_storage())  # up again, queued, not joined yet
+    newer = torch.randn(4096)
+    store.start_write(page, newer.untyped_storage())  # down into the segment the copy up reads
+    store.finish_read(page, again.untyped_storage())
+    fake.complete_all()
+    assert torch.equal(again, want) and fake.violations == []
+    back = torch.empty(4096)
+    store.read_to_cpu(page, back)
+    assert torch.equal(back, newer)
+    fake.after = 1
+    pager.close()
+
+
 def test_a_tensor_dropped_during_its_copy_keeps_its_memory_until_the_copy_ran(tmp_path, fake):
     """(c) The copy holds the storage it reads: user code dropping the tensor meanwhile (a
     gradient set to None) cannot free the memory under the device-to-host copy."""
@@ -765,7 +863,7 @@ def test_the_cpu_and_a_device_without_streams_copy_synchronously(tmp_path):
     io = IOEngine(readers=1, writers=1)
     store = HostStore("cpu", 1 << 20, DiskStore(SwapSpace(tmp_path), io))
     try:
-        assert store.copies is None and store.stats()["async_copies"] is False
+        assert store.down is None and store.up is None and store.stats()["async_copies"] is False
     finally:
         store.close()
 
@@ -832,7 +930,8 @@ def test_host_copies_on_the_accelerator_use_a_side_stream_and_training_is_exact(
         torch.use_deterministic_algorithms(was)
     assert got == ref
     assert_bitwise(state, ref_state)
-    assert store.copies is not None and not store.copies.is_default_stream() and host["async_copies"]
+    assert host["async_copies"] and host["copy_streams"] == 2
+    assert not store.down.is_default_stream() and not store.up.is_default_stream()
     # (on the H200, 2026-11-27, some copies failed this with the side stream as the caller's current
     # stream, training bitwise all the same: the fault handler saw the copy_ inside the stream switch,
     # took a fresh byte view for a dead gradient's page and evicted pages from there; should it

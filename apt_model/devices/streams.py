@@ -296,22 +296,28 @@ class CopyStream:
         self.ops.record(ev, self.ops.current_stream())
         return ev
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, keep: tuple = ()) -> CopyEvent:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, keep: tuple = (),
+             behind: "CopyEvent | None" = None) -> CopyEvent:
         """Enqueue ``dst.copy_(src)`` on the side stream, after ``after`` (an event from
         :meth:`mark`; default: a mark taken now, i.e. after every kernel already queued on the
         current stream — which is what makes reading the bytes compute produced, or writing into
-        memory the caching allocator handed out on the compute stream, safe). Returns at once.
+        memory the caching allocator handed out on the compute stream, safe) and after ``behind``
+        (a copy on another side stream that touches the same memory). Returns at once.
 
         Returns:
-            the :class:`CopyEvent` of its completion (holding ``dst``, ``src`` and ``keep``).
+            the :class:`CopyEvent` of its completion (holding ``dst``, ``src``, ``keep`` and
+            ``behind``, whose own tensors then live until this copy completed).
         """
         ops = self.ops
+        if behind is not None:
+            ops.wait_event(self.stream, behind.event)
         ops.wait_event(self.stream, self.mark() if after is None else after)
         ops.copy(dst, src, self.stream)
         done = ops.new_event()
         ops.record(done, self.stream)
         self.issued += 1
-        return CopyEvent(ops, done, self.issued, keep=(dst, src, *keep), stream=self)
+        held = (dst, src, *keep) if behind is None else (dst, src, *keep, behind)  # behind's memory too
+        return CopyEvent(ops, done, self.issued, keep=held, stream=self)
 
     def join(self, event: CopyEvent) -> None:
         """Make work queued on the calling thread's current stream from now on wait for ``event``

@@ -5,7 +5,8 @@
 * :class:`HostStore` — host RAM below an accelerator: page copies live in a :class:`PinnedPool`
   (pinned slabs allocated once and reused, never per-tensor pinning); when the host budget is
   full, the least recently used host copies spill to a :class:`DiskStore`. On an accelerator its
-  copies run on a side copy stream, ordered with events (:mod:`apt_model.devices.streams`).
+  copies run on two side copy streams (one per direction), ordered with events
+  (:mod:`apt_model.devices.streams`).
 
 A store moves bytes between a page's storage on the compute device and itself:
 ``start_write(page, storage) -> Future``, ``start_read(page, storage) -> Future`` and
@@ -257,9 +258,16 @@ class PinnedPool:
 class HostStore:
     """Host RAM below an accelerator (Level 1), spilling to disk (Level 2) when full.
 
-    **Copies overlap compute on accelerators.** Device-to-host and host-to-device copies run on a
-    side *copy stream* (:class:`~apt_model.devices.streams.CopyStream`), ordered against the
-    calling thread's current (compute) stream with events; the training thread never waits for
+    **Copies overlap compute on accelerators.** Device-to-host and host-to-device copies run on
+    two side *copy streams* (:class:`~apt_model.devices.streams.CopyStream`), one per direction,
+    ordered against the calling thread's current (compute) stream with events. One stream per
+    direction lets a load up run while writes down are queued (a GPU moves the two directions on
+    separate copy engines): on one stream, a prefetch issued in backward queued behind every
+    gradient write already queued, each waiting for the compute that produces its gradient, and
+    started only once they had completed (until 2026-11-28). A load up still waits for the point
+    compute had reached when it was issued (see below), not for the writes. Two copies touching one
+    host segment on the two streams are ordered by an event (:meth:`_behind`). The training
+    thread never waits for
     the device as a whole (no device-wide synchronize), and waits for one copy's event only where
     the bytes are needed on the host now. Disk traffic runs on the I/O threads. On the CPU (and a
     device without usable streams and events) the copies are plain synchronous ``copy_`` calls —
@@ -308,8 +316,8 @@ class HostStore:
     """
 
     level_kind = "host"
-    #: page writes complete in the order they began: all are copies on the one copy stream
-    #: (asynchronous) or done at once (the CPU), never on the I/O threads (the pager's reap)
+    #: page writes complete in the order they began: all are copies on the one stream of copies
+    #: down (asynchronous) or done at once (the CPU), never on the I/O threads (the pager's reap)
     writes_in_order = True
 
     def __init__(self, device: torch.device, budget: int, disk: DiskStore, pin: bool | None = None):
@@ -328,8 +336,11 @@ class HostStore:
         self._nbytes: dict[str, int] = {}
         self._inflight: set[str] = set()  # being read (start_read), not yet finished: never spilled
         self._from_disk: set[str] = set()  # of those, the ones read from disk into the host (misses)
-        #: the side stream of the copies (None: synchronous copies, the CPU)
-        self.copies: device_streams.CopyStream | None = device_streams.copy_stream(self.device)
+        #: the side streams of the copies down (device -> host) and up (host -> device); None:
+        #: synchronous copies (the CPU). Where a second stream cannot be made, both are one.
+        self.down: device_streams.CopyStream | None = device_streams.copy_stream(self.device)
+        self.up: device_streams.CopyStream | None = (
+            None if self.down is None else device_streams.copy_stream(self.device) or self.down)
         # segments with a copy in flight, in issue order: id(segment) -> (segment, its latest copy)
         self._copying: dict[int, tuple[Segment, device_streams.CopyEvent]] = {}
         self._orphans: dict[int, Segment] = {}  # released while a copy was in flight: freed when it completes
@@ -350,18 +361,19 @@ class HostStore:
         return cpu_byte_view(self.pool.slabs[seg.slab].untyped_storage())[seg.offset:seg.offset + self._nbytes[key]]
 
     def _track(self, seg: Segment, event: device_streams.CopyEvent) -> None:
-        """``event`` is the latest copy reading or writing ``seg`` (copies on the one copy stream
-        complete in issue order: it completing means every earlier one did)."""
+        """``event`` is the latest copy reading or writing ``seg``. It completing means every earlier
+        copy of ``seg`` did: those on its stream complete in issue order, and a copy on the other
+        stream came after them (:meth:`_behind`)."""
         self._copying.pop(id(seg), None)
         self._copying[id(seg)] = (seg, event)
 
     def _reclaim(self) -> None:
-        """Forget the copies that completed; give their released segments back to the pool.
-        ``_copying`` is in issue order (:meth:`_track` re-inserts), and copies on the one copy
-        stream complete in that order: the first still running ends the look."""
+        """Forget the copies that completed; give their released segments back to the pool. Every
+        copy in flight is asked (the two streams complete in no common order; a copy behind one
+        seen complete on its own stream is known complete without asking the device)."""
         for sid, (seg, event) in list(self._copying.items()):
             if not event.done():
-                break
+                continue
             del self._copying[sid]
             orphan = self._orphans.pop(sid, None)
             if orphan is not None:
@@ -376,6 +388,15 @@ class HostStore:
 
     def _busy(self, seg: Segment) -> bool:
         return id(seg) in self._copying
+
+    def _behind(self, seg: Segment, stream: device_streams.CopyStream) -> device_streams.CopyEvent | None:
+        """The copy in flight on ``seg`` that a new copy on ``stream`` must wait for: its latest, when
+        that runs on the other stream (a load up reading a segment a write down still fills, or a
+        write down into a segment a load up still reads). On the same stream the queue orders them."""
+        held = self._copying.get(id(seg))
+        if held is None or held[1].stream is stream or held[1].done():
+            return None
+        return held[1]
 
     def _wait_copy(self, seg: Segment, event: device_streams.CopyEvent, why: str) -> None:
         """Block (bounded) until ``event`` — one copy — completed, then reclaim.
@@ -413,7 +434,7 @@ class HostStore:
     def _segment_for(self, key: str, nbytes: int) -> Segment:
         seg = self.entries.get(key)
         if seg is not None and seg.nbytes >= nbytes:
-            return seg  # a copy in flight on it is ordered before the next one (same copy stream)
+            return seg  # a copy in flight on it comes before the next one (its stream, or _behind)
         if seg is not None:
             self._release(self.entries.pop(key))
         while True:
@@ -455,11 +476,11 @@ class HostStore:
             seg = self._segment_for(page.key, page.nbytes)
             dst, src = self._host_bytes(page.key), byte_view(storage, 0, page.nbytes)
             try:
-                if self.copies is None:
+                if self.down is None:
                     dst.copy_(src)  # device -> host
                     fut = _done()
-                else:
-                    event = self.copies.copy(dst, src, keep=(storage,))  # device -> host, after compute
+                else:  # device -> host, after compute (and after a load up still reading the segment)
+                    event = self.down.copy(dst, src, keep=(storage,), behind=self._behind(seg, self.down))
                     self._track(seg, event)
                     fut = device_streams.EventFuture(
                         event, f"copy of page {page.label} ({page.nbytes} bytes) from {self.device} to the host level")
@@ -485,22 +506,23 @@ class HostStore:
             if page.key in self.entries:
                 self.hits += 1
                 self._inflight.add(page.key)  # held until finish_read copies it up: never spilled before
-                if self.copies is not None:
-                    try:
-                        event = self.copies.copy(byte_view(storage, 0, page.nbytes), self._host_bytes(page.key),
-                                                 keep=(storage,))  # host -> device, overlapping compute
+                if self.up is not None:
+                    seg = self.entries[page.key]
+                    try:  # host -> device, overlapping compute (after a write down still filling the segment)
+                        event = self.up.copy(byte_view(storage, 0, page.nbytes), self._host_bytes(page.key),
+                                             keep=(storage,), behind=self._behind(seg, self.up))
                     except BaseException:
                         self._inflight.discard(page.key)
                         raise
-                    self._track(self.entries[page.key], event)
+                    self._track(seg, event)
                     self._loads[page.key] = event
                 return _done()
             self.misses += 1
             self._segment_for(page.key, page.nbytes)
             self._inflight.add(page.key)
             self._from_disk.add(page.key)
-            if self.copies is not None:
-                self._marks[page.key] = self.copies.mark()  # the device memory is safe to write after this
+            if self.up is not None:
+                self._marks[page.key] = self.up.mark()  # the device memory is safe to write after this
             view, key = self._host_memoryview(page.key), page.key
             return self.disk.io.submit_read(page.nbytes, lambda: self.disk.swap.read_into(key, view),
                                             f"read of page {page.label} ({page.nbytes} bytes) into the host level",
@@ -515,14 +537,15 @@ class HostStore:
             try:
                 event = self._loads.pop(key, None)
                 after = self._marks.pop(key, None)
-                if self.copies is None:
+                if self.up is None:
                     byte_view(storage, 0, page.nbytes).copy_(self._host_bytes(key))  # host -> device
                 else:
                     if event is None:  # read from disk: copy it up now
-                        event = self.copies.copy(byte_view(storage, 0, page.nbytes), self._host_bytes(key),
-                                                 after=after, keep=(storage,))
-                        self._track(self.entries[key], event)
-                    self.copies.join(event)
+                        seg = self.entries[key]
+                        event = self.up.copy(byte_view(storage, 0, page.nbytes), self._host_bytes(key),
+                                             after=after, keep=(storage,), behind=self._behind(seg, self.up))
+                        self._track(seg, event)
+                    self.up.join(event)
             finally:
                 self._inflight.discard(key)
                 self._from_disk.discard(key)
@@ -534,8 +557,8 @@ class HostStore:
         memory on the compute stream (where the caching allocator hands it out again)."""
         self._marks.pop(key, None)
         event = self._loads.pop(key, None)
-        if event is not None and self.copies is not None:
-            self.copies.join(event)
+        if event is not None and self.up is not None:
+            self.up.join(event)
 
     def abort_read(self, page: Page) -> None:
         """A read did not complete: a page read from disk leaves nothing valid in its host segment
@@ -641,13 +664,15 @@ class HostStore:
         """The level's figures: bytes resident, capacity, host bytes the slabs really take
         (``pinned_bytes``), and moved in/out (``bytes_in_by_kind``: the
         bytes written in, by what they are: param, grad, state, pre-step copy), hits, misses, spills,
-        whether copies run on a copy stream (``async_copies``), the copies in flight now and the
+        whether copies run on side streams (``async_copies``) and on how many (``copy_streams``: 2,
+        one per direction; 1 where a second could not be made), the copies in flight now and the
         host waits for one copy's event (``copy_waits``), and the disk level's."""
         return {"resident_bytes": self.pool.used, "capacity": self.pool.budget, "pinned": self.pool.pin,
                 "pinned_bytes": self.pool.pinned_bytes,
                 "slabs": len(self.pool.slabs), "hits": self.hits, "misses": self.misses, "spills_to_disk": self.spills,
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
-                "bytes_in_by_kind": dict(self.bytes_in_by_kind), "async_copies": self.copies is not None,
+                "bytes_in_by_kind": dict(self.bytes_in_by_kind), "async_copies": self.down is not None,
+                "copy_streams": 0 if self.down is None else 1 if self.up is self.down else 2,
                 "copies_in_flight": len(self._copying), "copy_waits": self.copy_waits, "disk": self.disk.stats()}
 
     def close(self) -> None:

@@ -1049,7 +1049,9 @@ class PagingSession:
     def level_stats(self, level) -> dict:
         """This session's figures for one level of the stack (read-only): for level 0 the pager's
         resident bytes, peak, traffic (bytes), hits/misses/faults and stall seconds; for a host
-        level below the device its resident bytes, traffic, hits/misses and spills; for the NVMe
+        level below the device its resident bytes, traffic, hits/misses, spills, side streams of its
+        copies (``copy_streams``: 2, one per direction; 0 on the CPU) and host waits for one copy's
+        event (``copy_waits``); for the NVMe
         level the bytes on disk, bytes written/read, GB/s and operation counts. Level 0's stall is also
         split by phase (``stall_s_by_phase``: forward, backward, optimizer, other). On a CPU level 0 also
         ``free_page_buffers`` (evicted pages' memory kept for reuse: held bytes, hits, misses; see
@@ -1066,7 +1068,8 @@ class PagingSession:
             return out
         if level.kind == "host":
             hs = self.pager.store.stats() if self.pager.store.level_kind == "host" else {}
-            return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_in_by_kind", "bytes_out", "hits", "misses", "spills_to_disk")}
+            return {k: hs.get(k) for k in ("resident_bytes", "bytes_in", "bytes_in_by_kind", "bytes_out", "hits", "misses",
+                                           "spills_to_disk", "copy_streams", "copy_waits")}
         if level.kind == "nvme":
             io = self.pager.io
             return {"resident_bytes": self.swap.bytes_on_disk, "stale_bytes": self.swap.stale_bytes,

@@ -148,6 +148,75 @@ def model_sizes(args) -> dict:
             "state_bytes": p_bytes + t_bytes + 2 * t_bytes, "block_bytes": block, "plans": plans}
 
 
+def _merged(spans) -> list[tuple[float, float]]:
+    """``spans`` ((start, end) pairs, any order) as disjoint sorted intervals."""
+    out: list[list[float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _length(spans) -> float:
+    return sum(b - a for a, b in spans)
+
+
+def _common(x, y) -> list[tuple[float, float]]:
+    """The intersection of two lists of disjoint sorted intervals."""
+    out, i, j = [], 0, 0
+    while i < len(x) and j < len(y):
+        a, b = max(x[i][0], y[j][0]), min(x[i][1], y[j][1])
+        if a < b:
+            out.append((a, b))
+        if x[i][1] < y[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def timeline_overlap(events) -> dict:
+    """How a profiled step's device work overlapped: ``events`` are ``(kind, start, end)`` with kind
+    ``"kernel"``, ``"h2d"`` or ``"d2h"`` (other kinds are ignored) and times in microseconds.
+
+    Returns milliseconds: ``span`` (first start to last end), ``kernel`` / ``h2d`` / ``d2h`` (time
+    each kind was busy, overlapping events of a kind counted once), ``h2d_under_kernel`` and
+    ``d2h_under_kernel`` (copy time hidden under kernels), ``h2d_with_d2h`` (both directions at
+    once), ``copy_exposed`` (time a copy ran and no kernel did) and ``idle`` (time nothing ran).
+    All zero for no events."""
+    by = {k: _merged((a, b) for kind, a, b in events if kind == k) for k in ("kernel", "h2d", "d2h")}
+    every = _merged(iv for ivs in by.values() for iv in ivs)
+    copies = _merged(by["h2d"] + by["d2h"])
+    span = (every[-1][1] - every[0][0]) if every else 0.0
+    out = {"span": span, **{k: _length(v) for k, v in by.items()},
+           "h2d_under_kernel": _length(_common(by["h2d"], by["kernel"])),
+           "d2h_under_kernel": _length(_common(by["d2h"], by["kernel"])),
+           "h2d_with_d2h": _length(_common(by["h2d"], by["d2h"])),
+           "copy_exposed": _length(copies) - _length(_common(copies, by["kernel"])),
+           "idle": span - _length(every)}
+    return {k: v / 1e3 for k, v in out.items()}
+
+
+def _device_events(prof) -> list[tuple[str, float, float]]:
+    """The CUDA events of a ``torch.profiler`` run as ``(kind, start_us, end_us)``: copies between
+    host and device by direction, every other device event a kernel (memsets and device-to-device
+    copies left out)."""
+    from torch.autograd import DeviceType
+
+    out = []
+    for ev in prof.events():
+        if getattr(ev, "device_type", None) != DeviceType.CUDA:
+            continue
+        name = ev.name
+        kind = ("h2d" if "HtoD" in name else "d2h" if "DtoH" in name
+                else None if ("DtoD" in name or "Memset" in name or "Memcpy" in name) else "kernel")
+        if kind is not None:
+            out.append((kind, float(ev.time_range.start), float(ev.time_range.end)))
+    return out
+
+
 class Variant:
     """One variant's model, optimizer and loop, in its worker process."""
 
@@ -165,6 +234,7 @@ class Variant:
         if self.cuda:
             torch.cuda.set_device(self.dev.index or 0)
         self.vb = self.pg_dir = None
+        self.timeline: dict | None = None  # the profiled step's device overlap (profile(), on CUDA)
         self.corpus = ByteCorpus(load_text_bytes(None, 2_000_000))
         self.gen = torch.Generator().manual_seed(0)
         if name in VB:
@@ -289,6 +359,12 @@ class Variant:
             f.write(avg.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
             if self.cuda:
                 f.write(avg.table(sort_by="self_device_time_total", row_limit=30) + "\n")
+            if self.cuda:  # how the device's kernels and copies overlapped in that step
+                try:
+                    self.timeline = timeline_overlap(_device_events(prof))
+                except Exception as err:  # noqa: BLE001 - a profiler without these fields: the tables stand
+                    self.timeline = {"error": f"{type(err).__name__}: {err}"}
+                f.write(f"device timeline, ms: {self.timeline}\n")
         return path
 
     def close(self) -> dict:
@@ -328,7 +404,7 @@ def gpu_worker(conn, name: str, args, budget: int | None) -> None:
         while (msg := conn.recv()) != "stop":
             conn.send(("times", *run.turn(msg)))
         profiled = run.profile(args.profile) if args.profile else None
-        conn.send(("final", {**run.close(), "profile": profiled}))
+        conn.send(("final", {**run.close(), "profile": profiled, "timeline": run.timeline}))
     except Exception as err:
         conn.send(("error", f"{type(err).__name__}: {err}", traceback.format_exc()))
 
@@ -573,6 +649,14 @@ def print_result(result: dict, args) -> None:
         if name in VB and host:
             print(f"  {name}: host level copies on {host.get('copy_streams')} side stream(s); "
                   f"{host.get('copy_waits')} host waits for a copy's event; {host.get('spills_to_disk')} spills to disk")
+        tl = (row.get("final") or {}).get("timeline")
+        if tl and "error" in tl:
+            print(f"  {name}: no device timeline ({tl['error']})")
+        elif tl:
+            print(f"  {name}: profiled step on the device, ms: kernels {tl['kernel']:.1f}, up {tl['h2d']:.1f} "
+                  f"({tl['h2d_under_kernel']:.1f} under kernels), down {tl['d2h']:.1f} ({tl['d2h_under_kernel']:.1f} "
+                  f"under kernels), both directions at once {tl['h2d_with_d2h']:.1f}, copies alone "
+                  f"{tl['copy_exposed']:.1f}, idle {tl['idle']:.1f} of {tl['span']:.1f}")
         kinds = host.get("bytes_in_by_kind")
         if name in VB and kinds:  # all the worker's steps (warm-up, settling, timed, profiled), in parameter bytes
             pb = result["model"]["params_bytes"]

@@ -158,6 +158,20 @@ def test_compare_applies_each_target_where_it_holds():
     assert "torchao_offload skipped" in missing[0]["note"] and "fsdp2_cpu_offload failed" in missing[1]["note"]
 
 
+def test_the_timeline_summary_counts_overlap_once_per_kind():
+    """A profiled step's device events (microseconds): two kernels, a copy up partly under the
+    first, two overlapping copies down (counted once), one under the second kernel and one alone."""
+    _, gpu = _load()
+    events = [("kernel", 0, 1000), ("kernel", 2000, 3000), ("h2d", 500, 1500),
+              ("d2h", 1200, 1800), ("d2h", 1700, 2500), ("memset", 0, 9000)]
+    got = gpu.timeline_overlap(events)
+    want = {"span": 3.0, "kernel": 2.0, "h2d": 1.0, "d2h": 1.3, "h2d_under_kernel": 0.5, "d2h_under_kernel": 0.5,
+            "h2d_with_d2h": 0.3, "copy_exposed": 1.0, "idle": 0.0}
+    assert got == pytest.approx(want)
+    assert gpu.timeline_overlap([("kernel", 0, 100), ("kernel", 300, 400)])["idle"] == pytest.approx(0.2)
+    assert set(gpu.timeline_overlap([]).values()) == {0.0}
+
+
 @pytest.mark.slow
 def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     out = tmp_path / "gpu.json"

@@ -387,7 +387,8 @@ def test_training_through_async_host_copies_is_bitwise_identical(tmp_path, monke
 
 
 # ------------------------------------------------------------------ (c) device memory and the D2H event
-@pytest.mark.parametrize("late", [True, False], ids=["late-copies", "synchronous"])
+# synchronous copies: the same paths with no copy in flight (slow: the suite's 15 minutes on 2 cores)
+@pytest.mark.parametrize("late", [pytest.param(True, id="late-copies"), pytest.param(False, id="synchronous", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("host_budget", [64 << 20, 256 << 10], ids=["host-holds-all", "host-spills"])
 def test_accumulation_with_a_host_level_holds_the_budget_and_trains_exactly(tmp_path, request, late, host_budget):
     """The CPU standing in for the accelerator test of tests/test_paging.py (two accumulated
@@ -469,7 +470,8 @@ def test_the_steps_first_chunk_is_prefetched_after_the_last_backward_before_the_
     assert after_first == [1, 2, 3], calls
 
 
-@pytest.mark.parametrize("late", [False, True], ids=["synchronous", "late-copies"])
+# synchronous copies: the same paths with no copy in flight (slow: the suite's 15 minutes on 2 cores)
+@pytest.mark.parametrize("late", [pytest.param(False, id="synchronous", marks=pytest.mark.slow), pytest.param(True, id="late-copies")])
 @pytest.mark.parametrize("budget", [128 << 10, 256 << 10])
 def test_a_skipped_step_after_a_prefetched_first_chunk_trains_on(tmp_path, request, budget, late):
     """A loop that skips ``optimizer.step()`` (a non-finite loss, say) and drops the gradients:

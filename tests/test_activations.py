@@ -631,6 +631,26 @@ def test_an_activation_larger_than_the_host_level_stays_in_memory(tmp_path):
     assert torch.equal(got, grads(*forward()))
 
 
+def test_a_graph_dropped_without_backward_gives_its_host_segments_back(tmp_path):
+    """Forwards whose graphs are dropped without a backward (an evaluation run with grad enabled):
+    the offloader's host level held every offloaded handle, so their segments stayed in use until
+    the pool was full, and then each new offload wrote a dead activation to the swap files. The
+    host level now holds its handles weakly: a dropped graph's segments go back to the pool."""
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, requires_grad=True)
+    with offloading(tmp_path, 1 << 10, 16 << 20) as off:
+        used = []
+        for _ in range(6):
+            h = torch.randn(128, 256)
+            for _ in range(8):
+                h = torch.tanh(h @ w)  # saves h and its output: 128 KiB each
+            del h  # the graph goes, never backpropagated
+            used.append(off.host.used)
+        assert off.stats.offloaded > 40
+    assert off.stats.to_disk_bytes == 0  # nothing dead was spilled
+    assert max(used) <= 2 * used[0] < off.host.budget  # one or two graphs' worth, not the whole pool
+
+
 def test_the_activation_offloader_takes_a_quarter_of_the_host_level_on_an_accelerator():
     """On an accelerator the paging level and the activation offloader each keep a pinned pool.
     Both were sized to the whole host level, so pinned memory could reach twice the host budget;

@@ -854,6 +854,56 @@ def test_a_page_written_to_the_host_is_spilled_only_after_its_copy_completed(tmp
     pager.close()
 
 
+# ------------------------------------------------------------------ activation offload's host level
+def _gpt_grads(m, steps=2, hooks=None):
+    """Losses and gradients of ``steps`` forward/backward passes, inside ``hooks`` (saved-tensor hooks)."""
+    gen = torch.Generator().manual_seed(1)
+    torch.manual_seed(1)
+    out = []
+    for _ in range(steps):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        m.zero_grad()
+        if hooks is None:
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(*hooks):
+                loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        loss.backward()
+        out.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("after", [1, 3], ids=["done-at-first-query", "late-copies"])
+def test_offloaded_activations_move_to_and_from_the_host_level_on_side_streams(tmp_path, fake, after):
+    """Activation offload below an accelerator copied each saved tensor down and back up with a
+    plain ``copy_`` (the host waited for the device at every offload and reload, and nothing
+    overlapped). The copies now run on the two side streams, ordered with events: with copies
+    queued and run late, backward's gradients are bitwise plain PyTorch's, nothing read a
+    segment or tensor before its copy ran, no segment was reused or spilled under a copy, copies
+    up were started ahead by the prefetch, and no event was waited for without a bound."""
+    from apt_model.activations.offload import ActivationOffloader
+
+    want = _gpt_grads(gpt())
+    fake.after = after
+    off = ActivationOffloader(64 << 10, SwapSpace(tmp_path), "cpu", min_bytes=4096, host_budget=4 << 20,
+                              host_pin=False)
+    try:
+        got = _gpt_grads(gpt(), hooks=(off.pack, off.unpack))
+        stats = off.stats.to_dict()
+        down, up = off.down, off.up
+    finally:
+        off.close()
+    assert down is not None and up is not down and len(fake.side) == 2
+    for (loss_a, grads_a), (loss_b, grads_b) in zip(got, want):
+        assert loss_a == loss_b and all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+    assert stats["offloaded"] > 10 and stats["loaded_bytes"] > 0 and stats["to_disk_bytes"] == 0
+    assert stats["prefetched"] > 0  # copies up started ahead of their unpack
+    assert fake.copies >= stats["offloaded"] and fake.joins > 0 and fake.violations == []
+    assert fake.event_syncs == 0
+    if after > 1:
+        assert fake.late_queries > 0  # copies really were in flight when asked
+
+
 def test_the_cpu_and_a_device_without_streams_copy_synchronously(tmp_path):
     """No streams on the CPU, and a device kind torch offers no streams and events for gets
     synchronous copies (None), never an error; the host level then reports ``async_copies`` off."""

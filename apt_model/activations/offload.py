@@ -17,6 +17,16 @@ address, which the caching allocator reuses, so backward could receive another t
   (pinned pool), spilling to the swap files when the host budget is full.
 * Backward unpacks in roughly reverse order; unpacking one handle starts reading the ones packed
   just before it, so they are back in memory when needed.
+* **Copies to and from the host level overlap compute on an accelerator** (until 2026-11-27 each
+  was a plain ``copy_``, which made the host wait for the device at every offload and reload):
+  a copy down runs on a side stream after the point compute had reached (the tensor is final
+  there) and the tensor is let go once the copy's event completed (its memory is never handed
+  back to the allocator while the copy reads it); a copy up runs on a second side stream into
+  memory allocated on the compute stream, started when backward prefetches the handle, and
+  compute waits for its event on the device before the first use (the host does not block). A
+  host segment is spilled or reused only once no copy uses it. On the CPU (and a device without
+  streams) the copies stay synchronous. The same scheme as the paging's host level
+  (:class:`~apt_model.memory.stores.HostStore`, :mod:`apt_model.devices.streams`).
 * A saved tensor changed in place raises at backward, as plain PyTorch does: changed before its
   offload, it is kept in memory and its unpack raises; changed after its bytes went below, its
   unpack raises while the caller still holds the tensor object it saved (a local of a forward
@@ -28,7 +38,9 @@ address, which the caching allocator reuses, so backward could receive another t
   backward. A gradient is never computed from missing or altered data.
 
 Memory is freed by dropping the handle's reference: if the user still holds the tensor, nothing
-is freed (and nothing is lost).
+is freed (and nothing is lost). A graph dropped without a backward frees its host segments too
+(until 2026-11-27 the host level held its handles, so they stayed until spilled to disk: dead
+bytes written to the swap files).
 
 Threads: the pack hook runs on the training thread; on an accelerator the unpack hook runs on
 autograd's device thread, and a handle can be dropped on any thread (autograd's, or an I/O thread
@@ -50,15 +62,16 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.log import get_logger
+from apt_model.devices import streams as device_streams
 from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import cpu_byte_view
 from apt_model.memory.stores import PinnedPool, byte_view
 from apt_model.memory.swap import SwapSpace
-from apt_model.memory.waits import TimedLock, wait_future
+from apt_model.memory.waits import TimedLock, wait_future, wait_timeout
 
 log = get_logger(__name__)
 
-RESIDENT, WRITING, HOST, DISK = "resident", "writing", "host", "disk"
+RESIDENT, WRITING, HOST, LOADING, DISK = "resident", "writing", "host", "loading", "disk"
 
 
 class SavedActivation:
@@ -167,7 +180,15 @@ class ActivationOffloader:
         self._evictable: dict[int, weakref.ref] = {}  # resident handles in pack order (oldest first)
         self._writing: dict[int, SavedActivation] = {}  # writes in flight (the write needs the tensor)
         self._by_seq: dict[int, weakref.ref] = {}
-        self._on_host: dict[int, SavedActivation] = {}  # host copies, oldest first (spilled first)
+        # handles whose bytes are in a host segment with no copy in flight, oldest first (spilled
+        # first); held weakly, so a handle autograd dropped frees its segment (see _forget)
+        self._on_host: dict[int, weakref.ref] = {}
+        self._segments: dict = {}  # seq -> its host segment (also while a copy uses it)
+        self._seg_copy: dict[int, device_streams.CopyEvent] = {}  # seq -> the copy in flight on its segment
+        self._orphans: list = []  # (segment, copy event): let go while a copy used it; freed once it completed
+        #: side streams of the copies down to the host level and up from it (None: synchronous, the CPU)
+        self.down = device_streams.copy_stream(self.device) if self.host is not None else None
+        self.up = (device_streams.copy_stream(self.device) or self.down) if self.down is not None else None
         self.resident_bytes = 0
         self._lock = TimedLock(f"activation offloader ({self.device})")
         self._forgotten: deque[tuple[int, str]] = deque()  # handles dropped on any thread, cleaned up by the next hook
@@ -257,9 +278,9 @@ class ActivationOffloader:
             self._evictable.pop(seq, None)
             self._writing.pop(seq, None)
             self._by_seq.pop(seq, None)
-            h = self._on_host.pop(seq, None)
-            if h is not None and h.segment is not None:
-                self.host.release(h.segment)
+            self._on_host.pop(seq, None)
+            if self.host is not None:
+                self._let_go_segment(seq)
             if not self.closed:
                 self.swap.remove(key)
                 self._keys.append(key)
@@ -269,8 +290,39 @@ class ActivationOffloader:
             err, self._error = self._error, None
             raise err
 
+    def _let_go_segment(self, seq: int) -> None:
+        """Give ``seq``'s host segment back to the pool — once the copy in flight on it, if any,
+        completed (until then it waits in ``_orphans``)."""
+        seg = self._segments.pop(seq, None)
+        event = self._seg_copy.pop(seq, None)
+        if seg is None:
+            return
+        if event is not None and not event.done():
+            self._orphans.append((seg, event))
+        else:
+            self.host.release(seg)
+
+    def _reclaim(self) -> None:
+        """Give back the segments whose copies completed since they were let go."""
+        if self._orphans:
+            left = []
+            for seg, event in self._orphans:
+                if event.done():
+                    self.host.release(seg)
+                else:
+                    left.append((seg, event))
+            self._orphans = left
+
+    def _landed_on_host(self, h: SavedActivation) -> None:
+        """``h``'s bytes are in its host segment: its tensor is let go; it may be spilled now."""
+        self._seg_copy.pop(h.seq, None)
+        h.state, h.tensor = HOST, None
+        self._unhold(h.seq)
+        self._on_host[h.seq] = weakref.ref(h)
+
     def _reap(self) -> None:
         """Drop the tensors whose copies below have landed (the write threads never free memory)."""
+        self._reclaim()
         for seq, h in list(self._writing.items()):
             if h.future is not None and h.future.done():
                 fut, h.future = h.future, None
@@ -281,7 +333,13 @@ class ActivationOffloader:
                         raise _modified(h)
                 except BaseException as err:  # noqa: BLE001 - keep the data, report at the next hook
                     h.state = RESIDENT
+                    if h.segment is not None:
+                        self._let_go_segment(seq)
+                        h.segment = None
                     self._error = err
+                    continue
+                if h.segment is not None:
+                    self._landed_on_host(h)
                     continue
                 h.state, h.tensor = DISK, None
                 self._unhold(seq)
@@ -342,34 +400,68 @@ class ActivationOffloader:
                      h.nbytes, self.host.budget)
             return False
         t = h.tensor
-        self.host.view(seg, h.nbytes).copy_(byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(),
-                                                      h.nbytes))  # device -> host
-        h.segment, h.state, h.tensor = seg, HOST, None
-        self._unhold(h.seq)
-        self._on_host[h.seq] = h
+        dst = self.host.view(seg, h.nbytes)
+        src = byte_view(t.untyped_storage(), t.storage_offset() * t.element_size(), h.nbytes)
+        h.segment = self._segments[h.seq] = seg
+        if self.down is None:
+            dst.copy_(src)  # device -> host, synchronous (the CPU)
+            self._landed_on_host(h)
+            return True
+        # device -> host on the side stream, after the compute that made the tensor; the tensor is
+        # held (h.tensor, and the copy's event) until _reap sees the copy complete
+        event = self.down.copy(dst, src, keep=(t.untyped_storage(),))
+        self._seg_copy[h.seq] = event
+        h.state = WRITING
+        h.future = device_streams.EventFuture(
+            event, f"copy of saved activation {h.key} ({h.nbytes} bytes) from {self.device} to the host level")
+        self._writing[h.seq] = h
         return True
 
     def _spill_host(self) -> bool:
-        if not self._on_host:
-            return False
-        h = self._on_host.pop(next(iter(self._on_host)))
-        seg = h.segment
-        mv = cpu_byte_view(self.host.slabs[seg.slab].untyped_storage())[seg.offset:seg.offset + h.nbytes]
-        t0 = time.perf_counter()
-        self.swap.write(h.key, mv)
-        self.io.write_stats.add(h.nbytes, time.perf_counter() - t0)
-        self.stats.to_disk_bytes += h.nbytes
-        self.host.release(seg)
-        h.segment, h.state = None, DISK
-        return True
+        """Write the oldest host copy to the swap files and give its segment back (False: none left)."""
+        while self._on_host:
+            seq = next(iter(self._on_host))
+            h = self._on_host.pop(seq)()
+            seg = self._segments.get(seq)
+            if seg is None:
+                continue
+            if h is None:  # autograd dropped it (its clean-up is queued): nothing to write
+                self._let_go_segment(seq)
+                return True
+            mv = cpu_byte_view(self.host.slabs[seg.slab].untyped_storage())[seg.offset:seg.offset + h.nbytes]
+            t0 = time.perf_counter()
+            self.swap.write(h.key, mv)
+            self.io.write_stats.add(h.nbytes, time.perf_counter() - t0)
+            self.stats.to_disk_bytes += h.nbytes
+            self._let_go_segment(seq)
+            h.segment, h.state = None, DISK
+            return True
+        return False
+
+    def _start_host_load(self, h: SavedActivation) -> None:
+        """Start copying ``h`` up from its host segment into new device memory (state LOADING):
+        on the side stream after the point compute has reached (the memory was just handed out on
+        the compute stream), or at once on the CPU. :meth:`_load` finishes it."""
+        self._on_host.pop(h.seq, None)
+        out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
+        dst, src = byte_view(out.untyped_storage(), 0, h.nbytes), self.host.view(h.segment, h.nbytes)
+        h.tensor, h.state = out, LOADING
+        self._hold(h)
+        if self.up is None:
+            dst.copy_(src)  # host -> device, synchronous (the CPU)
+            return
+        event = self.up.copy(dst, src, behind=self._seg_copy.get(h.seq))
+        self._seg_copy[h.seq] = event
+        h.future = device_streams.EventFuture(
+            event, f"copy of saved activation {h.key} ({h.nbytes} bytes) from the host level to {self.device}")
 
     def _wait(self, fut: Future, h: SavedActivation, what: str) -> None:
         """Wait (bounded) for ``h``'s ``what`` ("write", "read"); re-raises the job's error."""
         t0 = time.perf_counter()
         try:
+            where = "the host level" if h.segment is not None else f"the swap files in {self.swap.folder}"
             wait_future(fut, f"{what} of saved activation {h.key} ({h.nbytes} bytes, shape {tuple(h.shape)}) "
-                             f"{'to' if what == 'write' else 'from'} the swap files in {self.swap.folder}",
-                        self.io.describe())
+                             f"{'to' if what == 'write' else 'from'} {where}", self.io.describe())
         finally:
             self.stats.stall_s += time.perf_counter() - t0
 
@@ -385,7 +477,14 @@ class ActivationOffloader:
 
     def _load(self, h: SavedActivation) -> torch.Tensor:
         self._reap()
-        if h.state == WRITING:  # still in memory: keep it; the copy below is simply not needed
+        if h.state == WRITING and h.segment is not None:
+            # a copy to the host level in flight: the tensor is still here, the copy not needed and not
+            # waited for (its event holds the tensor's memory until it completed; then the segment goes)
+            self._writing.pop(h.seq, None)
+            h.future, h.state = None, RESIDENT
+            self._let_go_segment(h.seq)
+            h.segment = None
+        if h.state == WRITING:  # still in memory: keep it; the write to disk is simply not needed
             try:
                 self._wait(h.future, h, "write")
             except BaseException as err:  # noqa: BLE001 - a failed write is reported at the next hook
@@ -406,15 +505,16 @@ class ActivationOffloader:
             if h.tensor._version != h.copy_version:
                 raise _modified(h, h.version + h.tensor._version - h.copy_version)
             return h.tensor
-        if h.state == HOST:
-            out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
-            byte_view(out.untyped_storage(), 0, h.nbytes).copy_(self.host.view(h.segment, h.nbytes))  # host -> device
-            self.host.release(h.segment)
-            self._on_host.pop(h.seq, None)
-            h.segment, h.tensor, h.state, h.copy_version = None, out, RESIDENT, out._version
-            self._hold(h)
+        if h.state in (HOST, LOADING):
+            if h.state == HOST:  # not prefetched
+                self._start_host_load(h)
+            if h.future is not None:  # compute waits for the copy up, on the device (the host does not)
+                self.up.join(h.future.event)
+                h.future = None
+            self._let_go_segment(h.seq)  # given back once the copy up completed
+            h.segment, h.state, h.copy_version = None, RESIDENT, h.tensor._version
             self.stats.loaded_bytes += h.nbytes
-            return out
+            return h.tensor
         if h.future is None:  # on disk and not prefetched
             self._start_read(h)
         try:
@@ -441,6 +541,10 @@ class ActivationOffloader:
                 self._start_read(h)
                 self.stats.prefetched += 1
                 ahead += h.nbytes
+            elif h is not None and h.state == HOST and self.up is not None:  # its copy up overlaps backward
+                self._start_host_load(h)
+                self.stats.prefetched += 1
+                ahead += h.nbytes
             s -= 1
 
     def close(self) -> None:
@@ -452,5 +556,17 @@ class ActivationOffloader:
         if not self.closed:
             with self._lock:
                 self._drain_forgotten()
+                self._let_copies_complete()
             self.closed = True
             self.io.close()
+
+    def _let_copies_complete(self) -> None:
+        """Wait (all within one wait limit) for the copies to and from the host level still in
+        flight: a pinned segment must not go while the device still reads or writes it. A copy
+        left over is logged."""
+        deadline = time.monotonic() + wait_timeout()
+        for event in [*self._seg_copy.values(), *(e for _, e in self._orphans)]:
+            if not event.wait(max(0.0, deadline - time.monotonic())):
+                log.warning("activation offload: a copy between %s and the host level did not complete at close",
+                            self.device)
+        self._reap()

@@ -638,6 +638,21 @@ def test_reaping_asks_the_device_about_the_oldest_running_write_only(tmp_path, f
     pager.close()
 
 
+def _a_written_down_b_not(tmp_path, fake, host_budget: int):
+    """A pager over a host level of ``host_budget`` bytes with pages A and B (4096 floats each):
+    A written down and its copy completed, B resident; events from then on complete only when
+    the test says so. Returns (pager, store, (a, page A, a's value), (b, page B, b's value))."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, host_budget)
+    a, b = torch.randn(4096), torch.randn(4096)
+    want_a, want_b = a.clone(), b.clone()  # before A's storage goes
+    pa, pb = register(pager, a, "A"), register(pager, b, "B")
+    pager.evict_now([pa])
+    fake.complete_all()
+    pager.reap()
+    return pager, store, (a, pa, want_a), (b, pb, want_b)
+
+
 def test_a_load_up_does_not_queue_behind_the_writes_down(tmp_path, fake):
     """Copies down (device -> host) and up (host -> device) run on two side streams. On the one
     stream of before, a page loaded from the host level while a write down was still queued (a
@@ -647,14 +662,7 @@ def test_a_load_up_does_not_queue_behind_the_writes_down(tmp_path, fake):
     up completes while the write down is held."""
     from apt_model.memory.pages import State
 
-    fake.after = None  # events complete only when the test says so
-    pager, store = pager_with_host_level(tmp_path, 1 << 22)
-    a, b = torch.randn(4096), torch.randn(4096)
-    want_a, want_b = a.clone(), b.clone()
-    pa, pb = register(pager, a, "A"), register(pager, b, "B")
-    pager.evict_now([pa])
-    fake.complete_all()
-    pager.reap()
+    pager, store, (a, pa, want_a), (b, pb, want_b) = _a_written_down_b_not(tmp_path, fake, 1 << 22)
     assert pa.state is State.LOWER
     pager.evict_now([pb])  # B's write down is queued and held
     (write_b,) = fake.pending()
@@ -831,14 +839,7 @@ def test_a_page_written_to_the_host_is_spilled_only_after_its_copy_completed(tmp
     back. B's segment (poisoned until the copy ran) must not be spilled before: the store waits
     for B's event, spills B, reads A from disk and copies it up after the disk read (compute
     joins it). Both come back bitwise."""
-    fake.after = None
-    pager, store = pager_with_host_level(tmp_path, PAGE)
-    a, b = torch.randn(4096), torch.randn(4096)
-    want_a, want_b = a.clone(), b.clone()
-    pa, pb = register(pager, a, "A"), register(pager, b, "B")
-    pager.evict_now([pa])
-    fake.complete_all()
-    pager.reap()
+    pager, store, (a, pa, want_a), (b, pb, want_b) = _a_written_down_b_not(tmp_path, fake, PAGE)
     pager.evict_now([pb])  # A is spilled to disk for B; B's copy to the host is held
     assert pa.key in store.on_disk and pa.key not in store.entries
     fake.delay(3)

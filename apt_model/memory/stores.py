@@ -264,7 +264,7 @@ class HostStore:
     direction lets a load up run while writes down are queued (a GPU moves the two directions on
     separate copy engines): on one stream, a prefetch issued in backward queued behind every
     gradient write already queued, each waiting for the compute that produces its gradient, and
-    started only once they had completed (until 2026-11-28). A load up still waits for the point
+    started only once they had completed (until 2026-11-27). A load up still waits for the point
     compute had reached when it was issued (see below), not for the writes. Two copies touching one
     host segment on the two streams are ordered by an event (:meth:`_behind`). The training
     thread never waits for

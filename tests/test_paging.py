@@ -447,6 +447,15 @@ def _closure_training(m, opt, steps, register_hook=False):
     calls, events, returned = [0], [], []
     if register_hook:
         opt.register_step_pre_hook(lambda o, args, kwargs: events.append("pre-hook"))
+
+        def wrap_closure(o, args, kwargs):  # a pre-hook whose result replaces the closure (torch's rule)
+            if "closure" in kwargs:
+                inner = kwargs["closure"]
+                return args, {**kwargs, "closure": lambda: events.append("wrapped") or inner()}
+            inner = args[1]
+            return (args[0], lambda: events.append("wrapped") or inner(), *args[2:]), kwargs
+
+        opt.register_step_pre_hook(wrap_closure)
     for s in range(steps):
         x = torch.randint(0, 256, (4, 32), generator=gen)
 
@@ -485,7 +494,8 @@ def test_step_with_a_closure_trains_bitwise_and_returns_the_loss(kind, tmp_path)
     finally:
         vb.disable()
     assert got == ref
-    assert calls == ref_calls == 4 and events == ref_events  # once per step, after the own pre-hook
+    assert calls == ref_calls == 4 and events == ref_events  # once per step, after the own pre-hooks
+    assert events[:3] == ["pre-hook", "wrapped", "closure"]  # the second hook's closure was the one called
     assert_same(state, ref_state)
     assert step_in_backward["state"] == "off" and "step(closure)" in step_in_backward["reason"]
 

@@ -389,6 +389,7 @@ class OptimizerPaging:
         computed. Returns the (possibly changed) ``(args, kwargs)`` for that call, or None."""
         if self._in_step or not self._involves_paging(opt):
             return None
+        given = (args, kwargs)
         own = self._prepare(opt)
         try:
             for hook in own[0].values():  # the optimizer's own pre-hooks, with its parameters in place
@@ -404,7 +405,7 @@ class OptimizerPaging:
             self._give_back_own_hooks(opt)
             raise
         self._streamed(opt, own, args, kwargs)
-        return args, kwargs
+        return None if args is given[0] and kwargs is given[1] else (args, kwargs)  # None: torch's call as it was
 
     @shielded  # the paged step is not cut by a signal: one arriving meanwhile waits (interrupts.py)
     def _prepare(self, opt) -> tuple[dict, dict]:

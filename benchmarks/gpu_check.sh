@@ -14,7 +14,9 @@
 # Optional: GPU_TEST_S (seconds per test file and for the suite, default 200), GPU_TEST_JOBS (test
 # files at once, default 6; the suite takes the cores beyond 8), BENCH_ARGS (offload.py
 # flags, default "--layers 8": seven variants of the 12-block model do not start within a few
-# minutes, each worker taking 15-40 s), SKIP_BENCH=1, SKIP_SUITE=1. Wheels in .whl/ (carried to a
+# minutes, each worker taking 15-40 s; the A/B of one copy stream per direction is
+# BENCH_ARGS="--layers 8 --variants in_memory,vb_all_paged,vb_all_paged_one_stream,fsdp2_cpu_offload"),
+# SKIP_BENCH=1, SKIP_SUITE=1. Wheels in .whl/ (carried to a
 # machine without a registry) are installed into /tmp/site first. The data folder is
 # $APT_DATA_DIR, else .devrun/data if present.
 set -u

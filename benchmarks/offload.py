@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure import WorkerDied, cpu_and_minor_faults, from_worker, machine_info, summarize, train_step, write_json  # noqa: E402
-from offload_gpu import VARIANTS, cuda_missing, run_gpu  # noqa: E402
+from offload_gpu import EXTRA, VARIANTS, cuda_missing, run_gpu  # noqa: E402
 
 #: The phases level 0's stall is split into (``vb.get_stats()["levels"][0]["stall_s_by_phase"]``).
 PHASES = ("forward", "backward", "optimizer", "other")
@@ -147,7 +147,7 @@ def main(argv=None) -> dict:
                    help="cpu: clip_grad_norm_ max norm in the loop (0: no clipping; then the paged worker steps "
                         "inside backward, paging_step_in_backward=on, and a third worker after it, =off)")
     g = p.add_argument_group("GPU mode (--device cuda)")
-    g.add_argument("--variants", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS))
+    g.add_argument("--variants", default=None, help="comma-separated subset of: " + ", ".join(VARIANTS + EXTRA))
     g.add_argument("--budget-kept", default=None,
                    help="vb_params_kept's device budget (default: the parameters / 0.75 + one block)")
     g.add_argument("--budget-host-step", default=None,

@@ -25,7 +25,10 @@ which torchao's offloaded gradients would not see):
   their copies (with the ``vb_params_kept`` budget it waited: 155 ms per step of hook time on an
   H200, and the host step could start only once backward was nearly done on the device);
 * ``vb_all_paged`` — a budget under which everything pages (``--budget-paged``, default a quarter
-  of the parameters, at least the working set).
+  of the parameters, at least the working set);
+* ``vb_all_paged_one_stream`` (only when named in ``--variants``) — the same with the host level's
+  copies in both directions on one side stream, as before 2026-11-27: the A/B of the change to one
+  stream per direction.
 
 Each variant runs in its own spawned worker; after its warm-up (the switch's variants go on, untimed,
 until the step inside backward is decided: learned from the first step, then a six-step trial in
@@ -62,8 +65,11 @@ import torch
 
 VARIANTS = ("in_memory", "torchao_offload", "torchao_offload_grads", "fsdp2_cpu_offload", "vb_params_kept",
             "vb_host_step", "vb_all_paged")
+#: Run only when named in ``--variants``: ``vb_all_paged`` with the host level's copies up and down on one
+#: side stream, as before 2026-11-27 (the A/B of the two-stream change, side by side in one run).
+EXTRA = ("vb_all_paged_one_stream",)
 TORCHAO = ("torchao_offload", "torchao_offload_grads")
-VB = ("vb_params_kept", "vb_host_step", "vb_all_paged")
+VB = ("vb_params_kept", "vb_host_step", "vb_all_paged", "vb_all_paged_one_stream")
 LR = 1e-4
 #: Untimed steps a vb variant may add to its warm-up until the step inside backward is decided
 #: (one step learning the loop, six of trial; see Variant.settle).
@@ -81,8 +87,8 @@ def cuda_missing(args) -> str | None:
 def skip_reason(variant: str, device_type: str = "cuda", importer=importlib.import_module) -> str | None:
     """Why ``variant`` cannot run on ``device_type`` here, or None. ``importer`` imports a module by
     name (tests replace it to pretend a package or feature is missing)."""
-    if variant not in VARIANTS:
-        return f"unknown variant {variant!r}; valid: {', '.join(VARIANTS)}"
+    if variant not in VARIANTS + EXTRA:
+        return f"unknown variant {variant!r}; valid: {', '.join(VARIANTS + EXTRA)}"
     try:
         if variant in TORCHAO:
             if device_type not in ("cuda", "xpu"):
@@ -115,6 +121,20 @@ def skip_reason(variant: str, device_type: str = "cuda", importer=importlib.impo
     return None
 
 
+def _one_copy_stream() -> None:
+    """This worker's host level copies up and down on one side stream (the measurement of
+    ``vb_all_paged_one_stream`` only: the worker is a process of its own)."""
+    from apt_model.memory import stores
+
+    init = stores.HostStore.__init__
+
+    def one_stream(self, *a, **k):
+        init(self, *a, **k)
+        self.up = self.down
+
+    stores.HostStore.__init__ = one_stream
+
+
 def gpt_config(args):
     from apt_model.models.gpt import GPTConfig
 
@@ -137,6 +157,7 @@ def model_sizes(args) -> dict:
     host_budget = parse_size(args.budget_host_step) if args.budget_host_step else 2 * p_bytes + block
     budgets = {"vb_params_kept": kept_budget, "vb_host_step": host_budget,
                "vb_all_paged": parse_size(args.budget_paged) if args.budget_paged else max(p_bytes // 4, ws)}
+    budgets["vb_all_paged_one_stream"] = budgets["vb_all_paged"]
     plans = {}
     for name, budget in budgets.items():
         try:
@@ -237,6 +258,8 @@ class Variant:
         self.timeline: dict | None = None  # the profiled step's device overlap (profile(), on CUDA)
         self.corpus = ByteCorpus(load_text_bytes(None, 2_000_000))
         self.gen = torch.Generator().manual_seed(0)
+        if name == "vb_all_paged_one_stream":
+            _one_copy_stream()
         if name in VB:
             import apt_model.optimization.vb_global as vb
 
@@ -434,9 +457,9 @@ def run_gpu(args) -> dict:
     from measure import machine_info, summarize, write_json
 
     names = [v.strip() for v in args.variants.split(",")] if args.variants else list(VARIANTS)
-    bad = [v for v in names if v not in VARIANTS]
+    bad = [v for v in names if v not in VARIANTS + EXTRA]
     if bad:
-        raise SystemExit(f"offload.py: unknown variant(s) {', '.join(bad)}; valid: {', '.join(VARIANTS)}")
+        raise SystemExit(f"offload.py: unknown variant(s) {', '.join(bad)}; valid: {', '.join(VARIANTS + EXTRA)}")
     if args.rounds < 1 or args.steps_per_round < 1:
         raise SystemExit("offload.py: --rounds and --steps-per-round must be at least 1")
     if args.threads is None:
@@ -594,6 +617,11 @@ def compare(rows: dict) -> list[dict]:
                     "applicable": applies, "met": ratio <= 1.2 if applies else None,
                     "note": f"link floor {_ms(floor)} vs in-memory step {_ms(med(mem) if mem else None)}"
                     + ("" if applies else ": compute dominates, target not applicable")})
+    one = _ok(rows, "vb_all_paged_one_stream")
+    if paged and one:  # the A/B of one copy stream per direction (no target of the issue's)
+        out.append({"what": "vb_all_paged vs vb_all_paged_one_stream", "target": "> 1x (no target of the issue's)",
+                    "value": med(one) / med(paged), "applicable": False, "met": None,
+                    "note": f"{_ms(med(paged))} with a copy stream per direction vs {_ms(med(one))} with one"})
     return out
 
 

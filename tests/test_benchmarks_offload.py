@@ -149,6 +149,11 @@ def test_compare_applies_each_target_where_it_holds():
     assert by["vb_host_step vs torchao_offload_grads"]["met"] is True and "vb_host_step vs the link floor" in by
     del rows["vb_host_step"]
 
+    rows["vb_all_paged_one_stream"] = _row(2.0, 2e9, link_floor_s=1.5)  # the A/B, reported when run
+    ab = {c["what"]: c for c in gpu.compare(rows)}["vb_all_paged vs vb_all_paged_one_stream"]
+    assert ab["value"] == pytest.approx(2.0 / 1.6) and ab["met"] is None
+    del rows["vb_all_paged_one_stream"]
+
     skipped = {"status": "skipped", "reason": "torchao is not installed"}
     rows["torchao_offload"] = rows["torchao_offload_grads"] = skipped
     rows["fsdp2_cpu_offload"] = {"status": "failed", "reason": "OutOfMemoryError: ..."}
@@ -177,7 +182,8 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     out = tmp_path / "gpu.json"
     res = _run("--device", "cuda", "--gpu-code-on-cpu", "--threads", "1", "--d-model", "32", "--layers", "1",
                "--heads", "2", "--seq-len", "16", "--batch-size", "2", "--rounds", "2", "--steps-per-round", "1",
-               "--warmup", "1", "--variants", "in_memory,torchao_offload,fsdp2_cpu_offload,vb_all_paged,vb_params_kept",
+               "--warmup", "1", "--variants",
+               "in_memory,torchao_offload,fsdp2_cpu_offload,vb_all_paged,vb_params_kept,vb_all_paged_one_stream",
                "--budget-kept", "1KB", "--swap-dir", str(tmp_path), "--json", str(out), "--profile", str(tmp_path),
                timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -186,7 +192,7 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     assert r["benchmark"] == "offload_gpu" and r["machine"]["cpu"]
     assert v["torchao_offload"]["status"] == "skipped" and "torchao_offload" in r["skipped"]
     assert v["vb_params_kept"]["status"] == "failed" and "vb_params_kept" in r["failed"]  # 1KB: no plan holds it
-    for name in ("in_memory", "fsdp2_cpu_offload", "vb_all_paged"):
+    for name in ("in_memory", "fsdp2_cpu_offload", "vb_all_paged", "vb_all_paged_one_stream"):
         assert v[name]["status"] == "ok" and v[name]["step"]["n"] == 2, name
     assert v["in_memory"]["ratio_vs_in_memory"] == pytest.approx(1.0)
     assert v["vb_all_paged"]["up_bytes_per_step"] > 0 and v["vb_all_paged"]["down_bytes_per_step"] > 0
@@ -194,7 +200,8 @@ def test_gpu_mode_runs_on_the_cpu_and_records_skips_and_failures(tmp_path):
     # timed only once the step inside backward was decided (learned, then its trial), and said so
     assert v["vb_all_paged"]["info"]["step_in_backward"]["state"] in ("armed", "off"), v["vb_all_paged"]["info"]
     assert "vb_all_paged: optimizer step on the device; step inside backward" in res.stdout
-    assert len(r["comparison"]) == 5
+    assert len(r["comparison"]) == 6  # the five targets and the one-stream A/B
+    assert "vb_all_paged vs vb_all_paged_one_stream" in res.stdout
     assert "SKIPPED: torchao" in res.stdout and "FAILED" in res.stdout and "against the issue's targets" in res.stdout
     for name in ("in_memory", "vb_all_paged"):  # --profile: one more step per worker, its op table
         prof = Path(v[name]["final"]["profile"])

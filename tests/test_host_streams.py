@@ -905,6 +905,106 @@ def test_offloaded_activations_move_to_and_from_the_host_level_on_side_streams(t
         assert fake.late_queries > 0  # copies really were in flight when asked
 
 
+def _chain_through(off, layers: int, width: int = 128):
+    """``layers`` tanh layers of one weight under ``off``'s hooks (each saves a ``width`` x ``width``
+    fp32 tensor: 64 KiB at 128); returns (output, weight)."""
+    torch.manual_seed(0)
+    w = torch.randn(width, width, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(off.pack, off.unpack):
+        h = torch.randn(width, width)
+        for _ in range(layers):
+            h = torch.tanh(h @ w)
+    return h, w
+
+
+def _plain_chain_grad(layers: int, width: int = 128) -> torch.Tensor:
+    torch.manual_seed(0)
+    w = torch.randn(width, width, requires_grad=True)
+    h = torch.randn(width, width)
+    for _ in range(layers):
+        h = torch.tanh(h @ w)
+    h.sum().backward()
+    return w.grad
+
+
+def test_backwards_read_ahead_of_host_level_activations_stays_within_its_window(tmp_path, fake):
+    """Backward's read-ahead counted only the copies up its own call started, so each unpack started
+    ``prefetch_bytes`` more, further back: 48 of a 32-layer chain's 64 KiB activations were on their
+    way to the device at once, and level 0 peaked at 49x 64 KiB under a 128 KiB budget (a second
+    review's finding). Those already on their way count now."""
+    from apt_model.activations.offload import ActivationOffloader
+
+    n = 64 << 10
+    fake.after = 4
+    off = ActivationOffloader(2 * n, SwapSpace(tmp_path), "cpu", min_bytes=1024, host_budget=128 * n,
+                              host_pin=False, prefetch_bytes=2 * n)
+    loading = []
+    unpack = off.unpack
+
+    def counting_unpack(h):
+        t = unpack(h)
+        loading.append(sum(1 for r in off._by_seq.values() if r() is not None and r().state == "loading"))
+        return t
+
+    off.unpack = counting_unpack
+    try:
+        out, w = _chain_through(off, 32)
+        forward_peak = off.stats.peak_resident
+        out.sum().backward()
+        stats = off.stats.to_dict()
+    finally:
+        off.close()
+    assert torch.equal(w.grad, _plain_chain_grad(32))
+    assert stats["prefetched"] > 10 and max(loading) <= 3  # 2 x 64 KiB of read-ahead, plus one
+    assert stats["peak_resident"] <= forward_peak + 3 * n
+    assert fake.violations == []
+
+
+def test_a_host_level_full_of_copies_down_waits_for_one_instead_of_keeping_the_activation(tmp_path, fake):
+    """With the device behind the host, the offloader's host level filled with copies down not yet
+    complete; the next offload found nothing to spill, counted the activation as too big for the
+    level (a quarter of it) and kept it on the device for good (a second review's finding). It now
+    waits for the oldest copy down, bounded, and spills that one."""
+    from apt_model.activations.offload import ActivationOffloader
+
+    n = 64 << 10
+    fake.after = 20  # the device behind: a copy completes at its 20th query (a wait polls it)
+    off = ActivationOffloader(4 * n, SwapSpace(tmp_path), "cpu", min_bytes=1024, host_budget=4 * n,
+                              host_pin=False)
+    try:
+        out, w = _chain_through(off, 12)
+        stats = off.stats.to_dict()
+        fake.complete_all()
+        out.sum().backward()
+    finally:
+        off.close()
+    assert stats["kept_too_big"] == 0 and stats["offloaded"] >= 19 and stats["to_disk_bytes"] > 0
+    assert torch.equal(w.grad, _plain_chain_grad(12)) and fake.violations == []
+
+
+def test_a_host_level_call_asks_the_device_about_one_running_copy_per_stream(tmp_path, fake):
+    """With two streams the store asked the device about every copy in flight at every call (a
+    second review counted 10,000 event queries for 50 calls with 200 writes in flight); within a
+    stream copies complete in issue order, so it asks about the oldest running one of each."""
+    fake.after = None
+    pager, store = pager_with_host_level(tmp_path, 1 << 24)
+    ts = [torch.randn(1024) for _ in range(200)]
+    pages = [register(pager, t, f"w{i}") for i, t in enumerate(ts)]
+    pager.evict_now(pages)  # 200 writes down, held
+
+    def queries():
+        return sum(e.queries for st in fake.side for kind, e in st.queue if kind == "event")
+
+    before = queries()
+    for _ in range(50):
+        store.host_tensor(pages[0], ts[0])  # a store call: reclaims first
+    assert queries() - before <= 50 * 2
+    fake.after = 1
+    fake.complete_all()
+    pager.reap()
+    pager.close()
+
+
 def test_the_cpu_and_a_device_without_streams_copy_synchronously(tmp_path):
     """No streams on the CPU, and a device kind torch offers no streams and events for gets
     synchronous copies (None), never an error; the host level then reports ``async_copies`` off."""

@@ -67,11 +67,13 @@ from apt_model.memory.io_engine import IOEngine
 from apt_model.memory.pages import cpu_byte_view
 from apt_model.memory.stores import PinnedPool, byte_view
 from apt_model.memory.swap import SwapSpace
-from apt_model.memory.waits import TimedLock, wait_future, wait_timeout
+from apt_model.memory.waits import ENV as WAIT_ENV
+from apt_model.memory.waits import TimedLock, timeout_error, wait_future, wait_timeout
 
 log = get_logger(__name__)
 
 RESIDENT, WRITING, HOST, LOADING, DISK = "resident", "writing", "host", "loading", "disk"
+_OOM = getattr(torch, "OutOfMemoryError", MemoryError)  # a device allocation that failed
 
 
 class SavedActivation:
@@ -323,26 +325,31 @@ class ActivationOffloader:
     def _reap(self) -> None:
         """Drop the tensors whose copies below have landed (the write threads never free memory)."""
         self._reclaim()
+        down_running = False  # a copy down seen running: the later ones (same stream, issued later) are too
         for seq, h in list(self._writing.items()):
-            if h.future is not None and h.future.done():
-                fut, h.future = h.future, None
-                del self._writing[seq]
-                try:
-                    fut.result()
-                    if h.tensor._version != h.version:
-                        raise _modified(h)
-                except BaseException as err:  # noqa: BLE001 - keep the data, report at the next hook
-                    h.state = RESIDENT
-                    if h.segment is not None:
-                        self._let_go_segment(seq)
-                        h.segment = None
-                    self._error = err
-                    continue
+            if h.future is None or (h.segment is not None and down_running):
+                continue
+            if not h.future.done():
+                down_running = down_running or h.segment is not None
+                continue
+            fut, h.future = h.future, None
+            del self._writing[seq]
+            try:
+                fut.result()
+                if h.tensor._version != h.version:
+                    raise _modified(h)
+            except BaseException as err:  # noqa: BLE001 - keep the data, report at the next hook
+                h.state = RESIDENT
                 if h.segment is not None:
-                    self._landed_on_host(h)
-                    continue
-                h.state, h.tensor = DISK, None
-                self._unhold(seq)
+                    self._let_go_segment(seq)
+                    h.segment = None
+                self._error = err
+                continue
+            if h.segment is not None:
+                self._landed_on_host(h)
+                continue
+            h.state, h.tensor = DISK, None
+            self._unhold(seq)
 
     def _offload_to_budget(self) -> None:
         self._reap()
@@ -391,9 +398,16 @@ class ActivationOffloader:
 
     def _to_host(self, h: SavedActivation) -> bool:
         """Copy ``h`` into the host level; False (``h`` left in memory) if it cannot hold it at all."""
-        seg = self.host.alloc(h.nbytes) if h.nbytes <= self.host.budget else None
-        while seg is None and h.nbytes <= self.host.budget and self._spill_host():
+        fits = h.nbytes <= self.host.budget
+        seg = self.host.alloc(h.nbytes) if fits else None
+        while seg is None and fits and (self._spill_host() or self._wait_for_a_copy_down()):
             seg = self.host.alloc(h.nbytes)
+        if seg is None and fits:
+            # the level is held by copies up (backward's read-ahead): it stays in memory for now and
+            # is offered again at the next pack
+            self._evictable[h.seq] = weakref.ref(h)
+            log.debug("the host level is held by copies up; a %d-byte saved activation waits in memory", h.nbytes)
+            return False
         if seg is None:  # larger than the whole host level: it stays where it is (as if not eligible)
             self.stats.kept_too_big += 1
             log.info("a %d-byte saved activation is larger than the host level (%d bytes): kept in memory",
@@ -415,6 +429,36 @@ class ActivationOffloader:
         h.future = device_streams.EventFuture(
             event, f"copy of saved activation {h.key} ({h.nbytes} bytes) from {self.device} to the host level")
         self._writing[h.seq] = h
+        return True
+
+    def _wait_for_a_copy_down(self) -> bool:
+        """No room on the host level and nothing to spill: wait (bounded) for the oldest copy that
+        holds a segment — one let go (its segment then goes back) or, else, one going down (its
+        handle can then be spilled) — and reap. Returns False when no such copy is in flight.
+        (Before, the activation was kept in memory for good, and called too big for the level.)
+
+        Raises:
+            SwapTimeoutError: that copy did not complete within the wait limit.
+        """
+        if self._orphans:
+            event = self._orphans[0][1]
+        else:
+            h = next((x for x in self._writing.values() if x.segment is not None and x.future is not None), None)
+            if h is None:
+                return False
+            event = h.future.event
+        limit = wait_timeout()
+        t0 = time.perf_counter()
+        try:
+            if not event.wait(limit):
+                raise timeout_error(
+                    f"waited {limit:g} s for a copy between {self.device} and the activation offloader's host level "
+                    f"({self.host.used} of {self.host.budget} bytes in use, {len(self._seg_copy)} copies in flight) "
+                    f"to make room; it has not completed; raise {WAIT_ENV} if the device is only busy, else look for "
+                    "a hung device")
+        finally:
+            self.stats.stall_s += time.perf_counter() - t0
+        self._reap()
         return True
 
     def _spill_host(self) -> bool:
@@ -442,8 +486,8 @@ class ActivationOffloader:
         """Start copying ``h`` up from its host segment into new device memory (state LOADING):
         on the side stream after the point compute has reached (the memory was just handed out on
         the compute stream), or at once on the CPU. :meth:`_load` finishes it."""
+        out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # first: a failed allocation changes nothing
         self._on_host.pop(h.seq, None)
-        out = torch.empty(h.shape, dtype=h.dtype, device=h.device)
         dst, src = byte_view(out.untyped_storage(), 0, h.nbytes), self.host.view(h.segment, h.nbytes)
         h.tensor, h.state = out, LOADING
         self._hold(h)
@@ -532,20 +576,32 @@ class ActivationOffloader:
         return h.tensor
 
     def _prefetch_before(self, seq: int) -> None:
+        """Read ahead the handles packed before ``seq``: up to ``prefetch_bytes`` of them on their way
+        back at once, counting those an earlier unpack started (before 2026-11-27 only the ones this
+        call started counted, so the window grew through backward: copies up to the device of most
+        of the graph's activations at once). A read-ahead the device has no memory for stops it."""
         ahead = 0
         s = seq - 1
         while s >= 0 and ahead < self.prefetch_bytes and seq - s <= 4096:
             ref = self._by_seq.get(s)
             h = ref() if ref is not None else None
-            if h is not None and h.state == DISK and h.future is None:
+            s -= 1
+            if h is None:
+                continue
+            if h.state == LOADING or (h.state == DISK and h.future is not None):
+                ahead += h.nbytes  # on its way already
+            elif h.state == DISK:
                 self._start_read(h)
                 self.stats.prefetched += 1
                 ahead += h.nbytes
-            elif h is not None and h.state == HOST and self.up is not None:  # its copy up overlaps backward
-                self._start_host_load(h)
+            elif h.state == HOST and self.up is not None:  # its copy up overlaps backward
+                try:
+                    self._start_host_load(h)
+                except _OOM:  # the unpack allocates when it needs the tensor
+                    log.debug("activation read-ahead stopped: no device memory for a %d-byte tensor", h.nbytes)
+                    return
                 self.stats.prefetched += 1
                 ahead += h.nbytes
-            s -= 1
 
     def close(self) -> None:
         """Stop the I/O threads (handles still alive keep working from memory or raise).

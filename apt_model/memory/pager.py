@@ -819,7 +819,8 @@ class Pager:
         """Free the pages whose background writes have completed (and apply deferred releases).
 
         Only the pages being written are looked at, oldest write first; where the store's writes
-        complete in the order they began (one copy stream: ``store.writes_in_order``), the first
+        complete in the order they began (all on the host level's stream of copies down:
+        ``store.writes_in_order``), the first
         write still running ends the look — every later one is running too.
 
         Raises:

@@ -368,11 +368,19 @@ class HostStore:
         self._copying[id(seg)] = (seg, event)
 
     def _reclaim(self) -> None:
-        """Forget the copies that completed; give their released segments back to the pool. Every
-        copy in flight is asked (the two streams complete in no common order; a copy behind one
-        seen complete on its own stream is known complete without asking the device)."""
+        """Forget the copies that completed; give their released segments back to the pool.
+        ``_copying`` is in issue order (:meth:`_track` re-inserts) and each stream completes its
+        copies in that order, so the device is asked about the oldest running copy of each stream
+        only: a later copy of a stream seen running is running too (asking every copy in flight
+        made a query per copy per call: 10,000 for 200 writes over 50 calls, the volume the H200's
+        profile had counted before the issue-order rule)."""
+        running: set[int] = set()  # id() of the streams seen with a copy still running
         for sid, (seg, event) in list(self._copying.items()):
+            stream = id(event.stream)
+            if stream in running:
+                continue
             if not event.done():
+                running.add(stream)
                 continue
             del self._copying[sid]
             orphan = self._orphans.pop(sid, None)

@@ -500,6 +500,52 @@ def test_step_with_a_closure_trains_bitwise_and_returns_the_loss(kind, tmp_path)
     assert step_in_backward["state"] == "off" and "step(closure)" in step_in_backward["reason"]
 
 
+def _halve_gradients(opt, args, kwargs):
+    """A global step pre-hook as a gradient-scaling library might register."""
+    for g in opt.param_groups:
+        for p in g["params"]:
+            if p.grad is not None:
+                p.grad.mul_(0.5)
+
+
+def test_global_step_hooks_run_with_the_parameters_in_place_whenever_registered(tmp_path):
+    """Torch runs global step hooks in registration order. A global pre-hook registered after paging
+    started ran after the paged step had emptied the parameter groups for torch's own call, and a
+    global post-hook registered before it ran before paging gave them back: both saw no parameter
+    (a gradient scaling applied to nothing, an EMA updated nothing), silently (a probe's finding).
+    The paged step runs them itself, in torch's order: training and what the hooks saw are plain
+    PyTorch's, bitwise."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    def run(paged):
+        m = model()
+        opt = make_opt(m, "adamw")
+        seen = []
+        post = register_optimizer_step_post_hook(lambda o, a, k: seen.append(
+            [p.detach().clone() for g in o.param_groups for p in g["params"]]))
+        if paged:
+            vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+        try:
+            m.to("cpu")
+            pre = register_optimizer_step_pre_hook(_halve_gradients)  # after the model was paged
+            try:
+                losses = train(m, opt, 3)
+            finally:
+                pre.remove()
+            return losses, seen, snapshot(m, opt)
+        finally:
+            post.remove()
+            if paged:
+                vb.disable()
+
+    ref_losses, ref_seen, ref_state = run(False)
+    losses, seen, state = run(True)
+    assert losses == ref_losses
+    assert len(seen) == len(ref_seen) == 3 and all(len(a) == len(b) > 0 for a, b in zip(seen, ref_seen))
+    assert all(torch.equal(x, y) for a, b in zip(seen, ref_seen) for x, y in zip(a, b))
+    assert_same(state, ref_state)
+
+
 def test_unsupported_optimizers_are_refused(tmp_path):
     m = model()
     vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)

@@ -205,6 +205,12 @@ def _state_of(opt_ref, p_ref, key):
     return None if st is None else st.get(key)  # user took out (optimizer.state_dict() then fails)
 
 
+def _muted_hook(opt, args, kwargs):
+    """Stands in, for one step, for a global step hook the paged step ran itself (see
+    :meth:`OptimizerPaging._mute`)."""
+    return None
+
+
 def _evaluated(loss):
     """The closure handed to torch's step call after the paged step evaluated the user's: the loss."""
     return loss
@@ -222,6 +228,8 @@ class OptimizerPaging:
         self._dead: list[int] = []  # id() of adopted optimizers since garbage-collected (a finalizer's queue)
         self._stash: dict[int, list] = {}
         self._own_hooks: dict[int, tuple[dict, dict]] = {}  # id(opt) -> its step hooks, taken out (_take_own_hooks)
+        self._hooks: tuple = (None, None)  # the handles of the global step pre- and post-hook (install)
+        self._muted: list = []  # (torch's hook dict, key, hook): global hooks this step runs itself (_mute)
         self._in_step = False
         self.steps = 0
         self.after_step: list = []  # callables run after each completed step, given the step count
@@ -239,8 +247,42 @@ class OptimizerPaging:
         # that calls it): the streamed step's I/O and bookkeeping cannot be traced (paging/compiled.py)
         pre = torch.compiler.disable(self._pre, reason=EAGER_STEP)
         post = torch.compiler.disable(self._post, reason=EAGER_STEP)
-        patches.add_handle(register_optimizer_step_pre_hook(pre), "optimizer step pre-hook")
-        patches.add_handle(register_optimizer_step_post_hook(post), "optimizer step post-hook")
+        self._hooks = (register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post))
+        patches.add_handle(self._hooks[0], "optimizer step pre-hook")
+        patches.add_handle(self._hooks[1], "optimizer step post-hook")
+        patches.add_undo(self._unmute, "global optimizer step hooks muted for a step")
+
+    def _mute(self, handle, after: bool) -> list:
+        """The global step hooks torch would run after (``after``) or before ``handle``'s, in order,
+        each replaced by :func:`_muted_hook` in torch's dict for the step under way (a value swap:
+        torch may be iterating that dict). Torch runs global hooks in registration order, so a
+        global pre-hook registered after paging started ran after the paged step had emptied the
+        parameter groups for torch's own call, and a global post-hook registered before it ran
+        before :meth:`_post` gave them back: both saw empty groups (a gradient-scaling or EMA hook
+        silently did nothing; until 2026-11-27). The paged step runs them itself, in torch's
+        order, with the parameters in place; :meth:`_unmute` puts them back."""
+        hooks_dict = handle.hooks_dict_ref()
+        if hooks_dict is None or handle.id not in hooks_dict:
+            return []
+        keys = list(hooks_dict)
+        at = keys.index(handle.id)
+        taken = []
+        for key in keys[at + 1:] if after else keys[:at]:
+            hook = hooks_dict[key]
+            if hook is _muted_hook:
+                continue
+            self._muted.append((hooks_dict, key, hook))
+            hooks_dict[key] = _muted_hook
+            taken.append(hook)
+        return taken
+
+    def _unmute(self) -> None:
+        """Put back the global step hooks :meth:`_mute` stood in for (at :meth:`_post`, or at the next
+        step or the session's end where a step ended early)."""
+        muted, self._muted = self._muted, []
+        for hooks_dict, key, hook in muted:
+            if hooks_dict.get(key) is _muted_hook:
+                hooks_dict[key] = hook
 
     # ------------------------------------------------------------------ discovery
     def _involves_paging(self, opt: torch.optim.Optimizer) -> bool:
@@ -391,8 +433,11 @@ class OptimizerPaging:
             return None
         given = (args, kwargs)
         own = self._prepare(opt)
+        later = self._mute(self._hooks[0], after=True) if self._hooks[0] is not None else []
         try:
-            for hook in own[0].values():  # the optimizer's own pre-hooks, with its parameters in place
+            # the global pre-hooks registered after this one, then the optimizer's own, with its parameters
+            # in place (torch's order)
+            for hook in [*later, *own[0].values()]:
                 changed = hook(opt, args, kwargs)
                 if changed is not None:  # torch's rule for a pre-hook's result
                     if not (isinstance(changed, tuple) and len(changed) == 2):
@@ -403,6 +448,7 @@ class OptimizerPaging:
             args, kwargs = self._evaluate_closure(opt, args, kwargs)
         except BaseException:
             self._give_back_own_hooks(opt)
+            self._unmute()
             raise
         self._streamed(opt, own, args, kwargs)
         return None if args is given[0] and kwargs is given[1] else (args, kwargs)  # None: torch's call as it was
@@ -412,6 +458,7 @@ class OptimizerPaging:
         """Adopt ``opt`` (refusing what cannot be stepped in chunks) and take its own step hooks
         out; returns them (pre-hooks, post-hooks)."""
         self._put_back_lists(opt)  # a signal (held back too long) landed between this hook and _post
+        self._unmute()  # idem: hooks a step muted
         self._adopt(opt, self.session.patches)
         self._refuse_duplicates(opt)
         self.capturable.remember(opt)
@@ -446,8 +493,13 @@ class OptimizerPaging:
             self._step(opt)
             for hook in own[1].values():  # its post-hooks, after the update, before the lists go
                 hook(opt, args, kwargs)
+            # then the global post-hooks torch would run before _post gives the lists back (torch's order)
+            earlier = self._mute(self._hooks[1], after=False) if self._hooks[1] is not None else []
+            for hook in earlier:
+                hook(opt, args, kwargs)
         except BaseException:
             self._give_back_own_hooks(opt)
+            self._unmute()
             raise
         # until _post gives the lists back, across torch's own code, a signal waits (interrupts.py):
         # left empty, zero_grad() would clear no gradient and state_dict() would raise KeyError
@@ -534,6 +586,7 @@ class OptimizerPaging:
     def _post(self, opt, args, kwargs):
         self._give_back_own_hooks(opt)
         self._put_back_lists(opt)
+        self._unmute()
         return None
 
     def _put_back_lists(self, opt) -> None:

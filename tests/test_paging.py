@@ -472,7 +472,7 @@ def _closure_training(m, opt, steps, register_hook=False):
     return returned, calls[0], events
 
 
-@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("kind", ["adamw", pytest.param("sgd", marks=pytest.mark.slow)])  # the same path
 def test_step_with_a_closure_trains_bitwise_and_returns_the_loss(kind, tmp_path):
     """``optimizer.step(closure)`` was refused while paging was on. It now calls the closure once,
     after the optimizer's own pre-hooks, streams the step, and returns the closure's loss: the

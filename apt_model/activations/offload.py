@@ -189,8 +189,7 @@ class ActivationOffloader:
         self._seg_copy: dict[int, device_streams.CopyEvent] = {}  # seq -> the copy in flight on its segment
         self._orphans: list = []  # (segment, copy event): let go while a copy used it; freed once it completed
         #: side streams of the copies down to the host level and up from it (None: synchronous, the CPU)
-        self.down = device_streams.copy_stream(self.device) if self.host is not None else None
-        self.up = (device_streams.copy_stream(self.device) or self.down) if self.down is not None else None
+        self.down, self.up = device_streams.copy_streams(self.device) if self.host is not None else (None, None)
         self.resident_bytes = 0
         self._lock = TimedLock(f"activation offloader ({self.device})")
         self._forgotten: deque[tuple[int, str]] = deque()  # handles dropped on any thread, cleaned up by the next hook

@@ -345,3 +345,14 @@ def copy_stream(device: torch.device | str) -> CopyStream | None:
         log.info("%s: no copy stream (%s: %s); host<->device copies run synchronously", device,
                  type(err).__name__, err)
         return None
+
+
+def copy_streams(device: torch.device | str) -> tuple[CopyStream | None, CopyStream | None]:
+    """``(down, up)``: a side stream for device -> host copies and one for host -> device copies,
+    so a copy up never queues behind the copies down (a GPU runs the two directions on separate
+    copy engines). Both None where copies stay synchronous; both the same stream where only one
+    could be made. Never raises."""
+    down = copy_stream(device)
+    if down is None:
+        return None, None
+    return down, copy_stream(device) or down

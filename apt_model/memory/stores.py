@@ -338,9 +338,7 @@ class HostStore:
         self._from_disk: set[str] = set()  # of those, the ones read from disk into the host (misses)
         #: the side streams of the copies down (device -> host) and up (host -> device); None:
         #: synchronous copies (the CPU). Where a second stream cannot be made, both are one.
-        self.down: device_streams.CopyStream | None = device_streams.copy_stream(self.device)
-        self.up: device_streams.CopyStream | None = (
-            None if self.down is None else device_streams.copy_stream(self.device) or self.down)
+        self.down, self.up = device_streams.copy_streams(self.device)
         # segments with a copy in flight, in issue order: id(segment) -> (segment, its latest copy)
         self._copying: dict[int, tuple[Segment, device_streams.CopyEvent]] = {}
         self._orphans: dict[int, Segment] = {}  # released while a copy was in flight: freed when it completes

@@ -187,7 +187,6 @@ class ActivationOffloader:
         self._on_host: dict[int, weakref.ref] = {}
         self._segments: dict = {}  # seq -> its host segment (also while a copy uses it)
         self._seg_copy: dict[int, device_streams.CopyEvent] = {}  # seq -> the copy in flight on its segment
-        self._orphans: list = []  # (segment, copy event): let go while a copy used it; freed once it completed
         #: side streams of the copies down to the host level and up from it (None: synchronous, the CPU)
         self.down, self.up = device_streams.copy_streams(self.device) if self.host is not None else (None, None)
         self.resident_bytes = 0
@@ -293,26 +292,11 @@ class ActivationOffloader:
 
     def _let_go_segment(self, seq: int) -> None:
         """Give ``seq``'s host segment back to the pool — once the copy in flight on it, if any,
-        completed (until then it waits in ``_orphans``)."""
+        completed (:meth:`PinnedPool.release_after`)."""
         seg = self._segments.pop(seq, None)
         event = self._seg_copy.pop(seq, None)
-        if seg is None:
-            return
-        if event is not None and not event.done():
-            self._orphans.append((seg, event))
-        else:
-            self.host.release(seg)
-
-    def _reclaim(self) -> None:
-        """Give back the segments whose copies completed since they were let go."""
-        if self._orphans:
-            left = []
-            for seg, event in self._orphans:
-                if event.done():
-                    self.host.release(seg)
-                else:
-                    left.append((seg, event))
-            self._orphans = left
+        if seg is not None:
+            self.host.release_after(seg, event)
 
     def _landed_on_host(self, h: SavedActivation) -> None:
         """``h``'s bytes are in its host segment: its tensor is let go; it may be spilled now."""
@@ -323,7 +307,8 @@ class ActivationOffloader:
 
     def _reap(self) -> None:
         """Drop the tensors whose copies below have landed (the write threads never free memory)."""
-        self._reclaim()
+        if self.host is not None:
+            self.host.reclaim()
         down_running = False  # a copy down seen running: the later ones (same stream, issued later) are too
         for seq, h in list(self._writing.items()):
             if h.future is None or (h.segment is not None and down_running):
@@ -439,8 +424,8 @@ class ActivationOffloader:
         Raises:
             SwapTimeoutError: that copy did not complete within the wait limit.
         """
-        if self._orphans:
-            event = self._orphans[0][1]
+        if self.host.pending:
+            event = self.host.pending[0][1]
         else:
             h = next((x for x in self._writing.values() if x.segment is not None and x.future is not None), None)
             if h is None:
@@ -620,7 +605,7 @@ class ActivationOffloader:
         flight: a pinned segment must not go while the device still reads or writes it. A copy
         left over is logged."""
         deadline = time.monotonic() + wait_timeout()
-        for event in [*self._seg_copy.values(), *(e for _, e in self._orphans)]:
+        for event in [*self._seg_copy.values(), *(e for _, e in (self.host.pending if self.host else ()))]:
             if not event.wait(max(0.0, deadline - time.monotonic())):
                 log.warning("activation offload: a copy between %s and the host level did not complete at close",
                             self.device)

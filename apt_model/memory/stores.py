@@ -168,9 +168,10 @@ class PinnedPool:
     where only the page's own size fits, the slab is that size, as the pool has always held such a
     page, and PyTorch pins more than the budget says: :attr:`pinned_bytes` counts it.
 
-    The pool knows nothing of copies in flight: its user gives a segment back (:meth:`release`)
-    only once no copy reads or writes it any more (:class:`HostStore` tracks that with the copies'
-    events). Slabs are never freed while the pool lives.
+    A segment a copy may still read or write is given back with :meth:`release_after` and that
+    copy's event: it stays counted, and is neither handed out nor merged, until :meth:`reclaim`
+    sees the copy complete (the host level and the activation offloader both give segments back
+    this way). Slabs are never freed while the pool lives.
 
     Raises:
         ValueError: for a budget below one 4 KiB unit.
@@ -185,6 +186,8 @@ class PinnedPool:
         self.slabs: list[torch.Tensor] = []
         self.free: list[list[tuple[int, int]]] = []  # per slab: sorted (offset, length) holes
         self.used = 0
+        #: segments given back while a copy used them, oldest first: (segment, the copy's event)
+        self.pending: list[tuple[Segment, device_streams.CopyEvent]] = []
 
     def _slab_cap(self, slab_bytes: int) -> int:
         """The standard slab size within the budget (pinned: a power of two)."""
@@ -250,6 +253,25 @@ class PinnedPool:
                 merged.append((off, length))
         self.free[seg.slab] = merged
         self.used -= seg.nbytes
+
+    def release_after(self, seg: Segment, event: device_streams.CopyEvent | None) -> None:
+        """Give ``seg`` back once ``event`` (the last copy that reads or writes it) completed: now
+        if there is none or it has, else at a later :meth:`reclaim`."""
+        if event is None or event.done():
+            self.release(seg)
+        else:
+            self.pending.append((seg, event))
+
+    def reclaim(self) -> None:
+        """Give back the segments of :attr:`pending` whose copies completed."""
+        if self.pending:
+            left = []
+            for seg, event in self.pending:
+                if event.done():
+                    self.release(seg)
+                else:
+                    left.append((seg, event))
+            self.pending = left
 
     def view(self, seg: Segment, nbytes: int) -> torch.Tensor:
         return self.slabs[seg.slab][seg.offset:seg.offset + nbytes]
@@ -341,7 +363,6 @@ class HostStore:
         self.down, self.up = device_streams.copy_streams(self.device)
         # segments with a copy in flight, in issue order: id(segment) -> (segment, its latest copy)
         self._copying: dict[int, tuple[Segment, device_streams.CopyEvent]] = {}
-        self._orphans: dict[int, Segment] = {}  # released while a copy was in flight: freed when it completes
         self._loads: dict[str, device_streams.CopyEvent] = {}  # host-to-device copies started by start_read
         self._marks: dict[str, object] = {}  # misses: where compute was at start_read (the copy starts after it)
         self.copy_waits = 0  # host waits for one copy's event, to get room
@@ -381,16 +402,12 @@ class HostStore:
                 running.add(stream)
                 continue
             del self._copying[sid]
-            orphan = self._orphans.pop(sid, None)
-            if orphan is not None:
-                self.pool.release(orphan)
+        self.pool.reclaim()
 
     def _release(self, seg: Segment) -> None:
         """Give ``seg`` back to the pool — once its copy in flight, if any, completed."""
-        if id(seg) in self._copying:
-            self._orphans[id(seg)] = seg
-        else:
-            self.pool.release(seg)
+        held = self._copying.get(id(seg))
+        self.pool.release_after(seg, None if held is None else held[1])
 
     def _busy(self, seg: Segment) -> bool:
         return id(seg) in self._copying

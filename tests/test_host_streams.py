@@ -960,6 +960,36 @@ def test_backwards_read_ahead_of_host_level_activations_stays_within_its_window(
     assert fake.violations == []
 
 
+def test_a_copy_up_the_device_reports_failed_raises_at_unpack_instead_of_returning_its_tensor(tmp_path, fake):
+    """The offloader's unpack joined a copy up and returned its tensor without looking at the
+    error the device had reported for it (a review's finding): backward went on with memory the
+    copy never filled. It raises now, naming the activation; the host copy stays."""
+    from apt_model.activations.offload import ActivationOffloader
+
+    n = 64 << 10
+    fake.after = 1
+    off = ActivationOffloader(2 * n, SwapSpace(tmp_path), "cpu", min_bytes=1024, host_budget=64 * n,
+                              host_pin=False)
+    query = fake.query
+
+    def failing_up(event):
+        if event.stream is off.up.stream:
+            raise RuntimeError("an illegal memory access was encountered")
+        return query(event)
+
+    try:
+        out, w = _chain_through(off, 8)
+        assert off.stats.offloaded > 4
+        fake.query = failing_up
+        with pytest.raises(RuntimeError, match=r"saved activation act\d+ .* from the host level to cpu failed on the "
+                                               r"device: an illegal memory access"):
+            out.sum().backward()
+        assert any(r() is not None and r().state == "host" for r in off._on_host.values())  # kept for a retry
+    finally:
+        fake.query = query
+        off.close()
+
+
 def test_a_host_level_full_of_copies_down_waits_for_one_instead_of_keeping_the_activation(tmp_path, fake):
     """With the device behind the host, the offloader's host level filled with copies down not yet
     complete; the next offload found nothing to spill, counted the activation as too big for the

@@ -537,8 +537,16 @@ class ActivationOffloader:
             if h.state == HOST:  # not prefetched
                 self._start_host_load(h)
             if h.future is not None:  # compute waits for the copy up, on the device (the host does not)
-                self.up.join(h.future.event)
+                fut = h.future
+                self.up.join(fut.event)
                 h.future = None
+                # a query is not a wait: a copy still running is not waited for here; one the device
+                # reported an error for leaves the tensor unusable (its host copy stays, for a retry)
+                if fut.done() and fut.event.error is not None:
+                    self._unhold(h.seq)
+                    h.tensor, h.state = None, HOST
+                    self._on_host[h.seq] = weakref.ref(h)
+                    raise RuntimeError(f"{fut.what} failed on the device: {fut.event.error}") from fut.event.error
             self._let_go_segment(h.seq)  # given back once the copy up completed
             h.segment, h.state, h.copy_version = None, RESIDENT, h.tensor._version
             self.stats.loaded_bytes += h.nbytes

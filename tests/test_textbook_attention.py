@@ -566,3 +566,50 @@ def test_spellings_and_near_misses(fn, extra, n_sites, mask, scale):
     if n_sites:
         (site,) = cap.sites[0]
         assert site.mask == mask and site.scale == pytest.approx(scale)
+
+
+@pytest.mark.parametrize("fn", [masked_fill_before_div, permute_and_left_scale_finfo_min],
+                         ids=["fill=-1e9", "fill=finfo.min"])
+def test_a_query_row_masked_entirely_by_a_finite_fill_averages_v_as_the_original_does(fn):
+    """Left padding masks every key of some query rows. With a finite fill value the original's
+    scores in such a row are all equal, so it averages ``v``; SDPA gives zeros there, and the
+    rewrite gave zeros (a probe's finding: 0.2008 against 0.0, and a training run drifting from
+    its first padded step). The first call's check had passed on inputs without such a row."""
+    q, k, v = _qkv()
+    keep = _keep()
+    keep[1] = False  # query row 1 sees no key
+    for t in (q, k, v):
+        t.requires_grad_(True)
+    cap = Capture()
+    got = torch.compile(fn, backend=cap)(q, k, v, keep)
+    assert len(cap.sites[0]) == 1 and count_sdpa(cap.graphs[0]) == 1
+    want = fn(q, k, v, keep)
+    torch.testing.assert_close(got, want, **TOL)
+    assert got[:, :, 1].abs().max() > 0.05  # the average of v, not SDPA's zeros
+    weight = torch.linspace(-1.0, 1.0, want.numel()).view_as(want)
+    got_grads = torch.autograd.grad((got * weight).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * weight).sum(), (q, k, v))
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+class TraceableNumberKeep(nn.Module):
+    """For ``torch.fx.symbolic_trace``: ``masked_fill(torch.logical_not(keep), -inf)`` with
+    ``keep`` a float 0/1 mask (not bool)."""
+
+    def forward(self, q, k, v, keep):
+        att = (q @ k.transpose(-2, -1) * 0.25).masked_fill(torch.logical_not(keep), float("-inf"))
+        return att.softmax(dim=-1) @ v
+
+
+def test_symbolic_trace_masked_fill_of_logical_not_of_a_number_mask_stays_exact():
+    """Without metadata the rewrite took ``masked_fill(logical_not(keep))`` for a boolean ``keep``
+    and passed ``attn_mask=keep``: a float 0/1 ``keep`` was then added to the scores instead of
+    selecting keys (a probe measured a difference of 1.46). It passes ``logical_not`` of the
+    condition now, which is right for any dtype."""
+    q, k, v = _qkv()
+    keep = _keep().float()
+    gm = fx.symbolic_trace(TraceableNumberKeep())
+    (site,) = rewrite_textbook_attention(gm)
+    assert site.mask == "boolean (masked_fill)" and count_sdpa(gm) == 1
+    torch.testing.assert_close(gm(q, k, v, keep), TraceableNumberKeep()(q, k, v, keep), **TOL)

@@ -29,7 +29,9 @@ What is matched (``q``, ``k``, ``v`` are any nodes)::
 * Boolean mask: ``masked_fill(cond, value)`` with ``value`` ``-inf``, ``<= -1e9`` or a float
   type's ``torch.finfo(dtype).min`` (and, when a scale follows it, ``value * later_scale <=
   -1e4``) becomes ``attn_mask=torch.logical_not(cond)``, or ``x`` itself when ``cond`` is
-  ``~x`` / ``torch.logical_not(x)``.
+  ``~x`` (a boolean ``x``: ``masked_fill`` takes only boolean conditions) or
+  ``torch.logical_not(x)`` of an ``x`` the metadata shows boolean (a number ``x`` is a 0/1 mask
+  that SDPA would add to the scores).
 * Additive mask: ``scores + mask`` / ``mask + scores`` (a tensor node) becomes
   ``attn_mask=mask`` (``mask * later_scale`` when a scale op follows the add, because SDPA adds
   the mask after scaling). With metadata the mask must have the scores' dtype (a boolean or
@@ -66,8 +68,10 @@ Semantics followed (PyTorch docs of ``scaled_dot_product_attention``): a boolean
 marks with ``True`` the positions that take part in attention; a float mask is added to the
 scaled scores; ``scale`` defaults to ``1/sqrt(E)``; ``dropout_p`` is applied to the attention
 weights. The rewrite is exact up to float rounding except for two cases: a query row whose keys
-are all masked (the original gives NaN for ``-inf`` or a uniform average for a finite fill value,
-SDPA gives zeros), and the dropout pattern (SDPA draws its own random mask; compare with
+are all masked by a ``-inf`` fill (the original gives NaN, SDPA zeros; with a finite fill value the
+original averages ``v`` uniformly, and the rewrite puts that average in such rows after SDPA,
+:func:`_all_masked_rows_averaged`), and the dropout pattern (SDPA draws its own random mask, and
+a fully masked row's average is taken without dropout; compare with
 ``apt_model.compile.overrides.dropout_free``, which the override rung verifies with).
 """
 from __future__ import annotations
@@ -150,6 +154,7 @@ class _Match:
     mask_factors: tuple  # the factors applied after an additive mask (SDPA adds it after scaling)
     dropout_p: float  # as reported
     dropout_arg: Any  # SDPA's argument: float, scalar node, or ("module", target)
+    mask_fill: float | None = None  # the masked_fill value (boolean masks)
 
     def site(self) -> AttentionSite:
         return AttentionSite(self.scores.name, _hint_product(self.factors), self.mask_kind, self.dropout_p)
@@ -460,7 +465,7 @@ def _walk_scores(node: Any, user: fx.Node, later: tuple, mask: tuple | None, cha
         cond_val = _example(cond)
         if cond_val is not None and cond_val.dtype != torch.bool:
             raise _NoMatch(f"masked_fill {node.name!r} condition is {cond_val.dtype}, not bool")
-        return _walk_scores(src, node, later, ("boolean (masked_fill)", cond, ()), [node, *chain])
+        return _walk_scores(src, node, later, ("boolean (masked_fill)", cond, (), float(value)), [node, *chain])
     operands = _additive_operands(node)
     if operands is not None:
         if mask is not None:
@@ -539,10 +544,10 @@ def _match(out: fx.Node, gm: fx.GraphModule) -> _Match | None:
     except _NoMatch as err:
         logger.debug("not textbook attention at %s: %s", out.name, err)
         return None
-    mask_kind, mask_node, mask_factors = mask if mask is not None else (None, None, ())
+    mask_kind, mask_node, mask_factors, *fill = mask if mask is not None else (None, None, ())
     return _Match(out=out, scores=scores, q=q, k=k, v=v, chain=chain, kt=kt, factors=factors,
                   mask_kind=mask_kind, mask=mask_node, mask_factors=mask_factors,
-                  dropout_p=dropout_p, dropout_arg=dropout_arg)
+                  dropout_p=dropout_p, dropout_arg=dropout_arg, mask_fill=fill[0] if fill else None)
 
 
 def _check_gm(gm: Any) -> None:
@@ -613,8 +618,13 @@ def _rewrite(gm: fx.GraphModule, m: _Match) -> tuple[set, set]:
             if _is_call(cond, _NOT_FUNCS, _NOT_METHODS) and len(cond.args) == 1 and not cond.kwargs \
                     and isinstance(cond.args[0], fx.Node):
                 inner_val = _example(cond.args[0])
-                if inner_val is None or inner_val.dtype == torch.bool:
-                    attn_mask = cond.args[0]  # masked_fill(~keep) -> attn_mask=keep
+                # masked_fill(~keep) -> attn_mask=keep, for a boolean keep only: SDPA would add a
+                # number keep to the scores. ~ and bitwise_not give a boolean condition (which
+                # masked_fill requires) only of a boolean; logical_not of a number tensor is
+                # "== 0", so without metadata (symbolic_trace) its input may be a number mask
+                bitwise = cond.target in (operator.invert, torch.bitwise_not, "bitwise_not", "__invert__")
+                if (inner_val.dtype == torch.bool) if inner_val is not None else bitwise:
+                    attn_mask = cond.args[0]
             if attn_mask is None:
                 attn_mask = graph.call_function(torch.logical_not, (cond,))
                 attn_mask.meta.update({k: v for k, v in cond.meta.items() if k in ("example_value", "val")})
@@ -634,12 +644,27 @@ def _rewrite(gm: fx.GraphModule, m: _Match) -> tuple[set, set]:
         sdpa = graph.call_function(_SDPA, (m.q, m.k, m.v), {"attn_mask": attn_mask, "dropout_p": dropout_p,
                                                              "scale": _emit_scale(graph, m.factors)})
         sdpa.meta.update({key: val for key, val in m.out.meta.items() if key in _META_KEPT})
-    m.out.replace_all_uses_with(sdpa)
+        result = sdpa
+        if m.mask_fill is not None and math.isfinite(m.mask_fill):
+            # a query row whose keys are all masked: a finite fill makes its scores all equal, so the
+            # original averages v uniformly; SDPA gives zeros there (found by a probe, 2026-11-27)
+            result = graph.call_function(_all_masked_rows_averaged, (sdpa, attn_mask, m.v))
+            result.meta.update({key: val for key, val in m.out.meta.items() if key in _META_KEPT})
+    m.out.replace_all_uses_with(result)
     inputs = {arg for node in m.chain for arg in node.all_input_nodes}
     erased = [m.out, *reversed(m.chain)]  # each has one user, the node erased before it
     for node in erased:
         graph.erase_node(node)
     return set(erased), ({m.kt, m.mask} | inputs) - {None} - set(erased)
+
+
+def _all_masked_rows_averaged(out: torch.Tensor, keep: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA's output ``out`` (``(..., L, Ev)``) with each query row that ``keep`` (boolean,
+    broadcastable to ``(..., L, S)``, True = takes part) masks entirely replaced by the mean of
+    ``v`` (``(..., S, Ev)``) over its keys: what softmax over equal scores (a finite
+    ``masked_fill`` value everywhere in the row) followed by ``@ v`` computes, up to rounding."""
+    none_kept = torch.logical_not(keep.any(-1, keepdim=True))
+    return torch.where(none_kept, v.mean(-2, keepdim=True).to(out.dtype), out)
 
 
 def _removable(node: fx.Node, maybe_dead: set) -> bool:

@@ -124,6 +124,52 @@ def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
     assert mha(q, q, q)[1] is not None
 
 
+class SelfAttention(nn.MultiheadAttention):
+    """A user's subclass with a forward of its own (its signature has no ``need_weights``)."""
+
+    def forward(self, x):
+        return super().forward(x, x, x, need_weights=False)[0]
+
+
+def test_a_multihead_attention_subclass_with_its_own_forward_is_left_as_written():
+    """The routing hook gave every ``nn.MultiheadAttention`` a ``need_weights`` keyword, so a
+    subclass whose forward takes only ``x`` raised ``TypeError: forward() got an unexpected keyword
+    argument 'need_weights'`` (a probe's finding). Such a site is left as written now, and said so."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), SelfAttention(32, 4, batch_first=True), nn.Linear(32, 1))
+    x = torch.randn(2, 5, 16)
+    want = model(x).square().mean()
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    got = model(x).square().mean()
+    assert torch.equal(got, want)
+    att = vb.get_report()["models"][0]["features"]["attention"]
+    assert att["chosen"] == "as written" and "own forward" in att["reason"], att
+
+
+def test_copies_of_a_routed_multihead_attention_act_as_plain_pytorch():
+    """A copy of a routed ``nn.MultiheadAttention`` (``copy.deepcopy``, ``torch.save`` of the whole
+    module) carried the routing hook for good: after ``disable()`` it still returned ``None``
+    weights (a probe's finding). The hook acts only for the module the switch routed itself."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    q = torch.randn(2, 10, 32)
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    mha.to("cpu")
+    assert mha(q, q, q)[1] is None
+    twin = copy.deepcopy(mha)
+    buf = io.BytesIO()
+    torch.save(mha, buf)
+    vb.disable()
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    for m in (mha, twin, loaded):
+        out, w = m(q, q, q)
+        assert w is not None and w.shape == (2, 10, 10)
+
+
 def test_hugging_face_eager_attention_is_switched_and_restored():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2,
@@ -132,12 +178,38 @@ def test_hugging_face_eager_attention_is_switched_and_restored():
     model = transformers.GPT2LMHeadModel(cfg).eval()
     x = torch.randint(0, 256, (1, 16))
     ref = model(x).logits
+    ref_attentions = model(x, output_attentions=True).attentions
     vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
     model.to("cpu")
     assert model.config._attn_implementation == "sdpa"
     torch.testing.assert_close(model(x).logits, ref, atol=1e-4, rtol=1e-4)
+    # a call asking for the attention weights runs eagerly: SDPA returns none (they were lost)
+    got = model(x, output_attentions=True).attentions
+    assert len(got) == len(ref_attentions) == 1
+    torch.testing.assert_close(got[0], ref_attentions[0], atol=1e-5, rtol=1e-5)
+    assert model.config._attn_implementation == "sdpa"  # and the next call is fused again
     vb.disable()
     assert model.config._attn_implementation == "eager"
+
+
+def test_a_hugging_face_model_adopted_at_its_first_call_is_switched_after_it():
+    """Adopted inside its first forward, the model was switched to SDPA during that call: a first
+    call asking for the attention weights got none. It is switched after the call now."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2,
+                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    x = torch.randint(0, 256, (1, 16))
+    want = model(x, output_attentions=True).attentions
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
+    got = model(x, output_attentions=True).attentions
+    assert len(got) == 2 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
+    assert model.config._attn_implementation == "sdpa"
+    import copy
+    twin = copy.deepcopy(model)  # a copy made while routed goes back to eager at its first call after disable()
+    vb.disable()
+    assert model.config._attn_implementation == "eager"
+    assert len(twin(x, output_attentions=True).attentions) == 2 and twin.config._attn_implementation == "eager"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")

@@ -62,5 +62,5 @@ class AttentionStep(FeatureStep):
         return Decision(self.name, req, "sdpa", why, tried, act=True, plan=eager)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
-        routed = route_to_sdpa(decision.plan, patches)
+        routed = route_to_sdpa(decision.plan, patches, in_call=ctx.trigger == "first forward")
         return decision.amend(reason=f"{decision.reason}; routed {len(routed)} site(s): {', '.join(routed)}")

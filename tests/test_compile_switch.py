@@ -116,6 +116,19 @@ def test_balanced_rewrites_hand_written_attention_and_judges_it_against_eager():
     assert gradient_hooks(m) == 0  # the trial's timing hooks went with its verdict (they piled up: 64 per weight)
 
 
+def test_a_model_adopted_at_its_first_forward_climbs_the_ladder():
+    """A model never moved with ``.to()`` is adopted inside its first forward, where the ladder's
+    pre-hook, added during that call, does not run: the first optimizer step then concluded
+    ``eager`` ("trained only inside code the script compiles itself") for a script that compiles
+    nothing, and no rung was ever tried (a probe's finding). The adopting call counts now."""
+    vb.enable("balanced", **FAST_TRIAL)
+    m = model()
+    train(m, 3)
+    compile_ = vb.get_report()["models"][0]["features"]["compile"]
+    assert compile_["chosen"] == "on trial", compile_
+    assert "compiles itself" not in compile_["reason"]
+
+
 def gradient_hooks(m):
     """Hooks on the parameters' gradients (the trial's timer puts its backward marks there)."""
     return sum(len(p._backward_hooks or {}) for p in m.parameters())

@@ -333,6 +333,19 @@ class CompileLadder:
             self._tls.use = True
         return None
 
+    def first_call(self, module: nn.Module) -> None:
+        """The call that adopted the model, already under way with the model's own forward when
+        the ladder was attached (PyTorch does not run hooks added during a call): a training call
+        outside compiled code, as :meth:`_pre` would have counted it. Without it, a model adopted
+        at its first forward and trained one call per step was concluded ``eager`` at its first
+        optimizer step as "trained only inside code the script compiles itself" (a probe's finding,
+        2026-11-27): no rung was ever tried."""
+        if torch.compiler.is_compiling() or self.state == "done":
+            return
+        if torch.is_grad_enabled() and module.training and not self._uncompiled:
+            self._uncompiled = True
+            self._drop_step_hook()
+
     def _post(self, module: nn.Module, args: tuple, output) -> None:
         sample = getattr(self._tls, "sample", None)
         timer = self._timer

@@ -142,6 +142,7 @@ class CompileStep(FeatureStep):
 
         ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope)
         ladder.attach(patches)
+        ctx.on_first_call(lambda module, args, kwargs: ladder.first_call(module))
         self.ladders = [r for r in self.ladders if r() is not None] + [weakref.ref(ladder)]
         return decision.amend(details={"timeline": ladder.timeline})
 

@@ -146,6 +146,25 @@ def test_a_multihead_attention_subclass_with_its_own_forward_is_left_as_written(
     assert att["chosen"] == "as written" and "own forward" in att["reason"], att
 
 
+def test_the_attention_of_torch_transformer_layers_gets_no_hook_and_keeps_the_fast_path():
+    """``nn.TransformerEncoderLayer`` calls its attention with ``need_weights=False`` already; the
+    routing hook on it did nothing useful and turned off the layer's inference fast path (eval
+    outputs differed from plain PyTorch by up to 4.8e-7: a probe's finding)."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = model(x)
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", compile="off", banner=False)
+    with torch.no_grad():
+        got = model(x)
+        assert torch.equal(got, want) and torch.equal(model(x), want)
+    assert all(not m._forward_pre_hooks for m in model.modules() if isinstance(m, nn.MultiheadAttention))
+    att = vb.get_report()["models"][0]["features"]["attention"]
+    assert att["chosen"] == "as written" and "already fused: 2" in att["reason"], att
+
+
 def test_copies_of_a_routed_multihead_attention_act_as_plain_pytorch():
     """A copy of a routed ``nn.MultiheadAttention`` (``copy.deepcopy``, ``torch.save`` of the whole
     module) carried the routing hook for good: after ``disable()`` it still returned ``None``

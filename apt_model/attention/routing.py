@@ -3,7 +3,9 @@
 Three kinds of target are recognized:
 
 * ``nn.MultiheadAttention`` (not a subclass with a ``forward`` of its own, whose signature may not
-  take ``need_weights``) — its forward takes the SDPA path only with ``need_weights=False``;
+  take ``need_weights``, nor the attention of torch's ``TransformerEncoderLayer`` /
+  ``TransformerDecoderLayer``, which pass ``need_weights=False`` themselves and whose inference
+  fast path a hook would turn off) — its forward takes the SDPA path only with ``need_weights=False``;
   torch's default is ``True`` (the slow explicit softmax). A forward pre-hook makes ``False`` the
   default **when the caller does not pass ``need_weights``**; the returned weights are then
   ``None``. A caller that passes ``need_weights=True`` still gets the weights.
@@ -98,6 +100,11 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
     """All attention sites in ``model`` (including ``model`` itself)."""
     targets: list[AttentionTarget] = []
     hf_roots: list[str] = []
+    # the attention of torch's Transformer layers: they call it with need_weights=False already, and
+    # a hook on it would turn off the layers' inference fast path (found by a probe, 2026-11-27)
+    in_layers = {id(getattr(mod, attr)) for mod in model.modules()
+                 if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
+                 for attr in ("self_attn", "multihead_attn") if isinstance(getattr(mod, attr, None), nn.Module)}
     for name, mod in model.named_modules():
         hf_impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
         if hf_impl is not None and hasattr(mod, "set_attn_implementation"):
@@ -110,7 +117,9 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
             targets.append(AttentionTarget(name, "hf", mod, state))
         elif isinstance(mod, nn.MultiheadAttention):
             routed = mod in _ROUTED
-            if type(mod).forward is not nn.MultiheadAttention.forward:
+            if id(mod) in in_layers:
+                state = "sdpa"  # called with need_weights=False by its layer
+            elif type(mod).forward is not nn.MultiheadAttention.forward:
                 # a subclass with a forward of its own: its signature is not torch's, so the hook's
                 # need_weights keyword could reach a forward that does not take it (a TypeError)
                 state = "own forward"

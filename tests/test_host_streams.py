@@ -990,6 +990,40 @@ def test_a_copy_up_the_device_reports_failed_raises_at_unpack_instead_of_returni
         off.close()
 
 
+def test_a_dropped_activation_stays_counted_while_a_copy_still_holds_its_device_memory(tmp_path, fake):
+    """A saved activation autograd dropped while backward's read-ahead was copying it up from the
+    host level left the offloader's books at once, though the copy still held the new device
+    memory until it ran (a review's finding: level 0 under-counted). It stays counted until the
+    copy completed."""
+    import gc
+
+    from apt_model.activations.offload import ActivationOffloader
+
+    n = 64 << 10
+    fake.after = 1
+    off = ActivationOffloader(2 * n, SwapSpace(tmp_path), "cpu", min_bytes=1024, host_budget=64 * n,
+                              host_pin=False, prefetch_bytes=3 * n)
+    try:
+        probe = off.pack(torch.randn(128, 128))  # packed first: its unpack reads nothing ahead
+        handles = [off.pack(torch.randn(128, 128)) for _ in range(8)]
+        fake.complete_all()  # the copies down have run ...
+        fake.after = None  # ... and from now on copies complete only when the test says so
+        off.unpack(handles[-1])  # backward's read-ahead starts copies up of the ones packed before it
+        nbytes = sum(h.nbytes for h in handles if h.state == "loading")
+        assert nbytes >= 2 * n
+        del handles  # autograd lets go of them (a graph dropped)
+        gc.collect()
+        off.unpack(probe)  # a hook: the dropped handles are cleaned up
+        assert off.resident_bytes >= nbytes + probe.nbytes, (off.resident_bytes, nbytes)
+        fake.complete_all()
+        off.unpack(probe)
+        assert off.resident_bytes == probe.nbytes
+    finally:
+        fake.complete_all()
+        off.close()
+    assert fake.violations == []
+
+
 def test_a_host_level_full_of_copies_down_waits_for_one_instead_of_keeping_the_activation(tmp_path, fake):
     """With the device behind the host, the offloader's host level filled with copies down not yet
     complete; the next offload found nothing to spill, counted the activation as too big for the

@@ -187,6 +187,8 @@ class ActivationOffloader:
         self._on_host: dict[int, weakref.ref] = {}
         self._segments: dict = {}  # seq -> its host segment (also while a copy uses it)
         self._seg_copy: dict[int, device_streams.CopyEvent] = {}  # seq -> the copy in flight on its segment
+        # dropped handles whose device memory a copy in flight still holds: counted until it completed
+        self._draining: dict[int, device_streams.CopyEvent] = {}
         #: side streams of the copies down to the host level and up from it (None: synchronous, the CPU)
         self.down, self.up = device_streams.copy_streams(self.device) if self.host is not None else (None, None)
         self.resident_bytes = 0
@@ -274,7 +276,13 @@ class ActivationOffloader:
     def _forget(self, seq: int, key: str) -> None:
         """The autograd graph dropped a handle: release what it held (memory, host slab, file)."""
         with self._lock:
-            self._unhold(seq)
+            event = self._seg_copy.get(seq)
+            if event is not None and not event.done():
+                # its copy down (reading the tensor) or up (writing a new one) still holds that device
+                # memory: it stays counted until the copy completed (before, the books fell short by it)
+                self._draining[seq] = event
+            else:
+                self._unhold(seq)
             self._evictable.pop(seq, None)
             self._writing.pop(seq, None)
             self._by_seq.pop(seq, None)
@@ -309,6 +317,15 @@ class ActivationOffloader:
         """Drop the tensors whose copies below have landed (the write threads never free memory)."""
         if self.host is not None:
             self.host.reclaim()
+        running: set[int] = set()  # a stream seen with a copy running: its later copies are running too
+        for seq, event in list(self._draining.items()):
+            if id(event.stream) in running:
+                continue
+            if not event.done():
+                running.add(id(event.stream))
+                continue
+            del self._draining[seq]
+            self._unhold(seq)
         down_running = False  # a copy down seen running: the later ones (same stream, issued later) are too
         for seq, h in list(self._writing.items()):
             if h.future is None or (h.segment is not None and down_running):

@@ -235,14 +235,17 @@ def test_no_timing_hook_is_left_on_the_parameters_after_the_verdict_or_the_undo(
         patches = PatchSet()
         hooks = attach_autocast(m, "cpu", torch.bfloat16, patches, trial=SpeedTrial(calls=4, settle_max=8))
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
-        m(x)  # a timed training call awaiting its backward
-        assert _gradient_hooks(m) == 4  # one per parameter
+        out = m(x)  # a timed training call awaiting its backward
+        pending = hooks.timer._pending
+        assert pending is not None and pending.handles
+        assert _gradient_hooks(m) == 0  # since 2026-11-27 the timer hooks the output's graph only
         if undo:
             patches.restore_all()
         else:
             _step(m, opt, x, backward_thread=False)  # withdraws the first, times and finishes its own
-        assert _gradient_hooks(m) == 0
+        assert _gradient_hooks(m) == 0 and pending.handles == [] and hooks.timer._pending is None
         assert hooks.trial.running
+        del out
 
 
 def test_a_backward_finishing_after_the_undo_records_nothing():
@@ -400,3 +403,82 @@ def test_device_events_are_recorded_on_the_models_own_device(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "current_stream", lambda device=None: streams_of[torch.device(device).index])
     EventClock(torch.device("cuda", 1)).mark()
     assert recorded == ["stream of cuda:1"]
+
+
+def test_a_setting_allowed_to_be_slower_is_kept_when_within_its_allowance():
+    """``min_speedup`` below 1 allows the setting to be that much slower; the clear-win rule still
+    asked for "on" strictly faster, so it could never be kept (and the verdict said the timings
+    overlapped: a probe's finding)."""
+    t = SpeedTrial(calls=8, min_speedup=0.5, settle_window=2)
+    assert _drive(t, lambda k: 1.5, lambda k: 1.0) is True and t.summary()["clear"] is True
+    t = SpeedTrial(calls=8, min_speedup=0.5, settle_window=2)
+    assert _drive(t, lambda k: 2.5, lambda k: 1.0) is False
+
+
+def test_the_trial_decides_with_autograd_grad_a_no_grad_call_and_checkpointing_in_the_loop():
+    """Three loops that kept a trial from deciding or crashed it (a probe's findings):
+    ``torch.autograd.grad`` over the parameters raised "A leaf node was passed to
+    _will_engine_execute_node" (the timer's hook on the parameters); a ``no_grad`` call between a
+    forward and its backward withdrew the timed call every step, so bf16 ran on trial for good;
+    the whole model under ``torch.utils.checkpoint`` withdrew it at the recomputation. A
+    recomputation now runs the variant of the call it recomputes (checkpoint's metadata check)."""
+    from torch.utils.checkpoint import checkpoint
+
+    x = torch.randn(8, 32)
+    for loop in ("autograd.grad", "no_grad target", "checkpoint"):
+        m, hooks, verdicts = _mlp_hooks()
+        params = list(m.parameters())
+        budget = hooks.trial.settle_max + 2 * (hooks.trial.calls + hooks.trial.calls) + hooks.max_lag + 4
+        for step in range(budget):
+            if not hooks.trial.running:
+                break
+            if loop == "autograd.grad":
+                grads = torch.autograd.grad(F.mse_loss(m(x).float(), x), params)
+                assert all(g is not None for g in grads)
+            elif loop == "no_grad target":
+                pred = m(x)
+                with torch.no_grad():
+                    target = m(x * 0.5)
+                F.mse_loss(pred.float(), target.float()).backward()
+            else:
+                F.mse_loss(checkpoint(m, x, use_reentrant=False).float(), x).backward()
+        assert not hooks.trial.running and len(verdicts) == 1, (loop, hooks.trial.phase, hooks.trial.index)
+        assert "gave_up" not in verdicts[0][1]
+
+
+def test_a_trial_that_cannot_time_any_call_gives_up_and_leaves_the_setting_off():
+    """Training-mode calls whose backward never comes (each withdrawn by the next) recorded nothing,
+    and the trial ran, with the setting on, for good. It gives up after four times the calls it
+    needs, and the setting is off."""
+    from apt_model.devices.call_timer import GIVE_UP_FACTOR
+
+    m, hooks, verdicts = _mlp_hooks()
+    x = torch.randn(8, 32)
+    limit = GIVE_UP_FACTOR * hooks.trial.needed()
+    for _ in range(limit + 1):
+        m(x)
+    assert not hooks.trial.running and hooks.active is False
+    (keep, summary), = verdicts
+    assert keep is False and f"no verdict after {limit} timed training calls" in summary["gave_up"]
+
+
+def test_a_model_cast_to_half_after_adoption_runs_as_written():
+    """The switch decided on fp32 parameters at ``.to()``; ``model.half()`` after it kept
+    autocast, which computed the fp16 model in bf16 and returned fp32 (a probe's finding). The
+    script manages precision then: its calls run as written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    plain.load_state_dict(model.state_dict())
+    plain.half()
+    x = torch.randn(4, 16, dtype=torch.float16)
+    vb.enable("balanced", mixed_precision="bf16", compile="off", banner=False)
+    try:
+        model.to("cpu")
+        assert vb.get_report()["models"][0]["features"]["mixed_precision"]["chosen"] == "bf16"
+        model.half()
+        out = model(x)
+        assert out.dtype == torch.float16 and torch.equal(out, plain(x))
+        assert model._vb_autocast.cast_by_script == torch.float16 and model._vb_autocast.calls == 0
+    finally:
+        vb.disable()

@@ -427,6 +427,9 @@ class CompileLadder:
         """The trial's verdict (possibly on autograd's device thread). A closed timer gives none
         (:meth:`CallTimer.close`: the rung was left, or the switch disabled, meanwhile)."""
         rung = self.rungs[self.index]
+        if summary.get("gave_up"):
+            self._leave(f"the trial gave up: {summary['gave_up']}", outcome="not faster", trial=summary)
+            return
         timing = (f"{rung.name} {summary['on_ms']} ms vs eager {summary['off_ms']} ms per forward+backward "
                   f"(median of {summary['calls'] // 2} calls each): {summary['speedup']:.2f}x")
         if keep:

@@ -6,8 +6,21 @@ stalling the device.
 owner's forward pre-hook calls :meth:`CallTimer.begin` — which also says which variant this call
 runs (the :class:`~apt_model.devices.trial.SpeedTrial`'s ABBA schedule) — and its forward hook
 calls :meth:`CallTimer.end` with the output. A call is timed forward *and* backward: forward from
-``begin`` to ``end``, backward from the first gradient reaching the module's outputs to the last
-gradient reaching its trainable parameters (``torch.autograd.graph.register_multi_grad_hook``).
+``begin`` to ``end``, backward from the first gradient reaching the module's outputs
+(``torch.autograd.graph.register_multi_grad_hook``) to the end of that backward pass (a callback
+queued on autograd's engine then, as DDP does). Until 2026-11-27 the end was the last gradient
+reaching the module's parameters, a multi-grad hook on leaf tensors, which PyTorch refuses inside
+``torch.autograd.grad``: a gradient penalty or ``torch.func.grad`` over an adopted model raised
+"A leaf node was passed to _will_engine_execute_node" during a trial.
+
+* **Which calls are timed.** Training calls only: grad enabled, module in train mode, and not run
+  by a backward pass (activation checkpointing recomputing the forward). A call that is not timed
+  never withdraws the call awaiting its backward (an evaluation between a forward and its
+  backward, a target computed under ``no_grad``: before, each one withdrew it, so a loop with one
+  never recorded a sample and the trial never ended); a recomputation inside backward runs the
+  variant of the call it recomputes. A trial that has issued :data:`GIVE_UP_FACTOR` times the calls
+  it needs without deciding gives up (the variant under trial is not kept), so nothing stays on
+  trial for good.
 
 * **No thread-locals across forward and backward.** PyTorch's autograd engine runs backward for
   accelerator tensors on a per-device worker thread, not the thread that ran forward. The sample
@@ -37,15 +50,26 @@ from apt_model.devices.timing import clock_for
 from apt_model.devices.trial import SpeedTrial
 
 
+#: A trial gives up after issuing this many times the calls it needs (settling, timed, extended).
+GIVE_UP_FACTOR = 4
+
+
+def in_backward() -> bool:
+    """Whether the calling thread is running a backward pass (a module called there is being
+    recomputed by activation checkpointing)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class Sample:
     """The marks of one timed call: forward ``t0``..``t1``, backward ``b0``..``b1`` (``b0`` stays
-    None for a module without trainable parameters: forward only)."""
+    None for a module without trainable parameters: forward only); ``variant`` is what it ran."""
 
-    __slots__ = ("t0", "t1", "b0", "b1", "handles")
+    __slots__ = ("t0", "t1", "b0", "b1", "handles", "variant")
 
-    def __init__(self, t0: Any):
+    def __init__(self, t0: Any, variant: bool | None = None):
         self.t0, self.t1, self.b0, self.b1 = t0, None, None, None
         self.handles: list = []
+        self.variant = variant
 
     @property
     def end(self) -> Any:
@@ -90,6 +114,7 @@ class CallTimer:
         self.clock = clock
         self.clock_reason: str | None = None if clock is None else "given"
         self.verdict: bool | None = None
+        self.issued = 0  # timed calls issued (withdrawn ones too): the give-up count
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -127,15 +152,36 @@ class CallTimer:
         train mode) are timed."""
         if not self.trial.running or self._closed:
             return None, None
+        if not (torch.is_grad_enabled() and module.training) or in_backward():
+            with self._lock:
+                pending = self._pending
+            if self._measured:
+                self._resolve()
+            if in_backward() and pending is not None:
+                return pending.variant, None  # a recomputation runs what its call ran
+            return None, None
         self.settle()
-        if not (self.trial.running and torch.is_grad_enabled() and module.training):
+        if not self.trial.running:
+            return None, None
+        self.issued += 1
+        if self.issued > GIVE_UP_FACTOR * self.trial.needed():
+            self._give_up()
             return None, None
         use = self.trial.issue()
-        return use, Sample(self._clock().mark())
+        return use, Sample(self._clock().mark(), use)
+
+    def _give_up(self) -> None:
+        with self._lock:
+            summary = self.trial.give_up(f"no verdict after {self.issued - 1} timed training calls: their "
+                                         "backward passes could not be matched to them")
+            self.verdict = False
+        self.close()
+        if self.on_verdict is not None:
+            self.on_verdict(False, summary)
 
     def settle(self) -> None:
-        """At a call's start when the call itself is not timed: withdraw a call whose backward
-        never came, and read the samples whose events have completed."""
+        """At a training call's start: withdraw a call whose backward never came (a second call
+        site), and read the samples whose events have completed."""
         if self.trial.running:
             self._drop_pending()
             if self._measured:
@@ -216,27 +262,27 @@ class CallTimer:
         from torch.autograd.graph import register_multi_grad_hook
 
         outs = [t for t in output_tensors(output) if t.requires_grad]
-        params = [p for p in module.parameters() if p.requires_grad]
         if not outs:
             self.trial.cancel_last()  # nothing to differentiate: not a training call after all
             return
-        if not params:
+        if not any(p.requires_grad for p in module.parameters()):
             self._finish(sample)  # forward only
             return
         clock = self.clock
 
-        def backward_started(grads):
-            if sample.b0 is None:
-                sample.b0 = clock.mark()
-
-        def backward_done(grads):
+        def backward_done():
             with self._lock:
                 if self._pending is not sample or sample.b0 is None:
                     return
                 sample.b1 = clock.mark()
             self._finish(sample)
 
-        sample.handles = [register_multi_grad_hook(gradient_watch(outs), backward_started, mode="any"),
-                          register_multi_grad_hook(params, backward_done, mode="all")]
+        def backward_started(grads):
+            if sample.b0 is None:
+                sample.b0 = clock.mark()
+                # runs when this backward pass ends (on the engine, after its last node)
+                torch.autograd.Variable._execution_engine.queue_callback(backward_done)
+
+        sample.handles = [register_multi_grad_hook(gradient_watch(outs), backward_started, mode="any")]
         with self._lock:
             self._pending = sample

@@ -70,6 +70,7 @@ class SpeedTrial:
         self._settling: dict[bool, list[float]] = {True: [], False: []}
         self.samples: dict[bool, list[float]] = {True: [], False: []}
         self.verdict: bool | None = None if calls else True
+        self.gave_up: str | None = None  # why the trial ended without a clear verdict (give_up)
 
     @property
     def running(self) -> bool:
@@ -145,10 +146,24 @@ class SpeedTrial:
         return q[0], q[2]
 
     def clear(self) -> bool:
-        """Whether "on" wins without overlap: its 75th percentile below the 25th of "off"."""
+        """Whether "on" wins without overlap: its 75th percentile below the 25th of "off" — times
+        ``min_speedup`` where that is below 1 (a setting allowed to be that much slower; before
+        2026-11-27 such a setting could never be kept, and its verdict called the timings
+        overlapping)."""
         if not self.samples[True] or not self.samples[False]:
             return False
-        return self._quartiles(self.samples[True])[1] < self._quartiles(self.samples[False])[0]
+        allowance = min(1.0, self.min_speedup)
+        return self._quartiles(self.samples[True])[1] * allowance < self._quartiles(self.samples[False])[0]
+
+    def needed(self) -> int:
+        """Calls recorded at most before a verdict: settling, the timed calls, one extension."""
+        return self.settle_max + 2 * self.calls + 4
+
+    def give_up(self, reason: str) -> dict:
+        """End the trial without a clear verdict: the setting is not kept (``verdict`` False).
+        Returns :meth:`summary` with ``gave_up`` set to ``reason``."""
+        self.verdict, self.phase, self.gave_up = False, "done", reason
+        return self.summary()
 
     def summary(self) -> dict:
         on, off = self.samples[True], self.samples[False]
@@ -161,4 +176,5 @@ class SpeedTrial:
             "min_speedup": self.min_speedup,
             "clear": self.clear(),
             "extended": self.extended,
+            **({"gave_up": self.gave_up} if self.gave_up else {}),
         }

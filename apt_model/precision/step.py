@@ -79,7 +79,9 @@ class PrecisionStep(FeatureStep):
                           f"cannot rule it in; the full-size run did not fit the probe's time budget)")
             return Decision(self.name, req, "fp32", f"bf16 autocast off: probe {slower} fp32 on {dev} "
                             f"(threshold {cfg.autocast_min_speedup:.2f}x){note}", tried)
-        why = f"bf16 autocast {ratio:.2f}x faster than fp32 on {dev}{note}"
+        why = (f"bf16 autocast {ratio:.2f}x faster than fp32 on {dev}{note}" if ratio >= 1 else
+               f"bf16 autocast {1 / ratio:.2f}x slower than fp32 on {dev}, within the autocast_min_speedup "
+               f"threshold {cfg.autocast_min_speedup:.2f}x{note}")
         trial = SpeedTrial(cfg.autocast_trial_calls, cfg.autocast_trial_min_speedup)
         if trial.running:
             why += (f"; on trial: the model's first training calls alternate autocast on/off; once step "
@@ -98,6 +100,9 @@ class PrecisionStep(FeatureStep):
         return decision
 
     def _verdict(self, want: str, keep: bool, summary: dict) -> Decision:
+        if summary.get("gave_up"):
+            return Decision(self.name, "auto", "fp32", f"turned off: the trial on this model gave up ({summary['gave_up']}), "
+                            "so the script's own precision is kept", details={"trial": summary})
         timing = (f"{want} {summary['on_ms']} ms vs fp32 {summary['off_ms']} ms per forward+backward, median of "
                   f"{summary['calls'] // 2} calls each after {summary['settle_calls']} settling calls: "
                   f"{summary['speedup']:.2f}x")
@@ -106,6 +111,8 @@ class PrecisionStep(FeatureStep):
         elif summary["speedup"] >= summary["min_speedup"]:
             why = (f"turned off after the trial on this model: {timing}, but the timings overlap "
                    "(no clear win even after extending the trial), so the script's own precision is kept")
+            if summary["min_speedup"] < 1:
+                why = why.replace("the timings overlap", f"its slower calls overlap the {summary['min_speedup']:.2f}x allowance")
         else:
             why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
         return Decision(self.name, "auto", want if keep else "fp32", why, details={"trial": summary})

@@ -128,3 +128,31 @@ def test_copies_of_an_autocast_model_run_as_written():
             assert torch.equal(c(x).logits, c.body(x))  # the copies run as written, in fp32
     finally:
         patches.restore_all()
+
+
+class KwOut(dict):
+    """A mapping whose ``__init__`` takes no positional argument."""
+
+    def __init__(self, *, logits=None):
+        super().__init__(logits=logits)
+
+
+def test_containers_accelerate_cannot_rebuild_or_does_not_walk_come_back_fp32():
+    """accelerate rebuilds a mapping with ``type(m)(dict)``: a ``defaultdict`` output raised
+    ``TypeError: first argument must be callable or None``, and a mapping class with a keyword-only
+    ``__init__`` raised too; ``deque`` and ``SimpleNamespace`` outputs came back bf16 (a probe's
+    findings). All are converted now, in copies of their own type."""
+    import collections
+    import types
+
+    a = torch.ones(2, dtype=torch.bfloat16)
+    dd = collections.defaultdict(list, {"logits": a})
+    got = to_fp32(dd)
+    assert type(got) is collections.defaultdict and got.default_factory is list and got["logits"].dtype == torch.float32
+    kw = to_fp32(KwOut(logits=a))
+    assert type(kw) is KwOut and kw["logits"].dtype == torch.float32
+    ns = to_fp32(types.SimpleNamespace(logits=a, n=3))
+    assert type(ns) is types.SimpleNamespace and ns.logits.dtype == torch.float32 and ns.n == 3
+    dq = to_fp32(collections.deque([a, 1], maxlen=5))
+    assert type(dq) is collections.deque and dq[0].dtype == torch.float32 and dq[1] == 1 and dq.maxlen == 5
+    assert dd["logits"] is a and KwOut(logits=a)["logits"].dtype == torch.bfloat16  # the originals unchanged

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+import types
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -40,20 +41,41 @@ def output_tensors(output: Any, _depth: int = 0) -> list[torch.Tensor]:
 
 def to_fp32(output: Any, _depth: int = 0) -> Any:
     """``output`` with its fp16/bf16 floating tensors converted to fp32: accelerate's
-    ``convert_to_fp32`` (tensors, sequences, mappings, named tuples), then the fields of dataclass
-    instances, in a shallow copy (the model's own object is not modified; a frozen dataclass too)."""
+    ``convert_to_fp32`` (tensors, sequences, mappings, named tuples), then every container
+    ``torch.utils._pytree`` walks (``deque``, ``defaultdict``...), the fields of dataclass instances
+    and the attributes of a ``types.SimpleNamespace``, and the items of a mapping neither library
+    walks — each in a shallow copy (the model's own object is not modified; a frozen dataclass too).
+
+    Where accelerate cannot rebuild a mapping (it calls ``type(m)(dict)``: a ``defaultdict`` or a
+    mapping class whose ``__init__`` takes other arguments raised ``TypeError`` until 2026-11-27),
+    the walk above does it alone; ``deque`` and ``SimpleNamespace`` outputs came back in bf16."""
     from accelerate.utils.operations import convert_to_fp32
 
     def leaf(x):
-        if not _plain_dataclass(x) or _depth >= MAX_DEPTH:
+        if isinstance(x, torch.Tensor):
+            return x.float() if x.is_floating_point() and x.dtype in (torch.float16, torch.bfloat16) else x
+        if _depth >= MAX_DEPTH:
             return x
-        new = copy.copy(x)
-        for f in dataclasses.fields(x):
-            if hasattr(x, f.name):
-                object.__setattr__(new, f.name, to_fp32(getattr(x, f.name), _depth + 1))
-        return new
+        if _plain_dataclass(x):
+            new = copy.copy(x)
+            for f in dataclasses.fields(x):
+                if hasattr(x, f.name):
+                    object.__setattr__(new, f.name, to_fp32(getattr(x, f.name), _depth + 1))
+            return new
+        if isinstance(x, types.SimpleNamespace):
+            return types.SimpleNamespace(**{k: to_fp32(v, _depth + 1) for k, v in vars(x).items()})
+        if isinstance(x, MutableMapping):  # a mapping type the pytree does not know
+            new = copy.copy(x)
+            for k in list(new.keys()):
+                new[k] = to_fp32(x[k], _depth + 1)
+            return new
+        return x
 
-    return tree_map(leaf, convert_to_fp32(output))
+    try:
+        converted = convert_to_fp32(output)
+    except TypeError:
+        converted = output  # a mapping accelerate cannot rebuild: the walk below converts it
+    return tree_map(leaf, converted)
 
 
 def gradient_watch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

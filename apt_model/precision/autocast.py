@@ -4,14 +4,14 @@ A forward pre-hook enters ``torch.autocast(device_type, dtype)``; a forward hook
 runs (also when forward raises) leaves it and converts floating outputs back to fp32
 (:func:`~apt_model.base.outputs.to_fp32`: accelerate's ``convert_to_fp32``, and dataclass fields), so a loss computed outside the model sees fp32 logits as in
 the user's plain script. If autocast is already active when the model is called, the user is
-managing precision: the hooks do nothing for that call. Backward needs no autocast: its ops
+managing precision: the hooks do nothing for that call; so too when the model's parameters are no
+longer fp32 (the script cast it after adoption, e.g. ``model.half()``). Backward needs no autocast: its ops
 follow the dtypes chosen in forward (PyTorch AMP docs, "Autocasting").
 
 With a :class:`~apt_model.devices.trial.SpeedTrial`, the first training calls (grad enabled,
 module in train mode) alternate autocast on/off and are timed forward *and* backward: forward
 from the pre-hook to the forward hook, backward from the first gradient reaching the model's
-outputs to the last gradient reaching its trainable parameters
-(``torch.autograd.graph.register_multi_grad_hook``). Forward alone would mislead: on CPUs bf16
+outputs to the end of that backward pass (:mod:`apt_model.devices.call_timer`). Forward alone would mislead: on CPUs bf16
 can halve a small model's forward yet slow its backward. When the trial ends, autocast stays on
 only if it was faster on this very model, and ``on_verdict`` is told either way.
 
@@ -27,10 +27,22 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.forward_scope import ForwardScopes
+from apt_model.base.log import get_logger
 from apt_model.base.outputs import to_fp32
 from apt_model.devices.call_timer import CallTimer
 from apt_model.devices.trial import SpeedTrial
 from apt_model.base.patches import PatchSet
+
+log = get_logger(__name__)
+
+
+def _cast_by_script(module: nn.Module) -> torch.dtype | None:
+    """The dtype of ``module``'s first floating parameter when it is not fp32 (the script cast the
+    model after adoption, e.g. ``model.half()`` after ``model.to(device)``), else None."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return None if p.dtype == torch.float32 else p.dtype
+    return None
 
 
 class AutocastHooks:
@@ -71,6 +83,9 @@ class AutocastHooks:
         self.on_verdict = on_verdict
         self.active = True
         self.calls = 0
+        #: the parameters' dtype when the script cast the model away from fp32 after adoption (its
+        #: calls then run as written: autocast would compute an fp16 model in bf16, and return fp32)
+        self.cast_by_script: torch.dtype | None = None
         self._max_lag = max_lag
         self.timer = CallTimer(trial, self._verdict, self.device, clock, max_lag) if trial is not None else None
         self._init_runtime()
@@ -118,7 +133,12 @@ class AutocastHooks:
     def pre(self, module: nn.Module, args: tuple) -> None:
         timer = self.timer
         self._scopes.unwind()  # calls an interrupt ended without the forward hook: their autocast is left
-        if not self.active or torch.is_autocast_enabled(self.device_type):
+        cast = _cast_by_script(module) if self.active else None
+        if cast is not None and cast != self.cast_by_script:
+            self.cast_by_script = cast
+            log.info("the model's parameters are %s now (cast after adoption): the script manages precision, "
+                     "autocast is left off for its calls", str(cast).replace("torch.", ""))
+        if not self.active or cast is not None or torch.is_autocast_enabled(self.device_type):
             if timer is not None:
                 timer.settle()
             self._scopes.push(None)  # off, or the caller manages precision: leave it alone

@@ -189,48 +189,6 @@ def test_copies_of_a_routed_multihead_attention_act_as_plain_pytorch():
         assert w is not None and w.shape == (2, 10, 10)
 
 
-def test_hugging_face_eager_attention_is_switched_and_restored():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=1, n_head=2,
-                                  bos_token_id=0, eos_token_id=0)
-    cfg._attn_implementation = "eager"
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    x = torch.randint(0, 256, (1, 16))
-    ref = model(x).logits
-    ref_attentions = model(x, output_attentions=True).attentions
-    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
-    model.to("cpu")
-    assert model.config._attn_implementation == "sdpa"
-    torch.testing.assert_close(model(x).logits, ref, atol=1e-4, rtol=1e-4)
-    # a call asking for the attention weights runs eagerly: SDPA returns none (they were lost)
-    got = model(x, output_attentions=True).attentions
-    assert len(got) == len(ref_attentions) == 1
-    torch.testing.assert_close(got[0], ref_attentions[0], atol=1e-5, rtol=1e-5)
-    assert model.config._attn_implementation == "sdpa"  # and the next call is fused again
-    vb.disable()
-    assert model.config._attn_implementation == "eager"
-
-
-def test_a_hugging_face_model_adopted_at_its_first_call_is_switched_after_it():
-    """Adopted inside its first forward, the model was switched to SDPA during that call: a first
-    call asking for the attention weights got none. It is switched after the call now."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(vocab_size=256, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-                                  bos_token_id=0, eos_token_id=0, attn_implementation="eager")
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    x = torch.randint(0, 256, (1, 16))
-    want = model(x, output_attentions=True).attentions
-    vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
-    got = model(x, output_attentions=True).attentions
-    assert len(got) == 2 and all(torch.allclose(a, b, atol=1e-6) for a, b in zip(got, want))
-    assert model.config._attn_implementation == "sdpa"
-    import copy
-    twin = copy.deepcopy(model)  # a copy made while routed goes back to eager at its first call after disable()
-    vb.disable()
-    assert model.config._attn_implementation == "eager"
-    assert len(twin(x, output_attentions=True).attentions) == 2 and twin.config._attn_implementation == "eager"
-
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")
 def test_cuda_calls_go_to_the_selected_device_and_stop_after_disable():
     vb.enable("balanced", banner=False)

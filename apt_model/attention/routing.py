@@ -9,11 +9,13 @@ Three kinds of target are recognized:
   torch's default is ``True`` (the slow explicit softmax). A forward pre-hook makes ``False`` the
   default **when the caller does not pass ``need_weights``**; the returned weights are then
   ``None``. A caller that passes ``need_weights=True`` still gets the weights.
-* Hugging Face ``PreTrainedModel`` whose ``config._attn_implementation`` is ``"eager"`` and that
-  supports SDPA — switched with ``model.set_attn_implementation("sdpa")``. A call that asks for
-  the attention weights (``output_attentions=True``, or ``config.output_attentions``) runs with
-  ``"eager"`` (put back for that call and switched again after it): SDPA returns none, and a
-  model set to eager explicitly is often set so for them.
+* Hugging Face ``PreTrainedModel``: reported (``sdpa`` is already fused), never switched. Where
+  a model supports SDPA, Hugging Face's default is already ``"sdpa"``; ``"eager"`` there is the
+  script's choice — often for ``output_attentions``, which SDPA does not return — and is left as
+  chosen. (Until 2026-11-27 the switch set such models to ``"sdpa"``: their attentions came back
+  empty, and switching a model's implementation between a forward and its backward made
+  activation checkpointing recompute with the other one — a ``CheckpointError``, or with
+  attention dropout silently different gradients.)
 * Any module that declares ``supported_attn_implementations`` containing ``"sdpa"`` and has an
   ``attn_implementation`` attribute (the project's :class:`CausalSelfAttention`, or the user's).
 
@@ -22,8 +24,7 @@ Every change goes through a :class:`~apt_model.base.patches.PatchSet`, so it is 
 ``copy.deepcopy(model)`` keep working on an adopted model (loading such a pickle needs apt_model
 importable: the hooks are its functions). A copy's hooks act only for modules the switch routed
 itself (:data:`_ROUTED`): an ``nn.MultiheadAttention`` copied while the switch is on returns
-weights as plain PyTorch does, and a copied Hugging Face model goes back to ``"eager"`` at its
-first call after ``disable()`` (before 2026-11-27 copies stayed routed for good).
+weights as plain PyTorch does (before 2026-11-27 copies stayed routed for good).
 """
 from __future__ import annotations
 
@@ -48,8 +49,6 @@ class AttentionTarget:
 
 #: The modules routed by the switch and not yet restored (copies of them are not in it).
 _ROUTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-#: Marks a Hugging Face model the switch set to ``"sdpa"`` from ``"eager"`` (copied with it).
-_HF_WAS_EAGER = "_vb_attn_was_eager"
 
 
 def _mha_default_no_weights(module: nn.MultiheadAttention, args: tuple, kwargs: dict):
@@ -60,39 +59,6 @@ def _mha_default_no_weights(module: nn.MultiheadAttention, args: tuple, kwargs: 
         kwargs = dict(kwargs)
         kwargs["need_weights"] = False
         return args, kwargs
-    return None
-
-
-def _hf_wants_attentions(module: nn.Module, kwargs: dict) -> bool:
-    want = kwargs.get("output_attentions")
-    if want is None:
-        want = getattr(getattr(module, "config", None), "output_attentions", False)
-    return bool(want)
-
-
-def _hf_pre(module: nn.Module, args: tuple, kwargs: dict):
-    """Forward pre-hook of a routed Hugging Face model: a call that asks for attention weights
-    runs eagerly; a copy of a routed model, once the original is no longer routed, goes back to
-    eager for good."""
-    if not module.__dict__.get(_HF_WAS_EAGER):
-        return None
-    if module not in _ROUTED:
-        if module.config._attn_implementation == "sdpa":
-            module.set_attn_implementation("eager")
-        module.__dict__.pop(_HF_WAS_EAGER, None)
-        return None
-    if _hf_wants_attentions(module, kwargs) and module.config._attn_implementation == "sdpa":
-        module.set_attn_implementation("eager")
-        module.__dict__["_vb_eager_call"] = module.__dict__.get("_vb_eager_call", 0) + 1
-    return None
-
-
-def _hf_post(module: nn.Module, args: tuple, kwargs: dict, output):
-    """Forward hook (always called): back to SDPA after a call :func:`_hf_pre` ran eagerly."""
-    if module.__dict__.get("_vb_eager_call"):
-        module.__dict__["_vb_eager_call"] -= 1
-        if not module.__dict__["_vb_eager_call"] and module in _ROUTED:
-            module.set_attn_implementation("sdpa")
     return None
 
 
@@ -112,8 +78,8 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
                 continue  # set_attn_implementation on the outer model covers its sub-models
             hf_roots.append(name)
             state = str(hf_impl)
-            if hf_impl == "eager" and not getattr(mod, "_supports_sdpa", False):
-                state = "eager-only"
+            if hf_impl == "eager":
+                state = "eager, chosen by the script" if getattr(mod, "_supports_sdpa", False) else "eager-only"
             targets.append(AttentionTarget(name, "hf", mod, state))
         elif isinstance(mod, nn.MultiheadAttention):
             routed = mod in _ROUTED
@@ -131,13 +97,8 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
     return targets
 
 
-def route_to_sdpa(targets: list[AttentionTarget], patches: PatchSet, in_call: bool = False) -> list[str]:
+def route_to_sdpa(targets: list[AttentionTarget], patches: PatchSet) -> list[str]:
     """Switch every ``eager`` target to SDPA, recording undo actions in ``patches``.
-
-    ``in_call``: the model was adopted inside its first forward. A Hugging Face model is then
-    switched after that call (by :func:`_hf_post`): switched during it, the call already under way
-    ran with SDPA and without the pre-hook, so a first call asking for the attention weights got
-    none.
 
     Returns:
         Descriptions of what was routed (``"mha:encoder.layers.0.self_attn"``...).
@@ -146,20 +107,7 @@ def route_to_sdpa(targets: list[AttentionTarget], patches: PatchSet, in_call: bo
     for t in targets:
         if t.state != "eager":
             continue
-        if t.kind == "hf":
-            label = t.name or "model"
-            if in_call:
-                t.module.__dict__["_vb_eager_call"] = t.module.__dict__.get("_vb_eager_call", 0) + 1
-            else:
-                t.module.set_attn_implementation("sdpa")
-            patches.add_undo(lambda m=t.module: m.set_attn_implementation("eager"), f"hf attn_implementation {label}")
-            _mark_routed(t.module, patches, label)
-            patches.set_attr(t.module, _HF_WAS_EAGER, True, label=f"hf routed marker {label}")
-            patches.add_handle(t.module.register_forward_pre_hook(_hf_pre, with_kwargs=True),
-                               f"hf output_attentions hook {label}")
-            patches.add_handle(t.module.register_forward_hook(_hf_post, with_kwargs=True, always_call=True),
-                               f"hf output_attentions hook (after) {label}")
-        elif t.kind == "mha":
+        if t.kind == "mha":
             handle = t.module.register_forward_pre_hook(_mha_default_no_weights, with_kwargs=True)
             _mark_routed(t.module, patches, t.name)
             patches.add_handle(handle, f"mha need_weights hook {t.name}")

@@ -33,11 +33,11 @@ class AttentionStep(FeatureStep):
         if not eager:
             fused = [t for t in targets if t.state == "sdpa"]
             why = (f"already fused: {len(fused)} attention site(s) use SDPA" if fused else
-                   "nothing to route: no nn.MultiheadAttention, Hugging Face eager attention, or "
+                   "nothing to route: no nn.MultiheadAttention or "
                    "module declaring supported_attn_implementations")
             stuck = [t for t in targets if t.state not in ("eager", "sdpa")]
             if stuck:
-                why += f"; {len(stuck)} site(s) cannot use SDPA ({', '.join(sorted({t.state for t in stuck}))})"
+                why += f"; {len(stuck)} site(s) left as they are ({', '.join(sorted({t.state for t in stuck}))})"
             return Decision(self.name, req, "as written", why)
         support = ctx.support()
         dev = ctx.record.device
@@ -62,5 +62,5 @@ class AttentionStep(FeatureStep):
         return Decision(self.name, req, "sdpa", why, tried, act=True, plan=eager)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
-        routed = route_to_sdpa(decision.plan, patches, in_call=ctx.trigger == "first forward")
+        routed = route_to_sdpa(decision.plan, patches)
         return decision.amend(reason=f"{decision.reason}; routed {len(routed)} site(s): {', '.join(routed)}")

@@ -867,3 +867,72 @@ def test_a_deep_copy_of_a_checkpointed_model_is_freed_once_dropped(tmp_path, cpu
     finally:
         vb.disable()
     assert "forward" not in vars(m.blocks[0])  # the class's forward again
+
+
+def test_a_model_adopted_at_its_first_forward_is_measured_and_offloaded_from_that_forward(tmp_path):
+    """Adopted inside its first forward (never moved with ``.to()``), the hooks the activation
+    steps add were not run for that call: the budget policy measured 0 bytes and checkpointed
+    nothing, and the first step - often the peak - offloaded nothing (a probe's findings)."""
+    m = gpt(layers=6)
+    vb.enable("memory", swap_dir=str(tmp_path), checkpoint_policy="budget", activation_budget="1MB",
+              activation_offload=False, **PLAIN)
+    run(m, steps=1)
+    rep = vb.get_report()["activations"]
+    assert rep["models"][0]["measured"]["total"] > 1_000_000 and rep["models"][0]["checkpointed"]
+    vb.disable()
+    m = gpt(layers=6)
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="16KB", offload_min_bytes=1024, **PLAIN)
+    run(m, steps=1)
+    offload = vb.get_report()["activations"]["offload"]
+    assert offload["packed"] > 0 and offload["offloaded_bytes"] > 0
+
+
+def test_the_scripts_own_checkpoint_around_the_model_recomputes_the_first_call_exactly(tmp_path):
+    """``torch.utils.checkpoint(model, x, use_reentrant=False)`` around a model whose blocks the
+    switch checkpoints: the recomputation of the first call took the later calls' path, which saves
+    other tensors (``CheckpointError: ... different metadata``: a probe's finding). Bitwise now."""
+    from torch.utils.checkpoint import checkpoint
+
+    def train(switch):
+        m = gpt(layers=2, seq=32)
+        if switch:
+            vb.enable("memory", swap_dir=str(tmp_path), activation_budget="16KB", offload_min_bytes=1024, **PLAIN)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        torch.manual_seed(1)
+        out = []
+        try:
+            for _ in range(2):
+                x = torch.randint(0, 256, (2, 32), generator=gen)
+                loss = F.cross_entropy(checkpoint(m, x, use_reentrant=False).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+                opt.zero_grad()
+                loss.backward()
+                out.append((loss.item(), [p.grad.clone() for p in m.parameters()]))
+                opt.step()
+            if switch:
+                assert vb.get_report()["activations"]["models"][0]["checkpointed"]
+        finally:
+            if switch:
+                vb.disable()
+        return out
+
+    for (la, ga), (lb, gb) in zip(train(False), train(True)):
+        assert la == lb and all(torch.equal(a, b) for a, b in zip(ga, gb))
+
+
+def test_a_backward_after_disable_reads_its_offloaded_activations_back(tmp_path):
+    """``with vb.enabled(...): loss = model(x)`` then ``loss.backward()`` outside: the offloader
+    had shut its I/O threads and the swap files were gone ("cannot schedule new futures after
+    shutdown": a probe's finding). ``disable()`` brings a live graph's activations back first."""
+    m, ref = gpt(layers=2), gpt(layers=2)
+    x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(5)
+    F.cross_entropy(ref(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)).backward()
+    with vb.enabled("memory", swap_dir=str(tmp_path), activation_budget="16KB", offload_min_bytes=1024,
+                    activation_checkpointing=False, **PLAIN):
+        m.to("cpu")
+        torch.manual_seed(5)
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
+        assert vb.get_report()["activations"]["offload"]["offloaded_bytes"] > 0
+    loss.backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(m.parameters(), ref.parameters()))

@@ -115,6 +115,14 @@ def in_function_transform() -> bool:
     return peek is not None and peek() is not None
 
 
+def in_enclosing_checkpoint() -> bool:
+    """Whether the calling code runs inside a non-reentrant ``torch.utils.checkpoint`` region of
+    the script's own — its forward or its recomputation in backward — as the innermost saved-tensor
+    hooks show (PyTorch keeps no other record of it)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
+
+
 def running_stats_layers(module: nn.Module) -> list[nn.Module]:
     """The layers in ``module`` whose training forward updates running statistics in place: batch
     norm and instance norm with ``track_running_stats`` (buffers ``running_mean`` /
@@ -278,8 +286,12 @@ class CheckpointedForward:
         # inside functional_call (MAML's inner loop, hypernetworks) a recomputation in backward would
         # run after the call put the module's own parameters back, and use those: wrong gradients
         # (found 2026-11-27: up to 0.03 off). Such a call runs uncheckpointed.
+        # inside a checkpoint of the script's own (around the model, say) the block runs as written,
+        # in the forward and in its recomputation alike: the enclosing checkpoint frees its
+        # activations already, and a recomputation must save what the forward saved - this call's
+        # path changes after the first call (found 2026-11-27: CheckpointError at the first backward)
         if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
-                or functional_call.swapped(self.module):
+                or functional_call.swapped(self.module) or in_enclosing_checkpoint():
             return self.forward(*args, **kwargs)
         self.calls += 1
         named = self._buffers()

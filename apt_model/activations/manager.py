@@ -16,6 +16,7 @@ stops the offloader's I/O threads.
 """
 from __future__ import annotations
 
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -180,13 +181,16 @@ class ActivationManager:
                f"{blocks.kind} blocks in {blocks.name or 'the model'} recompute their activations in backward")
         return Decision(feature, req, f"{len(indices)}/{n} blocks", why, act=True, plan=("blocks", blocks, indices))
 
-    def apply_checkpointing(self, model: nn.Module, rec, decision: Decision, record_later) -> Decision:
+    def apply_checkpointing(self, model: nn.Module, rec, decision: Decision, record_later,
+                            on_first_call: Callable | None = None) -> Decision:
         """Apply :meth:`decide_checkpointing`'s plan; ``record_later(decision)`` records the budget
-        policy's choice after the first training forward."""
+        policy's choice after the first training forward; ``on_first_call(fn)`` (the adoption
+        context's) runs ``fn(module, args, kwargs)`` for the call that adopted the model, when it
+        is under way (PyTorch does not run the hooks added during a call for that call)."""
         kind, blocks, arg = decision.plan
         record = self.record_for(rec)
         if kind == "measure":
-            self._measure_then_choose(model, blocks, arg, record, record_later)
+            self._measure_then_choose(model, blocks, arg, record, record_later, on_first_call)
             return decision
         how = apply_to_blocks(model, blocks, arg, self.patches)
         if how == "script":
@@ -197,7 +201,7 @@ class ActivationManager:
         record["checkpointed"] = [f"{blocks.name}.{i}" for i in arg]
         return decision.amend(reason=f"{decision.reason} ({_HOW[how]})")
 
-    def _measure_then_choose(self, model, blocks, budget, record, record_later) -> None:
+    def _measure_then_choose(self, model, blocks, budget, record, record_later, on_first_call=None) -> None:
         meter = BlockMeter(blocks)
         handles = []
         for i, block in enumerate(blocks.modules):
@@ -236,6 +240,8 @@ class ActivationManager:
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(root_pre)), "checkpoint meter pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(root_post), always_call=True),
                                 "checkpoint meter hook")
+        if on_first_call is not None:  # adopted inside its first forward: measure that one (it measured 0 B)
+            on_first_call(lambda module, args, kwargs: root_pre(module, args))
         for h in handles:
             self.patches.add_handle(h, "checkpoint meter block hook")
 
@@ -249,8 +255,10 @@ class ActivationManager:
             return Decision("activation_offload", req, "off", "no VGPU stack (swap dir) in this session")
         return Decision("activation_offload", req, "on", "offload requested", act=True)
 
-    def apply_offload(self, model: nn.Module, rec, decision: Decision) -> Decision:
-        """Wrap the model's forward in saved-tensor hooks going to its device's offloader."""
+    def apply_offload(self, model: nn.Module, rec, decision: Decision,
+                      on_first_call: Callable | None = None) -> Decision:
+        """Wrap the model's forward in saved-tensor hooks going to its device's offloader
+        (``on_first_call`` as for :meth:`apply_checkpointing`: the adopting call is offloaded too)."""
         off = self._offloader(torch.device(rec.device))
         hooks = _SavedTensorHooks(off.pack, off.unpack, defer_to_outer=True)
         key = id(model)
@@ -263,6 +271,8 @@ class ActivationManager:
         self.patches.add_undo(lambda: off.module_storages.pop(key, None), "offload: the model's buffers")
         self.patches.add_handle(model.register_forward_pre_hook(SessionHook(enter)), "offload pre-hook")
         self.patches.add_handle(model.register_forward_hook(SessionHook(hooks.leave), always_call=True), "offload hook")
+        if on_first_call is not None:
+            on_first_call(lambda module, args, kwargs: enter(module, args))
         self.patches.add_undo(hooks.unwind, "offload hooks an interrupted forward left entered")
         target = ("the host level (pinned), spilling to the swap files" if off.host is not None
                   else f"the swap files in {self.stack.swap.folder}")

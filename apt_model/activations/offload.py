@@ -550,6 +550,10 @@ class ActivationOffloader:
             if h.tensor._version != h.copy_version:
                 raise _modified(h, h.version + h.tensor._version - h.copy_version)
             return h.tensor
+        if self.closed:
+            raise RuntimeError(
+                f"saved activation {h.key} ({h.nbytes} bytes, shape {tuple(h.shape)}) was offloaded when the switch was "
+                "disabled and could not be brought back then (see the log): run backward before vb.disable()")
         if h.state in (HOST, LOADING):
             if h.state == HOST:  # not prefetched
                 self._start_host_load(h)
@@ -613,7 +617,11 @@ class ActivationOffloader:
                 ahead += h.nbytes
 
     def close(self) -> None:
-        """Stop the I/O threads (handles still alive keep working from memory or raise).
+        """Bring the activations of graphs still alive back into memory, then stop the I/O threads
+        (the swap files and the host level go with the switch's session: a backward run after
+        ``disable()``, as in ``with vb.enabled(...): loss = model(x)`` followed by
+        ``loss.backward()``, failed with "cannot schedule new futures after shutdown" until
+        2026-11-27). One that cannot be brought back raises a clear error at its unpack.
 
         Raises:
             SwapTimeoutError: an I/O thread did not finish its queued jobs within the wait limit.
@@ -622,8 +630,28 @@ class ActivationOffloader:
             with self._lock:
                 self._drain_forgotten()
                 self._let_copies_complete()
+                self._bring_back_live()
             self.closed = True
             self.io.close()
+
+    def _bring_back_live(self) -> None:
+        """Load every live handle whose bytes are below memory (see :meth:`close`); logs the bytes."""
+        back, failed = 0, []
+        for ref in list(self._by_seq.values()):
+            h = ref()
+            if h is None or (h.state == RESIDENT and h.tensor is not None):
+                continue
+            try:
+                self._load(h)
+                back += h.nbytes
+            except Exception as err:  # noqa: BLE001 - reported at its unpack (and logged here)
+                failed.append(f"{h.key}: {err}")
+        if back:
+            log.info("activation offload closing: %d bytes of saved activations of graphs still alive were brought "
+                     "back into memory for their backward", back)
+        if failed:
+            log.warning("activation offload closing: %d saved activation(s) of graphs still alive could not be brought "
+                        "back (their backward will raise): %s", len(failed), "; ".join(failed[:3]))
 
     def _let_copies_complete(self) -> None:
         """Wait (all within one wait limit) for the copies to and from the host level still in

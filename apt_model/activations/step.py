@@ -37,7 +37,7 @@ class CheckpointStep(FeatureStep):
         return self.manager.decide_checkpointing(model, ctx.record)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
-        return self.manager.apply_checkpointing(model, ctx.record, decision, ctx.record_later)
+        return self.manager.apply_checkpointing(model, ctx.record, decision, ctx.record_later, ctx.on_first_call)
 
     def report(self) -> dict:
         return self.manager.report()
@@ -56,4 +56,4 @@ class OffloadStep(FeatureStep):
         return self.manager.decide_offload(ctx.record)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
-        return self.manager.apply_offload(model, ctx.record, decision)
+        return self.manager.apply_offload(model, ctx.record, decision, ctx.on_first_call)

@@ -482,3 +482,22 @@ def test_a_model_cast_to_half_after_adoption_runs_as_written():
         assert model._vb_autocast.cast_by_script == torch.float16 and model._vb_autocast.calls == 0
     finally:
         vb.disable()
+
+
+def test_a_recomputation_after_the_verdict_runs_what_its_forward_ran():
+    """The whole model under ``torch.utils.checkpoint``: a verdict that comes between a forward and
+    its backward (at an evaluation call, which reads the finished samples) turned autocast off, and
+    the recomputation in backward then ran in fp32 what its forward had run in bf16 - tensors of
+    another dtype, a CheckpointError. A recomputation runs what its forward ran."""
+    from torch.utils.checkpoint import checkpoint
+
+    m, hooks, verdicts = _mlp_hooks(settle_max=4, calls=4)
+    x = torch.randn(8, 32)
+    out = checkpoint(m, x, use_reentrant=False)  # the trial's first call runs with autocast on
+    assert out.dtype == torch.float32 and hooks.calls == 1
+    hooks.timer.close()
+    hooks._verdict(False, {})  # the verdict, off, before this forward's backward
+    F.mse_loss(out, x).backward()
+    assert all(p.grad is not None for p in m.parameters()) and hooks.active is False
+    with torch.no_grad():
+        assert m(x).dtype == torch.float32 and hooks.calls == 1  # and later calls run without it

@@ -2,8 +2,8 @@
 
 Attribute replacements (class methods such as ``nn.Module.to``, or per-module attributes) are
 recorded with their previous value — or with "was absent", in which case restoring deletes the
-attribute. Hook handles are removed. Other undo actions (``set_attn_implementation`` back to
-``eager``) are registered as callables. Restoration runs in reverse order.
+attribute. Hook handles are removed. Other undo actions (a registry entry removed, a model's checkpointing
+switched back) are registered as callables. Restoration runs in reverse order.
 
 An undo action registered as *critical* (the paging session's: it brings the user's tensors back)
 does not just get logged when it fails: every other action is still undone, then its error is

@@ -29,7 +29,7 @@ import torch.nn as nn
 from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import to_fp32
-from apt_model.devices.call_timer import CallTimer
+from apt_model.devices.call_timer import CallTimer, in_backward
 from apt_model.devices.trial import SpeedTrial
 from apt_model.base.patches import PatchSet
 
@@ -86,6 +86,10 @@ class AutocastHooks:
         #: the parameters' dtype when the script cast the model away from fp32 after adoption (its
         #: calls then run as written: autocast would compute an fp16 model in bf16, and return fp32)
         self.cast_by_script: torch.dtype | None = None
+        # whether the latest training call outside backward ran under autocast: a recomputation
+        # of it in backward (activation checkpointing) must run the same (a verdict may have come
+        # in between: the recomputation would save tensors of other dtypes, a CheckpointError)
+        self._last_use: bool | None = None
         self._max_lag = max_lag
         self.timer = CallTimer(trial, self._verdict, self.device, clock, max_lag) if trial is not None else None
         self._init_runtime()
@@ -133,6 +137,13 @@ class AutocastHooks:
     def pre(self, module: nn.Module, args: tuple) -> None:
         timer = self.timer
         self._scopes.unwind()  # calls an interrupt ended without the forward hook: their autocast is left
+        if self._last_use is not None and in_backward() and not torch.is_autocast_enabled(self.device_type):
+            ctx = torch.autocast(self.device_type, dtype=self.dtype) if self._last_use else None
+            if ctx is not None:
+                ctx.__enter__()
+            self._scopes.push(ctx, None)
+            return None
+        training = torch.is_grad_enabled() and module.training and not in_backward()
         cast = _cast_by_script(module) if self.active else None
         if cast is not None and cast != self.cast_by_script:
             self.cast_by_script = cast
@@ -141,6 +152,8 @@ class AutocastHooks:
         if not self.active or cast is not None or torch.is_autocast_enabled(self.device_type):
             if timer is not None:
                 timer.settle()
+            if training:
+                self._last_use = False
             self._scopes.push(None)  # off, or the caller manages precision: leave it alone
             return None
         use, sample = True, None
@@ -148,6 +161,8 @@ class AutocastHooks:
             variant, sample = timer.begin(module)
             if variant is not None:
                 use = variant
+        if training:
+            self._last_use = use
         ctx = torch.autocast(self.device_type, dtype=self.dtype) if use else None
         if ctx is not None:
             ctx.__enter__()

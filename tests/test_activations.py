@@ -936,3 +936,15 @@ def test_a_backward_after_disable_reads_its_offloaded_activations_back(tmp_path)
         assert vb.get_report()["activations"]["offload"]["offloaded_bytes"] > 0
     loss.backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(m.parameters(), ref.parameters()))
+
+
+def test_a_layer_instance_shared_across_depth_is_reported_as_such(tmp_path):
+    """``nn.ModuleList([block] * 4)`` (ALBERT-style sharing) is not checkpointed; the reason said
+    "no repeated blocks found", which misled (a probe's observation)."""
+    torch.manual_seed(0)
+    block = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ModuleList([block] * 4))
+    vb.enable("balanced", checkpointing=True, **PLAIN)
+    model.to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+    assert feature["chosen"] == "off" and "1 repeats one layer instance" in feature["reason"], feature

@@ -96,6 +96,18 @@ def find_blocks(model: nn.Module) -> Blocks | None:
     return best
 
 
+def shared_layer_list(model: nn.Module) -> str | None:
+    """The name of an ``nn.ModuleList``/``Sequential`` whose >= 2 entries are all one module
+    instance (a layer shared across depth, ALBERT-style), or None. :func:`find_blocks` does not
+    count those as repeated blocks (``children()`` yields the instance once)."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            entries = [m for m in mod._modules.values() if m is not None]
+            if len(entries) >= 2 and len({id(m) for m in entries}) == 1:
+                return name or "the model"
+    return None
+
+
 def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
     """The Hugging Face model that can switch checkpointing itself, or None."""
     for mod in model.modules():

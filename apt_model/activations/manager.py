@@ -30,6 +30,7 @@ from apt_model.activations.checkpoint import (
     find_blocks,
     in_function_transform,
     parse_policy,
+    shared_layer_list,
 )
 from apt_model.activations.offload import ActivationOffloader
 from apt_model.base.forward_scope import ForwardScopes
@@ -162,6 +163,10 @@ class ActivationManager:
             return Decision(feature, req, "off", "activation_checkpointing=off")
         blocks = find_blocks(model)
         if blocks is None:
+            shared = shared_layer_list(model)
+            if shared is not None:
+                return Decision(feature, req, "off", f"{shared} repeats one layer instance (weights shared across depth): "
+                                "not checkpointed in this version (blocks are distinct layers of one class)")
             return Decision(feature, req, "off",
                             "no repeated blocks found (an nn.ModuleList/Sequential of >= 2 layers of one class)")
         policy, k = parse_policy(self.config.checkpoint_policy)

@@ -948,3 +948,15 @@ def test_a_layer_instance_shared_across_depth_is_reported_as_such(tmp_path):
     model.to("cpu")
     feature = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
     assert feature["chosen"] == "off" and "1 repeats one layer instance" in feature["reason"], feature
+
+
+def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
+    """``print_stats`` had no offload line (the report had the figures: a probe's observation)."""
+    m = gpt(layers=2)
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="16KB", offload_min_bytes=1024, **PLAIN)
+    m.to("cpu")
+    run(m, steps=1)
+    off = vb.get_report()["activations"]["offload"]
+    vb.print_stats()
+    line = next(x for x in capsys.readouterr().out.splitlines() if "activation offload:" in x)
+    assert off["packed"] > 0 and f"{off['packed']} saved tensors" in line and f"{off['offloaded']} offloaded" in line

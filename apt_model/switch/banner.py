@@ -201,6 +201,13 @@ def format_stats(report: dict) -> str:
         phases = (levels[0].get("stall_s_by_phase") or {}) if levels else {}
         if any(phases.values()):
             lines.append("  level 0 stalled in: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))
+    off = (report.get("activations") or {}).get("offload") or {}
+    if off.get("packed"):
+        lines.append(f"  activation offload: {off['packed']} saved tensors ({_fmt_bytes(off.get('packed_bytes'))}), "
+                     f"{off.get('offloaded', 0)} offloaded ({_fmt_bytes(off.get('offloaded_bytes'))}, "
+                     f"{_fmt_bytes(off.get('to_disk_bytes'))} to the swap files), "
+                     f"{_fmt_bytes(off.get('loaded_bytes'))} read back, peak in memory "
+                     f"{_fmt_bytes(off.get('peak_resident'))}, stalled {off.get('stall_s', 0) or 0:.2f} s")
     sib = ((report.get("memory") or {}).get("paging") or {}).get("step_in_backward")
     if sib:
         where = {"armed": "inside backward", "pending": "inside backward",

@@ -317,13 +317,7 @@ class ActivationOffloader:
         """Drop the tensors whose copies below have landed (the write threads never free memory)."""
         if self.host is not None:
             self.host.reclaim()
-        running: set[int] = set()  # a stream seen with a copy running: its later copies are running too
-        for seq, event in list(self._draining.items()):
-            if id(event.stream) in running:
-                continue
-            if not event.done():
-                running.add(id(event.stream))
-                continue
+        for seq in device_streams.completed(list(self._draining.items())):
             del self._draining[seq]
             self._unhold(seq)
         down_running = False  # a copy down seen running: the later ones (same stream, issued later) are too

@@ -152,12 +152,13 @@ class CallTimer:
         train mode) are timed."""
         if not self.trial.running or self._closed:
             return None, None
-        if not (torch.is_grad_enabled() and module.training) or in_backward():
+        recomputing = in_backward()
+        if not (torch.is_grad_enabled() and module.training) or recomputing:
             with self._lock:
                 pending = self._pending
             if self._measured:
                 self._resolve()
-            if in_backward() and pending is not None:
+            if recomputing and pending is not None:
                 return pending.variant, None  # a recomputation runs what its call ran
             return None, None
         self.settle()

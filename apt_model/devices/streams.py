@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -345,6 +346,25 @@ def copy_stream(device: torch.device | str) -> CopyStream | None:
         log.info("%s: no copy stream (%s: %s); host<->device copies run synchronously", device,
                  type(err).__name__, err)
         return None
+
+
+def completed(events: Iterable[tuple[Any, CopyEvent]]) -> list[Any]:
+    """The keys of the ``(key, event)`` pairs whose copies completed, given in issue order per
+    stream: the device is asked about the oldest running copy of each stream only, since a later
+    copy of a stream seen running is running too (asking every copy in flight made a query per copy
+    per call: 10,000 for 200 writes over 50 calls). A pair out of issue order is at worst reported
+    a call later. Lone events (no stream) are each asked."""
+    running: set[int] = set()  # id() of the streams seen with a copy still running
+    done = []
+    for key, event in events:
+        stream = event.stream
+        if stream is not None and id(stream) in running:
+            continue
+        if event.done():
+            done.append(key)
+        elif stream is not None:
+            running.add(id(stream))
+    return done
 
 
 def copy_streams(device: torch.device | str) -> tuple[CopyStream | None, CopyStream | None]:

@@ -388,19 +388,10 @@ class HostStore:
 
     def _reclaim(self) -> None:
         """Forget the copies that completed; give their released segments back to the pool.
-        ``_copying`` is in issue order (:meth:`_track` re-inserts) and each stream completes its
-        copies in that order, so the device is asked about the oldest running copy of each stream
-        only: a later copy of a stream seen running is running too (asking every copy in flight
-        made a query per copy per call: 10,000 for 200 writes over 50 calls, the volume the H200's
-        profile had counted before the issue-order rule)."""
-        running: set[int] = set()  # id() of the streams seen with a copy still running
-        for sid, (seg, event) in list(self._copying.items()):
-            stream = id(event.stream)
-            if stream in running:
-                continue
-            if not event.done():
-                running.add(stream)
-                continue
+        ``_copying`` is in issue order (:meth:`_track` re-inserts), so the device is asked about
+        the oldest running copy of each stream only (:func:`~apt_model.devices.streams.completed`;
+        asking every copy was the volume the H200's profile had counted before the issue-order rule)."""
+        for sid in device_streams.completed((sid, event) for sid, (_, event) in self._copying.items()):
             del self._copying[sid]
         self.pool.reclaim()
 

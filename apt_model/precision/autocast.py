@@ -137,13 +137,14 @@ class AutocastHooks:
     def pre(self, module: nn.Module, args: tuple) -> None:
         timer = self.timer
         self._scopes.unwind()  # calls an interrupt ended without the forward hook: their autocast is left
-        if self._last_use is not None and in_backward() and not torch.is_autocast_enabled(self.device_type):
+        recomputing = in_backward()
+        if self._last_use is not None and recomputing and not torch.is_autocast_enabled(self.device_type):
             ctx = torch.autocast(self.device_type, dtype=self.dtype) if self._last_use else None
             if ctx is not None:
                 ctx.__enter__()
             self._scopes.push(ctx, None)
             return None
-        training = torch.is_grad_enabled() and module.training and not in_backward()
+        training = torch.is_grad_enabled() and module.training and not recomputing
         cast = _cast_by_script(module) if self.active else None
         if cast is not None and cast != self.cast_by_script:
             self.cast_by_script = cast

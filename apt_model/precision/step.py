@@ -109,10 +109,10 @@ class PrecisionStep(FeatureStep):
         if keep:
             why = f"kept after the trial on this model: {timing} (>= {summary['min_speedup']:.2f}x, clear win)"
         elif summary["speedup"] >= summary["min_speedup"]:
-            why = (f"turned off after the trial on this model: {timing}, but the timings overlap "
+            overlap = ("the timings overlap" if summary["min_speedup"] >= 1 else
+                       f"its slower calls overlap the {summary['min_speedup']:.2f}x allowance")
+            why = (f"turned off after the trial on this model: {timing}, but {overlap} "
                    "(no clear win even after extending the trial), so the script's own precision is kept")
-            if summary["min_speedup"] < 1:
-                why = why.replace("the timings overlap", f"its slower calls overlap the {summary['min_speedup']:.2f}x allowance")
         else:
             why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
         return Decision(self.name, "auto", want if keep else "fp32", why, details={"trial": summary})

@@ -156,7 +156,7 @@ def test_memory_mode_on_an_eager_llama_adopted_at_its_first_forward_is_bitwise(t
         model.config.attention_dropout = 0.1
         model.train()
         if switch:
-            vb.enable("memory", swap_dir=str(tmp_path), paging="off", banner=False)
+            vb.enable("memory", swap_dir=str(tmp_path), paging="off", mixed_precision="off", banner=False)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         out = []
         try:

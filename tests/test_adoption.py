@@ -239,6 +239,23 @@ def test_user_autocast_is_respected():
     assert model._vb_autocast.calls == 0
 
 
+def test_an_explicit_autocast_off_is_respected():
+    # torch.autocast(enabled=False) is how a script keeps a section fp32 (a numerically sensitive
+    # evaluation, a loss): until 2026-11-28 the switch's hooks saw "autocast not on" and turned it on
+    model = tiny_gpt().eval()
+    x = torch.randint(0, 256, (1, 8))
+    ref = model(x)
+    vb.enable("balanced", mixed_precision="bf16", attention="off", compile="off", banner=False)
+    model.to("cpu")
+    with torch.autocast("cpu", enabled=False):
+        out = model(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # an inner "on" is the script's too
+            inner = model(x)
+    assert torch.equal(out, ref) and model._vb_autocast.calls == 0
+    assert inner.dtype == torch.bfloat16 and model._vb_autocast.calls == 0
+    assert not torch.equal(model(x), ref) and model._vb_autocast.calls == 1  # outside: the switch's bf16
+
+
 def test_adopted_model_pickles_and_deepcopies():
     model = tiny_gpt()
     vb.enable("balanced", attention="sdpa", mixed_precision="bf16", banner=False)

@@ -124,6 +124,24 @@ def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
     assert mha(q, q, q)[1] is not None
 
 
+def test_a_bare_multihead_attention_adopted_at_its_first_call_keeps_returning_weights():
+    """Adopted inside its first call, a bare ``nn.MultiheadAttention`` returned weights from that
+    call (the hook cannot change its arguments) and ``None`` from every later one: a script that
+    used them broke at its second call. Such a model is left as written now, and said so."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(32, 4, batch_first=True)
+    q = torch.randn(2, 10, 32)
+    ref_out, ref_w = mha(q, q, q)
+    vb.enable("balanced", attention="sdpa", mixed_precision="off", compile="off", banner=False)
+    for _ in range(2):
+        out, w = mha(q, q, q)
+        assert w is not None and torch.equal(w, ref_w) and torch.equal(out, ref_out)
+    rec = vb.get_report()["models"][0]
+    assert rec["trigger"] == "first forward"
+    assert rec["features"]["attention"]["chosen"] == "as written"
+    assert "first call" in rec["features"]["attention"]["reason"]
+
+
 class SelfAttention(nn.MultiheadAttention):
     """A user's subclass with a forward of its own (its signature has no ``need_weights``)."""
 

@@ -4,6 +4,8 @@ Decision (per adopted model, from :func:`~apt_model.attention.routing.find_atten
 and the device's probes):
 
 * ``attention=off``, or no eager site (none found, or already on SDPA): ``as written``;
+* the model is itself an ``nn.MultiheadAttention`` adopted inside its first call: ``as written``
+  (that call returned attention weights; routing would make the later ones return ``None``);
 * SDPA runs on no backend for fp32 on the model's device: ``as written``, with the probe's errors;
 * ``auto``: the probe at the model's width must measure SDPA at least ``sdpa_min_speedup`` times
   as fast as hand-written attention; ``sdpa`` forces it. Then every eager site is routed
@@ -27,9 +29,17 @@ class AttentionStep(FeatureStep):
         cfg = ctx.config
         req = cfg.attention
         targets = find_attention_targets(model)
-        eager = [t for t in targets if t.state == "eager"]
         if req == "off":
             return Decision(self.name, req, "as written", "attention=off")
+        if ctx.trigger == "first forward" and any(t.name == "" and t.kind == "mha" for t in targets):
+            # a bare nn.MultiheadAttention adopted inside its first call: that call returns weights
+            # (the hook cannot change its arguments), so routing the later calls would change what
+            # the same call returns, weights then None (a probe's finding, 2026-11-27)
+            return Decision(self.name, req, "as written",
+                            "the model is an nn.MultiheadAttention adopted inside its first call, which returned "
+                            "attention weights: its later calls are left to return them too (move it with .to() "
+                            "or vb.adopt() it before calling it to have it routed)")
+        eager = [t for t in targets if t.state == "eager"]
         if not eager:
             fused = [t for t in targets if t.state == "sdpa"]
             why = (f"already fused: {len(fused)} attention site(s) use SDPA" if fused else

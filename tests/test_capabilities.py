@@ -87,9 +87,27 @@ def test_a_slow_candidate_is_stopped_early():
     t = probes.time_interleaved(fns, torch.device("cpu"), reps=5, abort_ratio=3.0, baseline="fast", clock=clock)
     assert len(t["fast"]) == 5 and len(t["close"]) == 5  # a close competitor is measured fully
     assert t["close"] == [pytest.approx(0.0025)] * 5 and t.stopped is None
-    assert calls["hopeless"] == 1 and len(t["hopeless"]) == 1  # 25x: only the warm-up ran
+    assert calls["hopeless"] == 2 and len(t["hopeless"]) == 1  # 25x: only the two warm-up runs ran
     assert calls["slow"] == 3 and len(t["slow"]) == 2  # 4x: warm-up + two rounds, then dropped
     assert set(t.dropped) == {"hopeless", "slow"} and "over 9x" in t.dropped["hopeless"]
+
+
+def test_a_candidate_whose_first_call_pays_a_one_time_cost_is_measured():
+    """oneDNN generates its bf16 kernels at their first use in a process: on a CPU with bf16 units
+    (AVX-512 BF16) the first bf16 call took 10x the fp32 one, the warm-up screen dropped bf16 as
+    hopeless and the probe cache kept "21.7x slower" for a dtype 1.2-1.9x faster there."""
+    clock = VirtualClock()
+    calls = {"fp32": 0, "bf16": 0}
+    fp32, steady = clock.work(0.002, calls, "fp32"), clock.work(0.0015, calls, "bf16")
+
+    def bf16():
+        if calls["bf16"] == 0:
+            clock.now += 0.05  # kernel generation at the first call
+        steady()
+
+    t = probes.time_interleaved({"fp32": fp32, "bf16": bf16}, torch.device("cpu"), reps=5, abort_ratio=3.0,
+                                 baseline="fp32", clock=clock)
+    assert not t.dropped and t["bf16"] == [pytest.approx(0.0015)] * 5 and calls["bf16"] == 7
 
 
 def test_timing_ends_when_decided_or_over_budget():

@@ -47,7 +47,9 @@ from apt_model.devices.settings import CACHE_DIR, PROBE_CACHE
 log = get_logger(__name__)
 
 #: Bump when a probe's method or its record format changes: older files are then stale.
-SCHEMA = 3  # 3: autocast probes pay their weight casts on every call (2026-11-27)
+SCHEMA = 4  # 3: autocast probes pay their weight casts on every call (2026-11-27); 4: a candidate's
+#            warm-up runs twice before the over-9x screen drops it (2026-11-28: a first bf16 call's
+#            kernel generation had a CPU with bf16 units cached as "21.7x slower")
 ENV_DIR = CACHE_DIR.env
 ENV_MODE = PROBE_CACHE.env
 _FORMAT = "apt_model probe cache"

@@ -170,6 +170,68 @@ def test_a_paged_model_is_not_compiled(tmp_path):
     assert feature["chosen"] == "eager" and "the model is paged" in feature["reason"]
 
 
+class _Backbone(nn.Module):
+    def __init__(self, d=32):
+        super().__init__()
+        self.e = nn.Embedding(64, d)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)) for _ in range(2))
+
+    def forward(self, x):
+        h = self.e(x)
+        for b in self.blocks:
+            h = h + b(h)
+        return h
+
+
+class _Classifier(nn.Module):
+    def __init__(self, backbone):
+        super().__init__()
+        self.bb, self.head = backbone, nn.Linear(32, 10)
+
+    def forward(self, x):
+        return self.head(self.bb(x).mean(1))
+
+
+@pytest.mark.parametrize("how", ["model.compile()", "torch.compile(wrapper of an adopted model)"])
+def test_a_model_under_autocast_compiled_by_the_script_trains(how):
+    """Dynamo traced the autocast hooks with the forward: the autocast entered by hand in the
+    pre-hook was only simulated, and the forward hook, run for real after a graph break, raised
+    ``AttributeError: 'autocast' object has no attribute 'prev'`` at the first call (a probe's
+    finding on a CPU where balanced mode keeps bf16). The hooks run eagerly now: the compiled
+    forward runs under the real autocast, with the losses of the same model not compiled."""
+    def run(compiled: bool):
+        torch.manual_seed(0)
+        vb.enable("balanced", mixed_precision="bf16", compile="off", attention="off", banner=False)
+        if how == "model.compile()":
+            model = _Classifier(_Backbone()).to("cpu")
+            if compiled:
+                model.compile(backend="eager")
+            call = model
+        else:
+            model = _Classifier(_Backbone().to("cpu"))  # the backbone is adopted, the wrapper compiled
+            call = torch.compile(model, backend="eager") if compiled else model
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            x = torch.randint(0, 64, (4, 16), generator=gen)
+            out = call(x)
+            assert out.dtype == torch.float32
+            loss = F.cross_entropy(out, x[:, 0] % 10)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        calls = vb.get_stats()["autocast_calls"]
+        vb.disable()
+        return losses, calls
+
+    eager_losses, eager_calls = run(False)
+    losses, calls = run(True)
+    assert calls == eager_calls == 3  # autocast really ran around every compiled call
+    assert losses == pytest.approx(eager_losses, rel=1e-3, abs=1e-4)
+
+
 @pytest.mark.parametrize("how", [pytest.param("model.compile()", marks=pytest.mark.slow),  # the suite's 15 minutes
                                  "torch.compile(model)", "block.compile()"])
 def test_a_model_the_script_compiles_itself_gets_no_rung(how):

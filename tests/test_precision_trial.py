@@ -113,7 +113,7 @@ def test_trial_keeps_autocast_when_it_wins():
     model.to("cpu")
     trial = model._vb_autocast.trial
     trial.clear = lambda: True  # a tie on this tiny model must count as a win for this check
-    _train(model, 60)
+    _train(model, 120)  # room beyond the at most 48 settling + 4 timed calls: once failed at 60 on a loaded machine
     assert not trial.running
     feat = vb.get_report()["models"][0]["features"]["mixed_precision"]
     assert feat["chosen"] == "bf16" and feat["reason"].startswith("kept after the trial")

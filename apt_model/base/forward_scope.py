@@ -12,6 +12,14 @@ saved tensors offloaded — until 2026-11-26.
 pre-hook first leaves the entries whose frame is gone (:meth:`ForwardScopes.unwind`), and the
 switch's ``disable()`` leaves whatever is left. Code the script runs between the interrupt and the
 model's next call still sees the context.
+
+Under compilation autocast's hooks run eagerly (:func:`eagerly`): Dynamo traces a module's hooks with
+its forward, and a context entered by hand in a traced pre-hook is only simulated there — the
+real autocast object never got its saved state, so the forward hook, run for real after a graph
+break, raised ``AttributeError: 'autocast' object has no attribute 'prev'`` (``model.compile()``
+on an adopted model, or a compiled wrapper of one, with bf16 autocast on: a probe's finding,
+2026-11-28). Run eagerly, the hook enters the real context before the compiled forward, whose
+graph is then traced and guarded under it.
 """
 from __future__ import annotations
 
@@ -22,7 +30,44 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from apt_model.base.post_import import when_imported
+
 _CALL_IMPL = nn.Module._call_impl.__code__
+
+
+def _call(fn: Callable, *args):
+    return fn(*args)
+
+
+#: ``[torch._dynamo.disable(_call)]`` once Dynamo is imported (importing it costs about a second:
+#: the switch never does so itself), else empty.
+_EAGER: list = []
+_watching = [False]
+
+
+def _dynamo_imported(dynamo) -> None:
+    if not _EAGER:
+        _EAGER.append(dynamo.disable(_call, reason="apt_model's autocast hooks enter and leave a context "
+                                     "by hand, which a trace cannot carry across the model's call"))
+
+
+def watch_compilation() -> None:
+    """Prepare :func:`eagerly` for compiled code: now if Dynamo is imported, else right after its
+    first import (:func:`~apt_model.base.post_import.when_imported`). Called when hooks that use
+    :func:`eagerly` are attached; idempotent."""
+    if not _watching[0]:
+        _watching[0] = True
+        when_imported("torch._dynamo", _dynamo_imported)
+
+
+def eagerly(fn: Callable, *args):
+    """``fn(*args)``; called from code Dynamo traces, the call is a graph break and runs eagerly
+    (``torch._dynamo.disable``), so the contexts ``fn`` enters or leaves are real ones (see the
+    module docstring). A ``fullgraph=True`` compile of a model with such hooks therefore raises
+    Dynamo's graph-break error instead of tracing them. Needs :func:`watch_compilation` first."""
+    if _EAGER and torch.compiler.is_compiling():
+        return _EAGER[0](fn, *args)
+    return fn(*args)
 
 
 def module_call_frame():

@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from apt_model.base.forward_scope import ForwardScopes
+from apt_model.base.forward_scope import ForwardScopes, eagerly, watch_compilation
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import to_fp32
 from apt_model.devices.call_timer import CallTimer, in_backward
@@ -110,6 +110,7 @@ class AutocastHooks:
         self._max_lag = max_lag
         self.timer = CallTimer(trial, self._verdict, self.device, clock, max_lag) if trial is not None else None
         self._init_runtime()
+        watch_compilation()
 
     # the trial's figures, read by tests and benchmarks
     trial = property(lambda self: self.timer.trial if self.timer is not None else None)
@@ -152,6 +153,14 @@ class AutocastHooks:
             self.on_verdict(keep, summary)
 
     def pre(self, module: nn.Module, args: tuple) -> None:
+        """The forward pre-hook (eagerly also under compilation: :func:`~apt_model.base.forward_scope.eagerly`)."""
+        return eagerly(self._pre, module, args)
+
+    def post(self, module: nn.Module, args: tuple, output):
+        """The forward hook, always called (eagerly also under compilation)."""
+        return eagerly(self._post, module, args, output)
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
         timer = self.timer
         self._scopes.unwind()  # calls an interrupt ended without the forward hook: their autocast is left
         recomputing = in_backward()
@@ -188,7 +197,7 @@ class AutocastHooks:
         self._scopes.push(ctx, sample)
         return None
 
-    def post(self, module: nn.Module, args: tuple, output):
+    def _post(self, module: nn.Module, args: tuple, output):
         entry = self._scopes.pop()
         if entry is None:
             return None

@@ -237,6 +237,43 @@ def test_a_model_that_is_never_moved_is_adopted_at_its_first_call():
     assert torch.equal(model(x), ref)  # plain fp32 again after disable
 
 
+@pytest.mark.parametrize("move", [False, True])
+def test_a_lazy_model_is_adopted_once_its_parameters_exist(move, tmp_path, cpu_device):
+    """``nn.LazyLinear`` gets its parameters in its first forward. Adoption counted them there and
+    raised "Attempted to use an uninitialized parameter" in every mode, and ``.to()`` of a lazy
+    module raised it through the switch's ``Tensor.to`` (a probe's finding). The model is adopted
+    at a later call now, as one model, and pages bitwise like plain training."""
+    def run(switch: bool):
+        torch.manual_seed(0)
+        if switch:
+            vb.enable("memory", swap_dir=str(tmp_path), paging="always", device_budget="16KB", mixed_precision="off",
+                      compile="off", attention="off", banner=False)
+        model = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 2))
+        if move:
+            model = model.to("cpu")
+        opt = None
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(4):
+            x = torch.randn(8, 5, generator=gen)
+            loss = model(x).square().mean()
+            if opt is None:  # the parameters exist after the first call
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        models = [(m["name"], m["trigger"]) for m in vb.get_report()["models"]] if switch else None
+        params = [p.detach().clone() for p in model.parameters()]
+        vb.disable()
+        return losses, params, models
+
+    want, want_params, _ = run(False)
+    got, got_params, models = run(True)
+    assert got == want and all(torch.equal(a, b) for a, b in zip(got_params, want_params))
+    assert models == [("Sequential", "first forward")], models
+
+
 def test_explicit_adoption_mode():
     model = tiny_gpt()
     vb.enable("balanced", adopt="explicit", mixed_precision="bf16", banner=False)

@@ -14,6 +14,7 @@ Adoption itself is in :mod:`apt_model.switch.adoption`; the decisions are in the
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import time
 import weakref
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
+from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -58,6 +60,9 @@ class _State:
         self.seen: weakref.WeakSet = weakref.WeakSet()
         self.checked_optimizers: weakref.WeakSet = weakref.WeakSet()  # checked for adopted parameters
         self.unadopted_once: weakref.WeakSet = weakref.WeakSet()  # stepped once over no adopted model's parameters
+        #: modules inside a model whose adoption waits for its lazy parameters (nn.LazyLinear...):
+        #: not adopted as models of their own meanwhile
+        self.lazy_parts: weakref.WeakSet = weakref.WeakSet()
         self.suspended = 0
         self.redirect_target: torch.device | None = None
         self.counters = {"cuda_redirects": 0, "adoptions": 0}
@@ -134,6 +139,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         st.seen = weakref.WeakSet()
         st.checked_optimizers = weakref.WeakSet()
         st.unadopted_once = weakref.WeakSet()
+        st.lazy_parts = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at = time.time()
         st.log.record("switch", "mode", mode or config.mode, config.mode,
@@ -565,11 +571,11 @@ def _install_patches(st: _State) -> None:
 
         def tensor_to(self, *args, **kwargs):
             args, kwargs = _redirect_args(args, kwargs)
-            return orig_tensor_to(self, *args, **kwargs)
+            return _call_to(orig_tensor_to, self, args, kwargs)
 
         def tensor_cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
             dev = _redirect_device(_as_cuda_device(device))
-            return orig_tensor_to(self, dev, non_blocking=non_blocking, memory_format=memory_format)
+            return _call_to(orig_tensor_to, self, (dev,), {"non_blocking": non_blocking, "memory_format": memory_format})
 
         st.patches.set_attr(torch.Tensor, "to", tensor_to, label="torch.Tensor.to")
         st.patches.set_attr(torch.Tensor, "cuda", tensor_cuda, label="torch.Tensor.cuda")
@@ -727,6 +733,20 @@ def _adopting_reachable(fn, compiled):
     return call
 
 
+def _call_to(orig_to, tensor: torch.Tensor, args: tuple, kwargs: dict):
+    """``orig_to(tensor, *args, **kwargs)``. An uninitialized (lazy) parameter allows only a list
+    of functions, checked by identity in its ``__torch_function__``, which is handed
+    ``torch.Tensor.to`` as it is now — this replacement — and raised; it is handed the original."""
+    if is_lazy(tensor):
+        return type(tensor).__torch_function__(orig_to, (type(tensor),), (tensor, *args), kwargs)
+    return orig_to(tensor, *args, **kwargs)
+
+
+def _has_lazy_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` still has uninitialized (lazy) parameters or buffers."""
+    return any(is_lazy(t) for t in itertools.chain(module.parameters(), module.buffers()))
+
+
 def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
     """Adopt ``module`` unless it was seen (or is internal, parameterless, on meta, a replica).
     Returns the adoption context (truthy) when it was adopted now, else False."""
@@ -760,6 +780,16 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             st.seen.add(module)
             return False
         if dev.type == "meta":  # not materialized yet; adopt when it is moved
+            return False
+        if module in st.lazy_parts:  # part of a lazy model adopted once its parameters exist
+            return False
+        if _has_lazy_tensors(module):
+            # nn.LazyLinear & co. get their parameters in their first forward: adopt at a later call
+            # or move (until 2026-11-28 adoption counted their parameters and raised "Attempted to
+            # use an uninitialized parameter", in every mode)
+            for m in module.modules():
+                if m is not module:
+                    st.lazy_parts.add(m)
             return False
         for m in module.modules():
             st.seen.add(m)

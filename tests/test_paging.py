@@ -2493,3 +2493,58 @@ def test_classic_spectral_norm_weights_are_paged(tmp_path, caplog, cpu_device):
     assert "share their memory" not in caplog.text, caplog.text
     assert got[2] > 0
     assert got[0] == plain[0] and all(torch.equal(a, b) for a, b in zip(got[1], plain[1]))
+
+
+_SHARED_GRADS_SCRIPT = '''
+import sys, torch, torch.nn as nn
+torch.set_num_threads(1)
+import apt_model.optimization.vb_global as vb
+class Joined(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(64, 16) * 0.1)
+        self.b = nn.Parameter(torch.randn(64, 16) * 0.1)
+        self.rows = nn.ParameterList(nn.Parameter(torch.randn(16) * 0.1) for _ in range(8))
+    def forward(self, x):
+        return (x @ torch.cat([self.a, self.b], 0)) @ torch.stack(list(self.rows), 0).t()
+def run(on, kind):
+    torch.manual_seed(0)
+    m = Joined() if kind == "joined" else nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    if kind == "flat":  # the gradients are views of one flat buffer the script keeps (apex style)
+        flat, o = torch.zeros(sum(p.numel() for p in m.parameters())), 0
+        for p in m.parameters():
+            p.grad = flat[o:o + p.numel()].view_as(p); o += p.numel()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    if on:
+        vb.enable("balanced", swap_dir=sys.argv[1], paging="always", device_budget="16KB", mixed_precision="off",
+                  compile="off", attention="off", banner=False)
+    m.to("cpu")
+    gen, losses = torch.Generator().manual_seed(1), []
+    for _ in range(3):
+        x = torch.randn(8, 128 if kind == "joined" else 16, generator=gen)
+        opt.zero_grad(set_to_none=kind != "flat"); loss = (m(x) ** 2).mean(); loss.backward(); opt.step()
+        losses.append(loss.item())
+    kept = vb.get_report()["memory"]["paging"]["shared_gradients"] if on else None
+    out = losses, [p.detach().clone() for p in m.parameters()], kept
+    if on:
+        vb.disable()
+    return out
+for kind in ("joined", "flat"):
+    a, b = run(False, kind), run(True, kind)
+    same = a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    print(kind, "SAME" if same else "DIFFERENT", len(b[2]))
+'''
+
+
+def test_gradients_that_share_memory_are_kept_resident_and_train_bitwise(tmp_path, cpu_device):
+    """Parameters joined by ``torch.cat``/``torch.stack`` in forward get gradients that are views
+    of one tensor, and a script may set ``.grad`` to views of one flat buffer (apex style). Paging
+    such a gradient freed the memory the others read: a segfault, or a ``SwapError`` (a probe's
+    finding). They are kept resident now; training is bitwise. In a subprocess: a crash must fail
+    this test, not end the session."""
+    from conftest import clean_env
+
+    proc = subprocess.run([sys.executable, "-c", _SHARED_GRADS_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=clean_env(), timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.split() == ["joined", "SAME", "10", "flat", "SAME", "4"], proc.stdout

@@ -23,7 +23,7 @@ from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
-from apt_model.memory.pages import Category, Page, State, live_page
+from apt_model.memory.pages import Category, Page, State, live_page, other_holders
 from apt_model.memory.paging import backward_hooks, compiled, threads
 from apt_model.memory.paging.backward_hooks import THREAD_FAULTS
 from apt_model.memory.paging.backward_step import BackwardStep
@@ -148,6 +148,8 @@ class PagingSession:
         self._saved_pinned: dict[int, Page] = {}  # saved by a graph where saved-tensor hooks are off: to the end of a backward
         self._callback_queued = False  # the end-of-backward callback is queued on the running backward
         self._accumulating: set[int] = set()  # id(param) whose gradient page the pre-accumulate hook pinned
+        #: labels of parameters whose gradient shares its memory with other tensors (kept resident)
+        self.shared_grads: set[str] = set()
         self._in_unit: dict[int, int] = {}  # id(page) -> forwards under way of units owning it
         # per thread: the units whose forward is under way (payload (unit, pages)), and the paged
         # models' outermost forwards; entries of calls an interrupt ended are let go (ForwardScopes)
@@ -632,6 +634,9 @@ class PagingSession:
         if page is None and not page_grad:
             self.backward_step.grad_landed(p)  # a gradient the plan keeps resident
             return
+        if page is None and other_holders(g):
+            self._keep_shared_grad(p, label)
+            return
         norm = self._norm(g)
         if page is None:
             page = self.pager.register(Category.GRAD, functools.partial(_grad_of, weakref.ref(p)), f"{label}:grad")
@@ -647,6 +652,21 @@ class PagingSession:
         page.cached_norm = norm  # set after release: the page is unpinned, its data final for now
         self.backward_step.grad_landed(p)
         self.pager.write_behind([page])
+
+    def _keep_shared_grad(self, p: nn.Parameter, label: str) -> None:
+        """``p.grad`` shares its memory with other tensors: the gradients of parameters joined by
+        ``torch.cat``/``torch.stack`` in forward (their backward hands each a view of one tensor,
+        which autograd keeps as ``.grad``), or views of one flat buffer the script set (apex and
+        DeepSpeed style, DDP's ``gradient_as_bucket_view``). A page frees its storage in place,
+        which the others then read: a segfault or a ``SwapError`` (a probe's finding, 2026-11-28).
+        Such a gradient is kept resident, not paged, and said once."""
+        if label not in self.shared_grads:
+            self.shared_grads.add(label)
+            log.warning("paging keeps the gradient of %s resident (not paged): other tensors share its memory — views "
+                        "of one gradient (parameters joined by torch.cat/torch.stack in forward) or of a flat buffer "
+                        "the script set as .grad; paging frees a tensor's memory in place, which those would then "
+                        "read", label)
+        self.backward_step.grad_landed(p)
 
     @staticmethod
     def _norm(g: torch.Tensor) -> torch.Tensor:
@@ -993,6 +1013,7 @@ class PagingSession:
             "models": [m.describe() for m in self.models],
             "models_released": self.released_models,
             "kept_resident": self.kept,
+            "shared_gradients": sorted(self.shared_grads),
             "optimizer_steps": self.optimizers.steps,
             "host_rss": self.host_rss_report(),
             "host_step": self.host_step.report() if self.host_step is not None else None,

@@ -51,12 +51,13 @@ def _penalty_loop(form, hooks=None):
     return loop
 
 
-def _both(tmp_path, loop, build=lambda: model(dropout=0.0), **enable):
+def _both(tmp_path, loop, build=lambda: model(dropout=0.0), move=True, **enable):
     ref_m, got_m = build(), build()
     ref_opt, got_opt = make_opt(ref_m, "adamw"), make_opt(got_m, "adamw")
     ref = loop(ref_m, ref_opt), snapshot(ref_m, ref_opt)
     vb.enable("balanced", swap_dir=str(tmp_path), **{**FORCE, **enable})
-    got_m.to("cpu")
+    if move:  # else adopted inside its first forward
+        got_m.to("cpu")
     got = loop(got_m, got_opt), snapshot(got_m, got_opt)
     report = vb.get_report()["memory"]["paging"]
     vb.disable()
@@ -378,12 +379,15 @@ class _CheckpointedEncoder(torch.nn.Module):
         return self.head(h)
 
 
-def test_a_checkpointed_block_using_a_childs_parameters_in_a_function_recomputes_them(tmp_path):
+@pytest.mark.parametrize("move", [True, False], ids=["moved", "adopted at its first forward"])
+def test_a_checkpointed_block_using_a_childs_parameters_in_a_function_recomputes_them(tmp_path, move):
     """The recomputation inside backward runs without the fault handler and reaches parameters
     only through module hooks. ``out_proj``'s bias, used by the attention's forward but saved by
     no op, was evicted by then: "setStorage: ... out of bounds for storage of size 0" at the first
-    backward. The attention unit now loads the pages its forward used outside their module."""
-    (ref_losses, ref_state), (losses, state), report = _both(tmp_path, _lm_loop,
+    backward. The attention unit now loads the pages its forward used outside their module. A
+    model adopted inside its first forward learned nothing there (the root pre-hook, added during
+    that call, did not run for it) and crashed the same way until 2026-11-28 (a probe's finding)."""
+    (ref_losses, ref_state), (losses, state), report = _both(tmp_path, _lm_loop, move=move,
                                                              build=_CheckpointedEncoder, device_budget="64KB",
                                                              paging_step_in_backward="off")
     assert losses == ref_losses

@@ -322,6 +322,17 @@ class PagedModel:
                 self._kind, self._uncovered_mark = kind, self.session.uncovered_accesses
         self.session.forward_depth += 1
 
+    def first_call(self) -> None:
+        """The call that adopted the model, already under way: run what the root pre-hook (added
+        during that call, which PyTorch does not run for it) does, so its forward counts in
+        ``forward_depth`` and the pages its units use outside their own are learned there. Until
+        2026-11-28 they were not: ``nn.MultiheadAttention``'s use of ``out_proj.weight`` was first
+        seen nowhere, and the first recomputation of an activation checkpoint (which runs without
+        the fault handler) read it evicted, "setStorage: ... out of bounds for storage of size 0"
+        (a probe's finding). The root's forward hook does run for that call (torch reads forward
+        hooks after the forward)."""
+        self._root_pre()
+
     def _root_post(self) -> None:
         self.session.root_forward_ends()
         self.session.forward_depth = max(0, self.session.forward_depth - 1)

@@ -152,7 +152,8 @@ class PagingStep(FeatureStep):
                 host_budget=host, step_in_backward=getattr(ctx.config, "paging_step_in_backward", "auto"),
                 reuse_memory=bool(getattr(ctx.config, "paging_reuse_memory", True)), resident=self.resident)
         session.optimizers.page_states |= plan.page_states
-        session.page_model(model, plan.page_params, plan.page_grads)
+        paged = session.page_model(model, plan.page_params, plan.page_grads)
+        ctx.on_first_call(lambda module, args, kwargs: paged.first_call())  # adopted inside its first forward
         if plan.over_budget_expected:  # a forced plan past its working set: the bound is not promised
             session.backward_step.bound_promised = False
         step = decision.details.get("optimizer_step") or {}

@@ -2548,3 +2548,46 @@ def test_gradients_that_share_memory_are_kept_resident_and_train_bitwise(tmp_pat
                           env=clean_env(), timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.split() == ["joined", "SAME", "10", "flat", "SAME", "4"], proc.stdout
+
+
+_VIEW_OF_VIEW_SCRIPT = '''
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+import apt_model.optimization.vb_global as vb
+def run(on):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    opt = torch.optim.Adam(m.parameters(), lr=0.01)
+    if on:
+        vb.enable("memory", swap_dir=sys.argv[1], paging="always", device_budget="16KB", mixed_precision="off",
+                  compile="off", attention="off", banner=False)
+    m.to("cpu")
+    gen, kept = torch.Generator().manual_seed(1), []
+    for s in range(4):
+        opt.zero_grad(set_to_none=False)
+        F.mse_loss(m(torch.randn(16, 32, generator=gen)), torch.randn(16, 8, generator=gen)).backward()
+        opt.step()
+        if s == 1:  # a logger keeping a few numbers of each state and gradient: views of views
+            kept = [opt.state[p]["exp_avg"].view(-1)[:4] for p in m.parameters()]
+            kept += [p.grad.view(-1)[1:3] for p in m.parameters()]
+    out = [v.clone() for v in kept], [p.detach().clone() for p in m.parameters()]
+    if on:
+        vb.disable()
+    return out
+a, b = run(False), run(True)
+print("SAME" if all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1])) else "DIFFERENT")
+'''
+
+
+def test_a_view_of_a_view_of_a_paged_state_or_gradient_stays_valid(tmp_path, cpu_device):
+    """A script keeping ``state["exp_avg"].view(-1)[:4]`` (or a gradient's) across steps: the fault
+    handler pinned the page for the first view only; once that temporary died, the page was
+    evicted under the second — a segfault or "setStorage: ... out of bounds for storage of size 0"
+    (a probe's finding). An op on a pinned alias now counts as one on its page. In a subprocess:
+    a crash must fail this test, not end the session."""
+    from conftest import clean_env
+
+    proc = subprocess.run([sys.executable, "-c", _VIEW_OF_VIEW_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=clean_env(), timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert proc.stdout.strip().endswith("SAME"), proc.stdout

@@ -117,13 +117,18 @@ class PageFaultMode(TorchFunctionMode):
         self.active = True
         self.watched: dict[int, str] = {}  # id(tensor) -> "grad" | "value" | "early" (see the module docstring)
         self.passthrough: set = set()  # functions that read no page themselves (backward, grad): not faulted
+        #: storage data pointer -> [page, count] for the aliases of pages the handler keeps pinned
+        #: (``handler.exit``): an op on an alias counts as one on its page, so an alias of an alias
+        #: (``state["exp_avg"].view(-1)[:4]``) pins it too. Before 2026-11-28 only the first alias
+        #: did, and once it died its page was evicted under the second: a segfault (a probe's finding)
+        self.aliases: dict[int, list] = {}
 
     def detach(self) -> None:
         """Let go of the session (paging closed): the mode stays on the stacks of threads started
         while paging was on (:mod:`~apt_model.memory.paging.threads`), as a pass-through that keeps
         nothing of the closed session alive."""
         self.active = False
-        self.lookup, self.watched, self.handler = {}, {}, None
+        self.lookup, self.watched, self.handler, self.aliases = {}, {}, None, {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -202,14 +207,28 @@ class PageFaultMode(TorchFunctionMode):
     def _collect(self, a, hit: list) -> None:
         if isinstance(a, torch.Tensor):
             page = live_page(self.lookup, a)
+            if page is None and self.aliases:
+                page = self._alias_page(a)
             if page is not None:
                 hit.append(page)
         elif isinstance(a, (list, tuple)):
             for b in a:
                 if isinstance(b, torch.Tensor):
                     page = live_page(self.lookup, b)
+                    if page is None and self.aliases:
+                        page = self._alias_page(b)
                     if page is not None:
                         hit.append(page)
+
+    def _alias_page(self, t: torch.Tensor):
+        """The page whose pinned alias shares ``t``'s storage, or None."""
+        try:
+            with torch._C.DisableTorchFunction():
+                ptr = t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            return None
+        entry = self.aliases.get(ptr) if ptr else None
+        return entry[0] if entry is not None else None
 
 
 def _never_a_frame_of_its_own() -> None:

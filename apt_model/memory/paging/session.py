@@ -168,6 +168,7 @@ class PagingSession:
         self.uncovered_accesses = 0  # ops in a forward on a paged tensor no module hook had pinned
         self._lock = TimedLock("paging session")
         self.mode = PageFaultMode(self.pager.by_tensor, self)
+        self._alias_lock = threading.Lock()  # the alias map (PageFaultMode.aliases); finalizers take it
         self.mode.__enter__()
         threads.warn_if_off_main_thread()
         self._install_global()
@@ -845,24 +846,47 @@ class PagingSession:
                     st = t._untyped_storage if isinstance(t, torch.TypedStorage) else t
                     page = by_ptr.get(st.data_ptr()) if st.device.type == self.pager.device.type else None
                     if page is not None:
-                        self.pager.acquire([page])
-                        weakref.finalize(t, self._release_alias, page)
+                        self._pin_alias(t, page, st.data_ptr())
                     continue
                 if isinstance(t, torch.Tensor) and t.device.type == self.pager.device.type:
-                    page = by_ptr.get(_storage_ptr(t))
+                    ptr = _storage_ptr(t)
+                    page = by_ptr.get(ptr)
                     # an in-place op returns the paged tensor itself (``p.grad.zero_()``): that is
                     # the page's own tensor, freed and refilled by paging, not an alias to protect
                     if page is not None and t is not page.bound():
-                        self.pager.acquire([page])
-                        weakref.finalize(t, self._release_alias, page)
+                        self._pin_alias(t, page, ptr)
                         if page.category is Category.GRAD:
                             self.backward_step.grad_alias(page, t)  # writes through it are seen
             self.pager.release([page for page, _ in held])
 
-    def _release_alias(self, page: Page) -> None:
+    def _pin_alias(self, alias, page: Page, ptr: int) -> None:
+        """Keep ``page`` pinned while ``alias`` (a tensor or storage sharing its memory) lives, and
+        map the storage to the page for the fault handler (``PageFaultMode.aliases``)."""
+        self.pager.acquire([page])
+        self._track_alias(alias, page, ptr)
+
+    def _track_alias(self, alias, page: Page, ptr: int) -> None:
+        """``alias`` holds a pin of ``page`` (taken by the caller): map its storage to the page and
+        let the pin go when the alias dies."""
+        with self._alias_lock:
+            entry = self.mode.aliases.get(ptr)
+            if entry is not None and entry[0] is page:
+                entry[1] += 1
+            else:
+                self.mode.aliases[ptr] = [page, 1]
+        weakref.finalize(alias, self._release_alias, page, ptr)
+
+    def _release_alias(self, page: Page, ptr: int) -> None:
         # a finalizer: it runs on whatever thread drops the alias last (an I/O thread's garbage
         # collection, autograd's device thread), possibly while the training thread holds the
-        # pager lock waiting for that thread, so it only queues the release (no lock taken here)
+        # pager lock waiting for that thread, so it only queues the release (the alias map's own
+        # lock guards nothing else and is never held while waiting)
+        with self._alias_lock:
+            entry = self.mode.aliases.get(ptr)
+            if entry is not None and entry[0] is page:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del self.mode.aliases[ptr]
         if not self.pager._closed:
             self.pager.defer_release(page)
 
@@ -948,7 +972,7 @@ class PagingSession:
                         "the model): loading it needs room on level 0, and %s", page.label, err)
             return self.pager.materialize(page)
         alias = p.detach()
-        weakref.finalize(alias, self._release_alias, page)
+        self._track_alias(alias, page, _storage_ptr(alias))
         return alias
 
     # ------------------------------------------------------------------ teardown and report

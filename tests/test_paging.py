@@ -2591,3 +2591,33 @@ def test_a_view_of_a_view_of_a_paged_state_or_gradient_stays_valid(tmp_path, cpu
                           env=clean_env(), timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.strip().endswith("SAME"), proc.stdout
+
+
+def test_a_capturable_flag_the_script_changes_between_steps_is_kept(tmp_path, cpu_device):
+    """``Adam(capturable=True)`` refuses a CPU step; a script that then sets ``capturable=False``
+    trains on in plain PyTorch. The paging step put the flag it first saw back before every step
+    (a guard against Dynamo's write-back), so every later step raised too (a probe's finding)."""
+    def run(switch: bool):
+        torch.manual_seed(0)
+        m = nn.Linear(32, 64)
+        opt = torch.optim.Adam(m.parameters(), lr=0.01, capturable=True)
+        if switch:
+            vb.enable("memory", swap_dir=str(tmp_path), paging="always", device_budget="16KB", mixed_precision="off",
+                      compile="off", attention="off", banner=False)
+            m.to("cpu")
+        gen, outcome = torch.Generator().manual_seed(1), []
+        for _ in range(3):
+            opt.zero_grad()
+            m(torch.randn(8, 32, generator=gen)).square().mean().backward()
+            try:
+                opt.step()
+                outcome.append("ok")
+            except AssertionError:
+                outcome.append("refused")
+                opt.param_groups[0]["capturable"] = False
+        weights = m.weight.detach().clone()
+        vb.disable()
+        return outcome, weights
+
+    (want, want_w), (got, got_w) = run(False), run(True)
+    assert want == ["refused", "ok", "ok"] and got == want and torch.equal(got_w, want_w)

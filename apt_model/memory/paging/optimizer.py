@@ -126,10 +126,19 @@ class CapturableFlags:
         self._traced: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> {index: Dynamo's}
 
     def remember(self, opt) -> None:
-        """Record the flag of groups not seen before (a group added by ``add_param_group`` too)."""
+        """Record the flag of groups not seen before (a group added by ``add_param_group`` too),
+        and a flag the script changed since the last step (or a state dict it loaded): a value
+        other than the recorded one and other than the one Dynamo writes is the script's. Until
+        2026-11-28 such a change was put back at every step (a script turning ``capturable`` off
+        after a CPU step refused it kept failing: a probe's finding)."""
         seen = self._seen.setdefault(opt, {})
+        traced = self._traced.get(opt, {})
         for i, g in enumerate(opt.param_groups):
-            seen.setdefault(i, g.get("capturable"))
+            if i not in seen:
+                seen[i] = g.get("capturable")
+            elif "capturable" in g and g["capturable"] != seen[i] and (i not in traced or g["capturable"] != traced[i]):
+                log.debug("param group %d: capturable=%s set by the script", i, g["capturable"])
+                seen[i] = g["capturable"]
 
     def restore(self, opt) -> None:
         """Put back the recorded flags that something (Dynamo) changed since, remembering the

@@ -501,3 +501,31 @@ def test_a_recomputation_after_the_verdict_runs_what_its_forward_ran():
     assert all(p.grad is not None for p in m.parameters()) and hooks.active is False
     with torch.no_grad():
         assert m(x).dtype == torch.float32 and hooks.calls == 1  # and later calls run without it
+
+
+@pytest.mark.parametrize("how", ["its own autocast", "the model cast to half"])
+def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how):
+    """A model adopted with the trial whose training calls then all run under the script's own
+    ``torch.autocast`` (a GradScaler loop), or after ``model.half()``: the hooks leave those calls
+    alone, so the trial never timed one and the report said "bf16 ... on trial" for good (a
+    probe's finding). After 8 such calls in a row the trial gives up, and the report says why."""
+    model = _gpt()
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, compile="off", banner=False)
+    model.to("cpu")
+    assert model._vb_autocast.trial.running
+    if how == "the model cast to half":
+        model.half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(9):
+        x = torch.randint(0, 256, (2, 16))
+        if how == "its own autocast":
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x).reshape(-1, 256).float(), x.reshape(-1))
+        else:
+            loss = F.cross_entropy(model(x).reshape(-1, 256).float(), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert not model._vb_autocast.trial.running and model._vb_autocast.calls == 0
+    feat = vb.get_report()["models"][0]["features"]["mixed_precision"]
+    assert feat["chosen"] == "fp32" and "the script managed precision in 8 training calls" in feat["reason"], feat

@@ -166,15 +166,19 @@ class CallTimer:
             return None, None
         self.issued += 1
         if self.issued > GIVE_UP_FACTOR * self.trial.needed():
-            self._give_up()
+            self.give_up(f"no verdict after {self.issued - 1} timed training calls: their backward passes could "
+                         "not be matched to them")
             return None, None
         use = self.trial.issue()
         return use, Sample(self._clock().mark(), use)
 
-    def _give_up(self) -> None:
+    def give_up(self, reason: str) -> None:
+        """End a running trial without a verdict: the setting stays off, ``on_verdict(False,
+        summary)`` is told (``summary["gave_up"]`` is ``reason``), and the timer closes."""
+        if not self.trial.running or self._closed:
+            return
         with self._lock:
-            summary = self.trial.give_up(f"no verdict after {self.issued - 1} timed training calls: their "
-                                         "backward passes could not be matched to them")
+            summary = self.trial.give_up(reason)
             self.verdict = False
         self.close()
         if self.on_verdict is not None:

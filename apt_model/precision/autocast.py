@@ -46,6 +46,11 @@ def _cast_by_script(module: nn.Module) -> torch.dtype | None:
     return None
 
 
+#: Training calls in a row the script manages precision for (its own autocast, the model cast)
+#: after which a running trial gives up: its report said "on trial" for good (a probe's finding).
+SCRIPT_MANAGED_CALLS = 8
+
+
 def _script_autocast(module: nn.Module, device_type: str) -> bool:
     """Whether this call runs inside the script's own ``torch.autocast`` context on this thread:
     one enabled for ``device_type``, or any one at all, since ``torch.autocast(enabled=False)`` is
@@ -107,6 +112,7 @@ class AutocastHooks:
         # of it in backward (activation checkpointing) must run the same (a verdict may have come
         # in between: the recomputation would save tensors of other dtypes, a CheckpointError)
         self._last_use: bool | None = None
+        self._script_calls = 0  # training calls in a row the script managed precision for
         self._max_lag = max_lag
         self.timer = CallTimer(trial, self._verdict, self.device, clock, max_lag) if trial is not None else None
         self._init_runtime()
@@ -179,11 +185,17 @@ class AutocastHooks:
         if not self.active or cast is not None or _script_autocast(module, self.device_type):
             if timer is not None:
                 timer.settle()
+                if training and self.active:
+                    self._script_calls += 1
+                    if self._script_calls >= SCRIPT_MANAGED_CALLS:
+                        timer.give_up(f"the script managed precision in {self._script_calls} training calls in a "
+                                      "row (its own torch.autocast, or the model cast away from fp32)")
             if training:
                 self._last_use = False
             self._scopes.push(None)  # off, or the caller manages precision: leave it alone
             return None
         use, sample = True, None
+        self._script_calls = 0
         if timer is not None:
             variant, sample = timer.begin(module)
             if variant is not None:

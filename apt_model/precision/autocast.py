@@ -3,9 +3,13 @@
 A forward pre-hook enters ``torch.autocast(device_type, dtype)``; a forward hook that always
 runs (also when forward raises) leaves it and converts floating outputs back to fp32
 (:func:`~apt_model.base.outputs.to_fp32`: accelerate's ``convert_to_fp32``, and dataclass fields), so a loss computed outside the model sees fp32 logits as in
-the user's plain script. If the model is called inside the script's own ``torch.autocast``
-context, on or off (``enabled=False``), the user is managing precision: the hooks do nothing for
-that call; so too when the model's parameters are no
+the user's plain script. If autocast is already on when the model is called (the script's own
+``torch.autocast``), the user is managing precision: the hooks do nothing for that call. A
+``torch.autocast(enabled=False)`` around the call is not taken as such: that is how scripts write
+"AMP flag off" (``torch.autocast(device, enabled=args.amp)``), and autocast keeps no record that
+would tell it apart from a section kept fp32 on purpose (``mixed_precision="off"`` keeps fp32); a
+change on 2026-11-28 that honoured it made the switch's bf16 unreachable for such scripts and was
+undone the same day. The hooks also do nothing when the model's parameters are no
 longer fp32 (the script cast it after adoption, e.g. ``model.half()``). Backward needs no autocast: its ops
 follow the dtypes chosen in forward (PyTorch AMP docs, "Autocasting").
 
@@ -46,25 +50,9 @@ def _cast_by_script(module: nn.Module) -> torch.dtype | None:
     return None
 
 
-#: Training calls in a row the script manages precision for (its own autocast, the model cast)
+#: Training calls in a row the script manages precision for (its own autocast on, the model cast)
 #: after which a running trial gives up: its report said "on trial" for good (a probe's finding).
 SCRIPT_MANAGED_CALLS = 8
-
-
-def _script_autocast(module: nn.Module, device_type: str) -> bool:
-    """Whether this call runs inside the script's own ``torch.autocast`` context on this thread:
-    one enabled for ``device_type``, or any one at all, since ``torch.autocast(enabled=False)`` is
-    how a script keeps a section fp32 and autocast keeps no other record of it than its per-thread
-    nesting count (read by stepping it up and down: no cache is cleared). A ``nn.DataParallel``
-    replica's thread always has a context open that mirrors the caller's state, so for a replica
-    only the enabled state counts. Until 2026-11-28 an explicit "off" was overridden."""
-    if torch.is_autocast_enabled(device_type):
-        return True
-    if getattr(module, "_is_replica", False):
-        return False
-    level = torch.autocast_increment_nesting()
-    torch.autocast_decrement_nesting()
-    return level > 1
 
 
 class AutocastHooks:
@@ -182,7 +170,7 @@ class AutocastHooks:
             self.cast_by_script = cast
             log.info("the model's parameters are %s now (cast after adoption): the script manages precision, "
                      "autocast is left off for its calls", str(cast).replace("torch.", ""))
-        if not self.active or cast is not None or _script_autocast(module, self.device_type):
+        if not self.active or cast is not None or torch.is_autocast_enabled(self.device_type):
             if timer is not None:
                 timer.settle()
                 if training and self.active:

@@ -274,6 +274,27 @@ def test_a_lazy_model_is_adopted_once_its_parameters_exist(move, tmp_path, cpu_d
     assert models == [("Sequential", "first forward")], models
 
 
+def test_torchscript_modules_run_and_a_trace_is_not_adopted_inside(tmp_path):
+    """A ScriptModule (``torch.jit.load`` of a saved model, ``torch.jit.script``) refuses Python
+    hooks: adopting it at its first call raised "register_forward_hook is not supported on
+    ScriptModules". ``torch.jit.trace`` of a model never called before adopted it inside the
+    trace: "Graphs differed across invocations" (both found by a probe). Script modules are left
+    alone now; a trace adopts nothing, the model's first ordinary call does."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4)
+    net = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    torch.jit.save(torch.jit.script(net), str(tmp_path / "net.pt"))
+    want = net(x)
+    vb.enable("balanced", mixed_precision="off", compile="off", banner=False)
+    loaded = torch.jit.load(str(tmp_path / "net.pt"))
+    assert torch.equal(loaded(x), want)
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    fresh.load_state_dict(net.state_dict())
+    traced = torch.jit.trace(fresh.eval(), (x,))  # its check calls the model plainly too: adopted there
+    assert torch.equal(traced(x), want) and torch.equal(fresh(x), want)
+    assert [(m["name"], m["trigger"]) for m in vb.get_report()["models"]] == [("Sequential", "first forward")]
+
+
 def test_explicit_adoption_mode():
     model = tiny_gpt()
     vb.enable("balanced", adopt="explicit", mixed_precision="bf16", banner=False)

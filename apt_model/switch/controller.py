@@ -630,6 +630,11 @@ def _global_pre_hook(module: nn.Module, args: tuple):
         # the transform's wrappers or the caller's tensors for now, not its own; it is adopted at
         # its first ordinary call (inside a transform the features stand aside anyway)
         return None
+    if torch.jit.is_tracing():
+        # torch.jit.trace: adopting inside the trace changed the module between the trace and its
+        # check ("Graphs differed across invocations"), and sizes came back as traced tensors (a
+        # probe's finding); adopted at its first ordinary call
+        return None
     ctx = _maybe_adopt(module, "first forward")
     if ctx:  # PyTorch listed this call's pre-hooks before adoption added the steps' own: run them now
         for fn in ctx.first_call_hooks():
@@ -771,6 +776,12 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             # the script compiled a model already adopted: the same parameters, not a second model
             # (it was reported twice, its parameters counted twice, until 2026-11-26)
             st.seen.add(module)
+            return False
+        if isinstance(module, torch.jit.ScriptModule):
+            # TorchScript (torch.jit.load, torch.jit.script): it refuses Python hooks ("register_forward_hook
+            # is not supported on ScriptModules", at its first call, until 2026-11-28: a probe's finding)
+            for m in module.modules():
+                st.seen.add(m)
             return False
         if getattr(module, "_vb_internal", False):  # one of our probes, with everything inside it
             for m in module.modules():

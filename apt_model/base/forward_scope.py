@@ -48,7 +48,8 @@ _watching = [False]
 def _dynamo_imported(dynamo) -> None:
     if not _EAGER:
         _EAGER.append(dynamo.disable(_call, reason="apt_model's autocast hooks enter and leave a context "
-                                     "by hand, which a trace cannot carry across the model's call"))
+                                     "by hand, which a trace cannot carry across the model's call; with "
+                                     "fullgraph=True, compile without it or enable(mixed_precision='off')"))
 
 
 def watch_compilation() -> None:

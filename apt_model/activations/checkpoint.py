@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import random
 import re
+import inspect
 import sys
 import types
 from collections import Counter
@@ -285,6 +286,11 @@ class CheckpointedForward:
         # the buffers its forward changes, learned too: (module, name), looked up at each call, since
         # model.to() / .half() put new tensors in a module's buffers
         self.written_buffers: list[tuple[nn.Module, str]] | None = None
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The block's own forward's (code inspecting ``block.forward`` sees its parameters)."""
+        return inspect.signature(self.forward)
 
     def _buffers(self) -> list[tuple[nn.Module, str]]:
         """The buffers to record for this call: all of them at the first call (to learn which the

@@ -40,6 +40,7 @@ model's own forward (parameters untouched: the optimizer keeps training the same
 """
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 import time
@@ -167,6 +168,15 @@ class LadderForward:
 
     def __init__(self, ladder: "CompileLadder | None", model: nn.Module):
         self.ladder, self.model = ladder, model
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's own forward's: code that inspects ``model.forward`` sees its parameters, not
+        ``(*args, **kwargs)`` (Hugging Face's Trainer then passed ``num_items_in_batch`` to a model
+        whose forward does not take it, or dropped every input column as unused: a probe's
+        finding, 2026-11-28)."""
+        eager = self.ladder.eager if self.ladder is not None else type(self.model).forward.__get__(self.model)
+        return inspect.signature(eager)
 
     def __call__(self, *args, **kwargs):
         if self.ladder is not None:

@@ -91,6 +91,37 @@ def test_a_rung_that_cannot_be_built_and_one_that_raises_fall_to_eager_with_both
     patches.restore_all()
 
 
+def test_a_forward_the_script_wraps_after_the_ladder_attached_stays_the_models():
+    """accelerate's ``prepare`` wraps ``model.forward`` in its autocast (and output conversion)
+    after the switch adopted the model. When the ladder concluded, it put the class's forward back
+    (or its compiled callable), dropping the script's wrapper: training went on without the
+    framework's mixed precision, and ``disable()`` dropped it too. The wrapper stays now; it calls
+    the dispatcher, which runs the chosen callable."""
+    model, ref = Net(), Net()
+    ref.load_state_dict(model.state_dict())
+
+    def broken(eager, dynamic):
+        raise RuntimeError("no compiler here")
+
+    records = []
+    ladder, patches = ladder_for(model, [rung("compile", broken)], records)
+    calls = []
+    inner = model.forward
+
+    def wrapper(*args, **kwargs):  # the script's own (accelerate-style) wrapper
+        calls.append(1)
+        return inner(*args, **kwargs)
+
+    model.forward = wrapper
+    assert train(model, 4) == train(ref, 4)
+    assert ladder.state == "done" and ladder.chosen == "eager"
+    assert vars(model)["forward"] is wrapper and len(calls) == 4
+    patches.restore_all()
+    assert vars(model)["forward"] is wrapper
+    model(torch.randn(2, 16))
+    assert len(calls) == 5
+
+
 def test_an_error_the_models_own_code_raises_under_a_rung_reaches_the_script_once():
     """The model's forward raises (a check on its input) while a rung runs it: the script gets
     that error, as without the switch, and the forward is not run again eagerly (before, the

@@ -258,7 +258,22 @@ class CompileLadder:
         model = self.model_ref
         self._patches = patches
         self._own_forward = "forward" in vars(model)  # the script set model.forward itself (a wrapper)
-        patches.set_attr(model, "forward", LadderForward(self, model), label=f"compile ladder forward {self.tag}")
+        previous = vars(model).get("forward")
+        self._dispatcher = LadderForward(self, model)
+        self._set_forwards = [self._dispatcher]  # the instance forwards this ladder put on the model
+        model.forward = self._dispatcher
+        model_ref = weakref.ref(model)
+
+        def restore_forward():
+            m = model_ref()
+            if m is None or not any(vars(m).get("forward") is f for f in self._set_forwards):
+                return  # the script replaced it since (accelerate's autocast wrapper): left as it is
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous
+
+        patches.add_undo(restore_forward, f"compile ladder forward {self.tag}")
         pre = model.register_forward_pre_hook(self._pre)
         post = model.register_forward_hook(self._post, always_call=True)
         self._params = {id(p) for p in model.parameters()}
@@ -280,7 +295,13 @@ class CompileLadder:
         """Enter ``done``: the chosen callable becomes the model's forward, the hooks go."""
         self.state, self.chosen = "done", chosen
         model = self.model_ref
-        if fn is None:
+        self._final = fn
+        if vars(model).get("forward") is not self._dispatcher:
+            # the script replaced model.forward since the ladder attached (accelerate wraps it in its
+            # autocast; its wrapper calls the dispatcher, which runs the chosen callable from now
+            # on): replacing it again would drop the script's wrapper (until 2026-11-28 it did)
+            pass
+        elif fn is None:
             if getattr(self, "_own_forward", False):
                 model.forward = self.eager  # the script's own instance forward, as before the ladder
             else:
@@ -290,6 +311,7 @@ class CompileLadder:
                     pass
         else:
             model.forward = fn  # the undo registered at attach() removes it again
+            self._set_forwards.append(fn)
         for h in self._handles:
             h.remove()
         self._drop_timer()
@@ -298,6 +320,9 @@ class CompileLadder:
     def _dispatch(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by the script's own compiled code: the model's forward
             return self.eager(*args, **kwargs)
+        if self.state == "done":  # still called: a wrapper the script put around the dispatcher
+            final = getattr(self, "_final", None)
+            return (final or self.eager)(*args, **kwargs)
         if getattr(self._tls, "use", False) and self._fn is not None:
             fn = self._fn
             try:

@@ -503,7 +503,7 @@ def test_a_recomputation_after_the_verdict_runs_what_its_forward_ran():
         assert m(x).dtype == torch.float32 and hooks.calls == 1  # and later calls run without it
 
 
-@pytest.mark.parametrize("how", ["its own autocast", "the model cast to half"])
+@pytest.mark.parametrize("how", ["its own autocast", "the model cast to half", "accelerate's forward wrapper"])
 def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how):
     """A model adopted with the trial whose training calls then all run under the script's own
     ``torch.autocast`` (a GradScaler loop), or after ``model.half()``: the hooks leave those calls
@@ -515,6 +515,9 @@ def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how)
     assert model._vb_autocast.trial.running
     if how == "the model cast to half":
         model.half()
+    elif how == "accelerate's forward wrapper":  # what Accelerator(mixed_precision="bf16").prepare does
+        model._original_forward = model.forward
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model._original_forward)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for _ in range(9):
         x = torch.randint(0, 256, (2, 16))

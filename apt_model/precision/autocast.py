@@ -50,6 +50,14 @@ def _cast_by_script(module: nn.Module) -> torch.dtype | None:
     return None
 
 
+def _framework_autocast(module: nn.Module) -> bool:
+    """Whether a framework wrapped the model's forward in its own autocast: accelerate's
+    ``prepare`` (with mixed precision) keeps the forward it wrapped as ``_original_forward``. That
+    autocast starts inside the call, after the pre-hook looked, so the trial compared bf16 with
+    bf16 and reported on it (a probe's finding, 2026-11-28)."""
+    return "forward" in module.__dict__ and getattr(module, "_original_forward", None) is not None
+
+
 #: Training calls in a row the script manages precision for (its own autocast on, the model cast)
 #: after which a running trial gives up: its report said "on trial" for good (a probe's finding).
 SCRIPT_MANAGED_CALLS = 8
@@ -166,7 +174,9 @@ class AutocastHooks:
             return None
         training = torch.is_grad_enabled() and module.training and not recomputing
         cast = _cast_by_script(module) if self.active else None
-        if cast is not None and cast != self.cast_by_script:
+        if cast is None and self.active and _framework_autocast(module):
+            cast = "framework"
+        if isinstance(cast, torch.dtype) and cast != self.cast_by_script:
             self.cast_by_script = cast
             log.info("the model's parameters are %s now (cast after adoption): the script manages precision, "
                      "autocast is left off for its calls", str(cast).replace("torch.", ""))
@@ -177,7 +187,8 @@ class AutocastHooks:
                     self._script_calls += 1
                     if self._script_calls >= SCRIPT_MANAGED_CALLS:
                         timer.give_up(f"the script managed precision in {self._script_calls} training calls in a "
-                                      "row (its own torch.autocast, or the model cast away from fp32)")
+                                      "row (its own torch.autocast, a framework's autocast around the model's "
+                                      "forward such as accelerate's, or the model cast away from fp32)")
             if training:
                 self._last_use = False
             self._scopes.push(None)  # off, or the caller manages precision: leave it alone

@@ -234,3 +234,24 @@ def test_accelerate_prepared_loop_trains_on_the_device_the_switch_reports():
     rep = vb.get_report()
     assert rep["models"][0]["name"] == "LlamaForCausalLM"
     assert rep["models"][0]["features"]["placement"]["chosen"] == str(next(model.parameters()).device)
+
+
+def test_checkpointing_the_script_asks_for_after_adoption_stays_on_after_disable(tmp_path, cpu_device):
+    """Memory mode switches a Hugging Face model's own checkpointing on at adoption and off at
+    ``disable()``. The Trainer asks for it itself in ``train()``, after adoption; ``disable()``
+    turned it off anyway (a probe's finding). Asked for by the script, it stays on."""
+    import copy
+
+    for script_asks in (False, True):
+        model = build("llama", "eager")
+        vb.enable("memory", swap_dir=str(tmp_path), paging="off", mixed_precision="off", banner=False)
+        model.train()
+        model(input_ids=batch()[:2], labels=batch()[:2]).loss.backward()
+        assert model.is_gradient_checkpointing
+        if script_asks:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        twin = copy.deepcopy(model)  # a copy carries the plain method
+        vb.disable()
+        assert model.is_gradient_checkpointing is script_asks
+        assert "gradient_checkpointing_enable" not in vars(model)
+        assert type(twin.gradient_checkpointing_enable).__name__ == "method"  # not the switch's wrapper

@@ -402,6 +402,26 @@ def checkpointed_by_script(blocks: Blocks) -> list[int]:
     return [i for i, layer in enumerate(blocks.modules) if getattr(layer, "gradient_checkpointing", False) is True]
 
 
+class _RecordingCall:
+    """``fn`` that notes it was called (``flag[0] = True``); keeps ``fn``'s signature."""
+
+    def __init__(self, fn, flag: list):
+        self.fn, self.flag = fn, flag
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(self.fn)
+
+    def __call__(self, *args, **kwargs):
+        self.flag[0] = True
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        # a pickled model (torch.save of the whole model, copy.deepcopy) gets the plain method: looked
+        # up while the model's attributes are not restored yet, it is the class's (as CheckpointedForward)
+        return (getattr, (self.fn.__self__, self.fn.__name__))
+
+
 def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patches) -> str:
     """Checkpoint ``blocks.modules[i]`` for ``i`` in ``indices``; returns how: ``hf`` (Hugging Face's
     own checkpointing, switched on here and off again by ``disable()``), ``script`` (a Hugging Face
@@ -420,10 +440,18 @@ def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patche
         enable = getattr(hf, "activation_checkpointing_enable", None)
         if enable is not None:
             enable(activation_checkpointing_kwargs={"use_reentrant": False})
-            patches.add_undo(hf.activation_checkpointing_disable, "hf activation checkpointing")
+            disable = hf.activation_checkpointing_disable
         else:
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            patches.add_undo(hf.gradient_checkpointing_disable, "hf gradient checkpointing")
+            disable = hf.gradient_checkpointing_disable
+        # the script may ask for it itself after adoption (the Trainer does, in train()): then
+        # disable() leaves it on (until 2026-11-28 it turned it off: a probe's finding)
+        asked = [False]
+        for name in ("gradient_checkpointing_enable", "activation_checkpointing_enable"):
+            orig = getattr(hf, name, None)
+            if orig is not None:
+                patches.set_attr(hf, name, _RecordingCall(orig, asked), label=f"hf {name}: the script's call noted")
+        patches.add_undo(lambda: None if asked[0] else disable(), "hf activation checkpointing")
         keep = set(indices)
         for i, layer in enumerate(blocks.modules):
             layer.gradient_checkpointing = i in keep

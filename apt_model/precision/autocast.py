@@ -1,5 +1,8 @@
 """Autocast around a model's forward, attached as hooks (no change to the model's code).
 
+Only calls that build a graph (grad enabled) run under it: evaluation and generation under
+``no_grad`` / ``inference_mode`` run as written, in fp32.
+
 A forward pre-hook enters ``torch.autocast(device_type, dtype)``; a forward hook that always
 runs (also when forward raises) leaves it and converts floating outputs back to fp32
 (:func:`~apt_model.base.outputs.to_fp32`: accelerate's ``convert_to_fp32``, and dataclass fields), so a loss computed outside the model sees fp32 logits as in
@@ -172,7 +175,14 @@ class AutocastHooks:
                 ctx.__enter__()
             self._scopes.push(ctx, None)
             return None
-        training = torch.is_grad_enabled() and module.training and not recomputing
+        if not torch.is_grad_enabled():
+            # evaluation and generation (no_grad, inference_mode) run as written: the trial timed
+            # training calls only, and at decoding shapes (a token at a time, a small batch) bf16
+            # was 1.5-2x slower than fp32 where it had won the trial on training calls (a probe's
+            # finding, 2026-11-28); their outputs are plain PyTorch's fp32 ones too
+            self._scopes.push(None)
+            return None
+        training = module.training and not recomputing
         cast = _cast_by_script(module) if self.active else None
         if cast is None and self.active and _framework_autocast(module):
             cast = "framework"

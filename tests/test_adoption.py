@@ -337,7 +337,9 @@ def test_an_amp_flag_off_in_the_script_leaves_the_switch_its_autocast():
 def test_evaluation_and_generation_without_grad_run_as_written():
     """The autocast trial times training calls; bf16 it kept was applied to every call, and at
     decoding shapes (a token at a time) it made generation 1.7-2x slower than plain fp32 (a
-    probe's finding). Calls without grad run as written now: plain PyTorch's fp32 outputs."""
+    probe's finding). A model in eval mode called without grad runs as written now: plain
+    PyTorch's fp32 outputs. (In train mode a no_grad call may be a reentrant checkpoint's forward,
+    whose recomputation must match it: it keeps the switch's setting.)"""
     model = tiny_gpt().eval()
     x = torch.randint(0, 256, (1, 8))
     with torch.no_grad():
@@ -350,6 +352,10 @@ def test_evaluation_and_generation_without_grad_run_as_written():
         assert torch.equal(model(x), ref)
     assert model._vb_autocast.calls == 0
     assert not torch.equal(model(x), ref) and model._vb_autocast.calls == 1  # a call that builds a graph: bf16
+    model.train()
+    with torch.no_grad():  # as a reentrant checkpoint's forward runs: the switch's setting
+        model(x)
+    assert model._vb_autocast.calls == 2
 
 
 def test_adopted_model_pickles_and_deepcopies():

@@ -1,7 +1,7 @@
 """Autocast around a model's forward, attached as hooks (no change to the model's code).
 
-Only calls that build a graph (grad enabled) run under it: evaluation and generation under
-``no_grad`` / ``inference_mode`` run as written, in fp32.
+Evaluation and generation — a model in eval mode called under ``no_grad`` / ``inference_mode`` —
+run as written, in fp32.
 
 A forward pre-hook enters ``torch.autocast(device_type, dtype)``; a forward hook that always
 runs (also when forward raises) leaves it and converts floating outputs back to fp32
@@ -175,14 +175,16 @@ class AutocastHooks:
                 ctx.__enter__()
             self._scopes.push(ctx, None)
             return None
-        if not torch.is_grad_enabled():
-            # evaluation and generation (no_grad, inference_mode) run as written: the trial timed
-            # training calls only, and at decoding shapes (a token at a time, a small batch) bf16
-            # was 1.5-2x slower than fp32 where it had won the trial on training calls (a probe's
-            # finding, 2026-11-28); their outputs are plain PyTorch's fp32 ones too
+        if not torch.is_grad_enabled() and not module.training:
+            # evaluation and generation (a model in eval mode under no_grad / inference_mode) run as
+            # written: the trial timed training calls only, and at decoding shapes (a token at a
+            # time, a small batch) bf16 was 1.5-2x slower than fp32 where it had won the trial on
+            # training calls (a probe's finding, 2026-11-28); their outputs are plain PyTorch's fp32
+            # ones too. Not a model in train mode: a reentrant torch.utils.checkpoint around it runs
+            # its forward under no_grad, and its recomputation in backward must run the same
             self._scopes.push(None)
             return None
-        training = module.training and not recomputing
+        training = torch.is_grad_enabled() and module.training and not recomputing
         cast = _cast_by_script(module) if self.active else None
         if cast is None and self.active and _framework_autocast(module):
             cast = "framework"

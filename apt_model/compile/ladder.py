@@ -257,8 +257,7 @@ class CompileLadder:
         undone by ``patches`` (the model's own forward comes back)."""
         model = self.model_ref
         self._patches = patches
-        self._own_forward = "forward" in vars(model)  # the script set model.forward itself (a wrapper)
-        previous = vars(model).get("forward")
+        self._previous_forward = vars(model).get("forward")  # the script's own instance forward, if any
         self._dispatcher = LadderForward(self, model)
         self._set_forwards = [self._dispatcher]  # the instance forwards this ladder put on the model
         model.forward = self._dispatcher
@@ -266,12 +265,8 @@ class CompileLadder:
 
         def restore_forward():
             m = model_ref()
-            if m is None or not any(vars(m).get("forward") is f for f in self._set_forwards):
-                return  # the script replaced it since (accelerate's autocast wrapper): left as it is
-            if previous is None:
-                del m.forward
-            else:
-                m.forward = previous
+            if m is not None and any(vars(m).get("forward") is f for f in self._set_forwards):
+                self._put_back_forward(m)  # else the script replaced it since (accelerate's wrapper): left
 
         patches.add_undo(restore_forward, f"compile ladder forward {self.tag}")
         pre = model.register_forward_pre_hook(self._pre)
@@ -302,19 +297,21 @@ class CompileLadder:
             # on): replacing it again would drop the script's wrapper (until 2026-11-28 it did)
             pass
         elif fn is None:
-            if getattr(self, "_own_forward", False):
-                model.forward = self.eager  # the script's own instance forward, as before the ladder
-            else:
-                try:
-                    del model.forward  # the class's forward again: not a wrapper, not a cost
-                except AttributeError:
-                    pass
+            self._put_back_forward(model)
         else:
             model.forward = fn  # the undo registered at attach() removes it again
             self._set_forwards.append(fn)
         for h in self._handles:
             h.remove()
         self._drop_timer()
+
+    def _put_back_forward(self, model: nn.Module) -> None:
+        """The forward the model had before the ladder: the script's own instance forward, or the
+        class's (no instance attribute: not a wrapper, not a cost)."""
+        if self._previous_forward is not None:
+            model.forward = self._previous_forward
+        else:
+            vars(model).pop("forward", None)
 
     # ------------------------------------------------------------------ the per-call path
     def _dispatch(self, *args, **kwargs):

@@ -139,6 +139,19 @@ def other_holders(t: torch.Tensor) -> int:
         return max(0, int(use_count(storage._cdata)) - 2)
 
 
+def storage_ptr(t: torch.Tensor) -> int | None:
+    """The data pointer of ``t``'s storage — of the tensor inside, for a ``torch.func`` wrapper
+    (``vmap``'s batched tensors, ``grad``'s wrapped ones have no storage of their own) — or None
+    for a tensor without storage."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t):
+        t = functorch.get_unwrapped(t)
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def cpu_byte_view(storage: torch.UntypedStorage) -> memoryview:
     """A writable memoryview of a CPU storage's bytes (shares memory; valid while the storage
     keeps this allocation). Built with ctypes, not ``Tensor.numpy()``: exporting to NumPy marks

@@ -186,13 +186,13 @@ class AutocastHooks:
             return None
         training = torch.is_grad_enabled() and module.training and not recomputing
         cast = _cast_by_script(module) if self.active else None
-        if cast is None and self.active and _framework_autocast(module):
-            cast = "framework"
-        if isinstance(cast, torch.dtype) and cast != self.cast_by_script:
+        if cast is not None and cast != self.cast_by_script:
             self.cast_by_script = cast
             log.info("the model's parameters are %s now (cast after adoption): the script manages precision, "
                      "autocast is left off for its calls", str(cast).replace("torch.", ""))
-        if not self.active or cast is not None or torch.is_autocast_enabled(self.device_type):
+        managed = (cast is not None or torch.is_autocast_enabled(self.device_type)
+                   or (self.active and _framework_autocast(module)))
+        if not self.active or managed:
             if timer is not None:
                 timer.settle()
                 if training and self.active:

@@ -788,13 +788,10 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             # (it was reported twice, its parameters counted twice, until 2026-11-26)
             st.seen.add(module)
             return False
-        if isinstance(module, torch.jit.ScriptModule):
-            # TorchScript (torch.jit.load, torch.jit.script): it refuses Python hooks ("register_forward_hook
-            # is not supported on ScriptModules", at its first call, until 2026-11-28: a probe's finding)
-            for m in module.modules():
-                st.seen.add(m)
-            return False
-        if getattr(module, "_vb_internal", False):  # one of our probes, with everything inside it
+        if getattr(module, "_vb_internal", False) or isinstance(module, torch.jit.ScriptModule):
+            # one of our probes; or TorchScript (torch.jit.load, torch.jit.script), which refuses
+            # Python hooks ("register_forward_hook is not supported on ScriptModules" at its first
+            # call, until 2026-11-28: a probe's finding). Never adopted, nor anything inside them
             for m in module.modules():
                 st.seen.add(m)
             return False

@@ -37,7 +37,7 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from apt_model.memory.pages import live_page
+from apt_model.memory.pages import live_page, storage_ptr
 from apt_model.memory.paging.compiled import compiling
 
 _TB = torch._C.TensorBase
@@ -222,11 +222,8 @@ class PageFaultMode(TorchFunctionMode):
 
     def _alias_page(self, t: torch.Tensor):
         """The page whose pinned alias shares ``t``'s storage, or None."""
-        try:
-            with torch._C.DisableTorchFunction():
-                ptr = t.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError, AttributeError):
-            return None
+        with torch._C.DisableTorchFunction():
+            ptr = storage_ptr(t)
         entry = self.aliases.get(ptr) if ptr else None
         return entry[0] if entry is not None else None
 

@@ -23,7 +23,7 @@ from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.log import get_logger
 from apt_model.memory.host import RSSWatch, return_big_blocks_to_os
 from apt_model.memory.pager import Pager
-from apt_model.memory.pages import Category, Page, State, live_page, other_holders
+from apt_model.memory.pages import Category, Page, State, live_page, other_holders, storage_ptr
 from apt_model.memory.paging import backward_hooks, compiled, threads
 from apt_model.memory.paging.backward_hooks import THREAD_FAULTS
 from apt_model.memory.paging.backward_step import BackwardStep
@@ -59,19 +59,6 @@ def _builds_graph(args, kwargs) -> bool:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 return True
     return False
-
-
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """The data pointer of ``t``'s storage — of the tensor inside, for a ``torch.func`` wrapper
-    (``vmap``'s batched tensors, ``grad``'s wrapped ones have no storage of their own) — or None
-    for a tensor without storage."""
-    functorch = torch._C._functorch
-    while functorch.is_functorch_wrapped_tensor(t) or functorch.is_batchedtensor(t):
-        t = functorch.get_unwrapped(t)
-    try:
-        return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):
-        return None
 
 
 def _grad_of(ref: weakref.ref) -> torch.Tensor | None:
@@ -849,7 +836,7 @@ class PagingSession:
                         self._pin_alias(t, page, st.data_ptr())
                     continue
                 if isinstance(t, torch.Tensor) and t.device.type == self.pager.device.type:
-                    ptr = _storage_ptr(t)
+                    ptr = storage_ptr(t)
                     page = by_ptr.get(ptr)
                     # an in-place op returns the paged tensor itself (``p.grad.zero_()``): that is
                     # the page's own tensor, freed and refilled by paging, not an alias to protect
@@ -972,7 +959,7 @@ class PagingSession:
                         "the model): loading it needs room on level 0, and %s", page.label, err)
             return self.pager.materialize(page)
         alias = p.detach()
-        self._track_alias(alias, page, _storage_ptr(alias))
+        self._track_alias(alias, page, storage_ptr(alias))
         return alias
 
     # ------------------------------------------------------------------ teardown and report

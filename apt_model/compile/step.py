@@ -28,6 +28,7 @@ import weakref
 
 import torch.nn as nn
 
+from apt_model.base.call_wrapper import script_call
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
 from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import compiler_for
@@ -64,7 +65,7 @@ def softmax_callers(model: nn.Module) -> list[str]:
 def compiled_by_script(model: nn.Module) -> bool:
     """Whether ``model`` is compiled by the script: ``model.compile()`` was called (the module's
     ``_compiled_call_impl`` is set) or it is the ``OptimizedModule`` ``torch.compile(model)`` returns."""
-    if getattr(model, "_compiled_call_impl", None) is not None:
+    if script_call(model) is not None:  # not the switch's own call wrapper (base/call_wrapper.py)
         return True
     from torch._dynamo.eval_frame import OptimizedModule
 

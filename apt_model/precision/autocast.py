@@ -23,17 +23,33 @@ outputs to the end of that backward pass (:mod:`apt_model.devices.call_timer`). 
 can halve a small model's forward yet slow its backward. When the trial ends, autocast stays on
 only if it was faster on this very model, and ``on_verdict`` is told either way.
 
+**A forward that raises under the switch's autocast** runs again at once without it, and autocast
+stays off for that model from then on, with the reason in the report and a warning. Ops that
+mix dtypes in place fail under autocast and not without it: ``out.index_add_(0, idx, y)`` into an
+fp32 buffer with ``y`` from a ``Linear`` (bf16 under autocast) raises "self (Float) and source
+(BFloat16) must have the same scalar type" — hand-written mixture-of-experts and graph layers do
+this —, as do ``scatter_add_``, ``masked_scatter_``, ``.numpy()`` of a bf16 tensor, and custom
+kernels that take fp32 only. Before 2026-11-28 such a script crashed at its first call under the
+switch's bf16 while it ran as written without the switch. The retry wraps the model's whole call
+(:mod:`~apt_model.base.call_wrapper`); what the failed attempt did before it raised stays done (a
+BatchNorm's running statistics updated once more, random numbers drawn). If the retry raises too,
+the error was not autocast's: that error propagates and autocast stays as it was. Out of memory
+is never retried. Backward is not covered: an op whose *backward* fails in bf16 still fails.
+
 How a sample is timed — forward and backward, with device events, no thread-locals across
 forward and backward, nothing after the verdict — is :mod:`apt_model.devices.call_timer`'s job
 (the same mechanism times the compile ladder's trial).
 """
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 
+from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, watch_compilation
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import to_fp32
@@ -112,6 +128,8 @@ class AutocastHooks:
         # in between: the recomputation would save tensors of other dtypes, a CheckpointError)
         self._last_use: bool | None = None
         self._script_calls = 0  # training calls in a row the script managed precision for
+        #: why autocast was turned off after a forward raised under it (None: it never did)
+        self.failure: str | None = None
         self._max_lag = max_lag
         self.timer = CallTimer(trial, self._verdict, self.device, clock, max_lag) if trial is not None else None
         self._init_runtime()
@@ -127,6 +145,9 @@ class AutocastHooks:
         # the autocast contexts the calls under way entered, per thread (left by the forward hook,
         # or after an interrupt by the next call / disable())
         self._scopes = ForwardScopes(on_abandon=self._abandon)
+        # per thread: ``raised`` — the exception a call raised under this autocast (left by the
+        # forward hook for the call wrapper to see); ``retrying`` — the wrapper's retry is running
+        self._tls = threading.local()
         if self.timer is not None:
             self.timer.on_verdict = self._verdict
 
@@ -142,7 +163,7 @@ class AutocastHooks:
         """A copy of the model (``copy.deepcopy`` for an EMA, ``torch.save(model)``) carries inert
         hooks: it runs as written, in fp32, like any copy of an adopted model (before 2026-11-26 it
         kept autocast, also after ``disable()`` and when loaded without the switch)."""
-        state = {k: v for k, v in self.__dict__.items() if k != "_scopes"}
+        state = {k: v for k, v in self.__dict__.items() if k not in ("_scopes", "_tls")}
         state["on_verdict"] = None
         state["active"] = False
         state["timer"] = None
@@ -154,12 +175,26 @@ class AutocastHooks:
 
     def _verdict(self, keep: bool, summary: dict) -> None:
         self.active = keep
+        if self.failure is not None:
+            summary = {**summary, "failed": self.failure}
         if self.on_verdict is not None:
             self.on_verdict(keep, summary)
 
     def pre(self, module: nn.Module, args: tuple) -> None:
         """The forward pre-hook (eagerly also under compilation: :func:`~apt_model.base.forward_scope.eagerly`)."""
         return eagerly(self._pre, module, args)
+
+    def adopting_call(self, module: nn.Module, args: tuple) -> None:
+        """The pre-hook's part for the call during which the model was adopted (PyTorch ran its
+        pre-hooks before the hooks existed): that call runs as written, in fp32. Its forward is
+        under way outside :meth:`the_call`, which could not run it again had it raised under
+        autocast; autocast and its trial start at the next call."""
+        return eagerly(self._adopting_call, module, args)
+
+    def _adopting_call(self, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled() and module.training and not in_backward():
+            self._last_use = False  # its recomputation in backward (checkpointing) runs the same
+        self._scopes.push(None)
 
     def post(self, module: nn.Module, args: tuple, output):
         """The forward hook, always called (eagerly also under compilation)."""
@@ -174,6 +209,11 @@ class AutocastHooks:
             if ctx is not None:
                 ctx.__enter__()
             self._scopes.push(ctx, None)
+            return None
+        if getattr(self._tls, "retrying", False):  # the call wrapper's retry of a call that raised under autocast
+            if torch.is_grad_enabled() and module.training and not recomputing:
+                self._last_use = False
+            self._scopes.push(None)
             return None
         if not torch.is_grad_enabled() and not module.training:
             # evaluation and generation (a model in eval mode under no_grad / inference_mode) run as
@@ -229,10 +269,56 @@ class AutocastHooks:
             return None
         if ctx is not None:
             ctx.__exit__(None, None, None)
+            raised = sys.exc_info()[1]
+            if raised is not None and output is None and not in_backward():
+                # forward raised (torch runs this hook in its except clause); not a recomputation
+                self._tls.raised = raised  # for the call wrapper (the_call), which runs the call again without autocast
+                if sample is not None:
+                    self.timer.abandon()
+                return None
             output = to_fp32(output)
         if sample is not None:
             self.timer.end(module, output, sample)
         return output if ctx is not None else None
+
+    def the_call(self, inner: Callable) -> Callable:
+        """The model's call wrapped (:func:`~apt_model.base.call_wrapper.wrap_call`): a call that
+        raised under this autocast runs again without it; if that succeeds, autocast is off for
+        this model from then on (:meth:`_turn_off`), else the retry's error propagates."""
+        tls = self._tls
+
+        def call(*args, **kwargs):
+            if torch.compiler.is_compiling() or in_backward():
+                # a recomputation in backward (checkpointing) runs what its forward ran, and stops
+                # early by raising: never run again
+                return inner(*args, **kwargs)
+            tls.raised = None
+            try:
+                return inner(*args, **kwargs)
+            except Exception as err:
+                raised, tls.raised = getattr(tls, "raised", None), None
+                if raised is not err or isinstance(err, torch.OutOfMemoryError) or getattr(tls, "retrying", False):
+                    raise
+                tls.retrying = True
+                try:
+                    out = inner(*args, **kwargs)
+                finally:
+                    tls.retrying = False
+                self._turn_off(err)
+                return out
+
+        return call
+
+    def _turn_off(self, err: Exception) -> None:
+        first = (str(err).strip().splitlines() or [""])[0][:200]
+        self.failure = (f"the forward raised under {str(self.dtype).replace('torch.', '')} autocast "
+                        f"({type(err).__name__}: {first}) and ran without it")
+        log.warning("apt_model: %s; autocast stays off for this model", self.failure)
+        timer = self.timer
+        if timer is not None and timer.trial.running:
+            timer.give_up(self.failure)  # -> _verdict(False, summary with "failed")
+        else:
+            self._verdict(False, {"failed": self.failure})
 
 
 def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patches: PatchSet,
@@ -248,6 +334,7 @@ def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patc
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")
     patches.add_undo(hooks.unwind, f"autocast contexts left entered {type(model).__name__}")
+    wrap_call(model, hooks.the_call, patches, f"autocast retry around the call of {type(model).__name__}")
     if hooks.timer is not None:
         patches.add_undo(hooks.timer.close, f"autocast trial's backward hooks {type(model).__name__}")
     return hooks

@@ -92,14 +92,18 @@ class PrecisionStep(FeatureStep):
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         dname, trial = decision.plan
         want = decision.chosen
-        on_verdict = (lambda keep, summary: ctx.record_later(self._verdict(want, keep, summary))) if trial else None
+        req = ctx.config.mixed_precision
+        on_verdict = lambda keep, summary: ctx.record_later(self._verdict(req, want, keep, summary))  # noqa: E731
         hooks = attach_autocast(model, ctx.device.type, getattr(torch, dname), patches, trial, on_verdict,
                                 device=ctx.device)
         self.hooks.append(hooks)
-        ctx.on_first_call(lambda module, args, kwargs: hooks.pre(module, args))
+        ctx.on_first_call(lambda module, args, kwargs: hooks.adopting_call(module, args))
         return decision
 
-    def _verdict(self, want: str, keep: bool, summary: dict) -> Decision:
+    def _verdict(self, req: str, want: str, keep: bool, summary: dict) -> Decision:
+        if summary.get("failed"):  # a forward raised under autocast and ran again without it
+            return Decision(self.name, req, "fp32", f"turned off: {summary['failed']}; the model's calls run as "
+                            "written from then on", details={"trial": summary} if "calls" in summary else {})
         if summary.get("gave_up"):
             return Decision(self.name, "auto", "fp32", f"turned off: the trial on this model gave up ({summary['gave_up']}), "
                             "so the script's own precision is kept", details={"trial": summary})

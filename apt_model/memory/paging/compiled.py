@@ -60,6 +60,7 @@ import torch
 import torch.nn as nn
 import torch.nn.modules.module as module_mod
 
+from apt_model.base.call_wrapper import script_call
 from apt_model.base.log import get_logger
 from apt_model.memory.pages import live_page
 
@@ -262,7 +263,7 @@ def _bound_to_torchs_call(m: nn.Module) -> bool:
     """Whether ``m`` was compiled with ``Module.compile()`` while paging was off: its compiled call
     wraps torch's own ``_call_impl`` (one compiled while paging was on, in this or an earlier
     session, wraps the patched one and runs a paged module eagerly by itself)."""
-    compiled = getattr(m, "_compiled_call_impl", None)
+    compiled = script_call(m)  # the switch's own call wrapper is not a compiled call
     if compiled is None:
         return False
     orig = getattr(compiled, "_torchdynamo_orig_callable", None)

@@ -1,0 +1,130 @@
+"""A forward that raises only under the switch's autocast runs again without it.
+
+A hand-written mixture-of-experts layer adds its experts' outputs into an fp32 buffer with
+``index_add_``; under bf16 autocast the experts' ``Linear`` outputs are bf16 and ``index_add_``
+raises ("self (Float) and source (BFloat16) must have the same scalar type"). Without the switch
+the script trains; before 2026-11-28 it crashed with the switch on wherever its autocast was on
+(forced, on trial, or kept by the trial: any GPU in balanced mode).
+"""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import apt_model.optimization.vb_global as vb
+
+
+class Experts(nn.Module):
+    """Two experts, each token routed to one by a gate; outputs added into an fp32 buffer."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.gate = nn.Linear(width, 2)
+        self.experts = nn.ModuleList(nn.Linear(width, width) for _ in range(2))
+        self.head = nn.Linear(width, 4)
+
+    def forward(self, x):
+        pick = self.gate(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            idx = (pick == i).nonzero().squeeze(1)
+            out.index_add_(0, idx, expert(x[idx]))
+        return self.head(out)
+
+
+def _loss(model, x):
+    return model(x).square().mean()
+
+
+SETTINGS = {
+    "forced bf16": dict(mixed_precision="bf16"),
+    "on trial": dict(mixed_precision="auto", autocast_min_speedup=0.01, autocast_trial_calls=4),
+    "paged, forced bf16": dict(mixed_precision="bf16", paging="always"),
+}
+
+
+@pytest.mark.parametrize("adopted", ["at .to()", "at its first call"])
+@pytest.mark.parametrize("how", list(SETTINGS))
+def test_a_forward_raising_only_under_autocast_runs_again_without_it(cpu_device, caplog, how, adopted):
+    torch.manual_seed(0)
+    model = Experts()
+    plain = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    vb.enable("balanced", compile="off", banner=False, **SETTINGS[how])
+    try:
+        if adopted == "at .to()":
+            model.to("cpu")
+        for _ in range(4):
+            x = torch.randn(8, 16, generator=gen)
+            loss = _loss(model, x)
+            want = _loss(plain, x)
+            assert torch.equal(loss, want)  # every call ended in fp32, as written
+            for o, m in ((opt, model), (plain_opt, plain)):
+                o.zero_grad()
+                (loss if m is model else want).backward()
+                o.step()
+        hooks = model._vb_autocast
+        assert not hooks.active and "index_add_" in hooks.failure, hooks.failure
+        feat = vb.get_report()["models"][0]["features"]["mixed_precision"]
+        assert feat["chosen"] == "fp32" and "raised under bfloat16 autocast" in feat["reason"], feat
+        assert "index_add_" in feat["reason"]
+        assert any("autocast stays off for this model" in r.getMessage() for r in caplog.records)
+    finally:
+        vb.disable()
+    for p, q in zip(model.parameters(), plain.parameters()):
+        assert torch.equal(p, q)
+    assert model._compiled_call_impl is None  # the call wrapper is gone with the switch
+
+
+class Raises(nn.Module):
+    """Raises ``error`` at every call, autocast or not; counts its calls."""
+
+    def __init__(self, error: Exception):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.error, self.calls = error, 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.lin(x)
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [ValueError("the script's own bug"), torch.OutOfMemoryError("out of memory")],
+                         ids=["raises also without autocast", "out of memory"])
+def test_an_error_not_caused_by_autocast_propagates_and_autocast_stays(cpu_device, error):
+    """The retry of a call that raises also without autocast raises that error, and autocast stays
+    on; out of memory (a script catching it to try a smaller batch) is never retried."""
+    model = Raises(error)
+    vb.enable("balanced", mixed_precision="bf16", compile="off", banner=False)
+    try:
+        model.to("cpu")
+        with pytest.raises(type(error)):
+            model(torch.randn(2, 4))
+        hooks = model._vb_autocast
+        assert hooks.active and hooks.failure is None
+        assert model.calls == (1 if isinstance(error, torch.OutOfMemoryError) else 2)
+        assert vb.get_report()["models"][0]["features"]["mixed_precision"]["chosen"] == "bf16"
+    finally:
+        vb.disable()
+
+
+def test_the_call_wrapper_does_not_hide_a_compile_by_the_script(cpu_device):
+    """``Module.compile()`` after adoption replaces the switch's call wrapper; ``disable()`` then
+    leaves the script's compiled call in place."""
+    from apt_model.base.call_wrapper import script_call
+
+    model = Experts()
+    vb.enable("balanced", mixed_precision="bf16", compile="off", banner=False)
+    try:
+        model.to("cpu")
+        assert model._compiled_call_impl is not None and script_call(model) is None
+        model.compile(backend="eager")
+        compiled = model._compiled_call_impl
+        assert script_call(model) is not None
+    finally:
+        vb.disable()
+    assert model._compiled_call_impl is compiled

@@ -55,9 +55,12 @@ def test_config_suggest_json_plans_for_the_accelerator():
 def test_config_show_json_in_a_subprocess(tmp_path):
     (tmp_path / ".vbrc").write_text('# TOML\nmode = "memory"\nattention = "off"\n')
     proc = apt_vb("config", "show", "--json", cwd=tmp_path, VB_CONFIG="", XDG_CONFIG_HOME=str(tmp_path / "x"),
-                  VB_PAGING="off")
+                  VB_PAGING="off", VB_PAGNG="always")
     assert proc.returncode == 0, proc.stderr[-2000:]
     sj = json.loads(proc.stdout)
+    # a misspelled variable name: named, with the closest real one, not silently ignored
+    assert sj["config"]["unknown_variables"] == [{"name": "VB_PAGNG", "did_you_mean": "VB_PAGING"}]
+    assert "VB_PAGNG is not a setting apt_model reads" in proc.stderr and "did you mean VB_PAGING?" in proc.stderr
     src = f"file:{tmp_path / '.vbrc'}"
     assert [f["scope"] for f in sj["files"]] == ["user", "project"] and sj["files"][1]["exists"]
     assert sj["config"]["mode"] == "memory" and sj["config"]["mode_source"] == src
@@ -152,3 +155,21 @@ def test_config_load_check_refuses_an_unknown_prefer_kind_naming_the_file_and_li
     assert main(["config", "load", str(f), "--check"]) == 2
     err = capsys.readouterr().err
     assert f"{f}:2: prefer='gpu' is not a device kind; valid: " in err and "cpu" in err
+
+
+def test_enable_warns_about_a_misspelled_variable_name(monkeypatch, caplog, cpu_device):
+    """``VB_MDOE=memory`` was ignored without a word: the script ran in balanced mode, not paging
+    (a probe's finding). A typo in a name is a warning (another tool may use the prefix), once."""
+    import apt_model.optimization.vb_global as vb
+
+    monkeypatch.setenv("VB_MDOE", "memory")
+    monkeypatch.setenv("VB_ZZZ_UNRELATED", "1")
+    for _ in range(2):
+        vb.enable("balanced", banner=False)
+        vb.disable()
+    said = [r.getMessage() for r in caplog.records if "is not a setting apt_model reads" in r.getMessage()]
+    assert len([m for m in said if "VB_MDOE" in m]) <= 1 and len(said) <= 2  # once per process
+    from apt_model.switch.config import describe_unknown_env, unknown_env_names
+
+    assert ("VB_MDOE", "VB_MODE") in unknown_env_names() and ("VB_ZZZ_UNRELATED", None) in unknown_env_names()
+    assert "did you mean VB_MODE?" in describe_unknown_env("VB_MDOE", "VB_MODE")

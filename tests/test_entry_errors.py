@@ -50,6 +50,13 @@ def test_main_job_bad_flag_is_one_line_naming_the_flag(tmp_path):
     (["--steps", "0"], "--steps 0 must be a positive integer"),
     (["--swap-dir", "/does/not/exist"], "--swap-dir '/does/not/exist' is not an existing folder"),
     (["--vb-mode", "fast"], "argument --vb-mode: invalid choice: 'fast'"),
+    # a negative clip norm scaled every gradient by a negative factor: the job trained the model
+    # backwards, loss 5.4 -> 18.1, and exited 0 (a probe's finding); --lr -1 / nan was a traceback
+    (["--grad-clip", "-1"], "--grad-clip -1.0 must be a finite number >= 0 (0: no clipping)"),
+    (["--lr", "nan"], "--lr nan must be a finite number > 0"),
+    (["--lr", "0"], "--lr 0.0 must be a finite number > 0"),
+    (["--weight-decay", "-0.1"], "--weight-decay -0.1 must be a finite number >= 0"),
+    (["--warmup", "-1"], "--warmup -1 must be 0 or more"),
 ])
 def test_main_job_flags_in_process(argv, needle, capsys, tmp_path):
     train = load_train()
@@ -58,6 +65,19 @@ def test_main_job_flags_in_process(argv, needle, capsys, tmp_path):
     assert exc.value.code == 2
     captured = capsys.readouterr()
     assert needle in one_error_line(captured.err, "train.py") and captured.out == ""
+
+
+def test_main_job_out_folder_is_checked_before_training(capsys, tmp_path):
+    """An --out folder that cannot be created failed after the whole run, losing it (a probe's finding)."""
+    train = load_train()
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for out, needle in ((blocker, "is a file"), (blocker / "sub", "cannot be created")):
+        with pytest.raises(SystemExit) as exc:
+            train.main(["--out", str(out), "--steps", "1"])
+        assert exc.value.code == 2
+        captured = capsys.readouterr()
+        assert needle in one_error_line(captured.err, "train.py") and captured.out == ""
 
 
 def test_main_job_bad_variable_names_the_variable(monkeypatch, capsys, tmp_path):

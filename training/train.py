@@ -149,7 +149,9 @@ def check_flags(args) -> None:
     """Check the flags before anything runs, so a mistake is reported as the flag the user typed.
 
     Raises:
-        ConfigError: a non-positive count, a malformed size, a missing ``--swap-dir`` or ``--data``,
+        ConfigError: a non-positive count, a negative, zero (``--lr``) or non-finite ``--lr`` /
+            ``--grad-clip`` / ``--weight-decay``, an ``--out`` that is a file or cannot be created,
+            a malformed size, a missing ``--swap-dir`` or ``--data``,
             a malformed device or unknown device kind (naming the flag and the valid forms).
         DeviceSelectionError: ``--device`` names a device that is not usable here.
     """
@@ -160,6 +162,20 @@ def check_flags(args) -> None:
                         ("--max-bytes", args.max_bytes), ("--seq-len", args.seq_len)):
         if value is not None and value < 1:
             raise ConfigError(f"{flag} {value} must be a positive integer")
+    if args.warmup < 0:
+        raise ConfigError(f"--warmup {args.warmup} must be 0 or more")
+    for flag, value, least in (("--lr", args.lr, "> 0"), ("--grad-clip", args.grad_clip, ">= 0 (0: no clipping)"),
+                               ("--weight-decay", args.weight_decay, ">= 0")):
+        bad = not math.isfinite(value) or value < 0 or (value == 0 and flag == "--lr")
+        if bad:  # a negative clip norm scaled every gradient by a negative factor: gradient ascent
+            raise ConfigError(f"{flag} {value} must be a finite number {least}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {args.out!r} is a file; give a folder for checkpoint.pt and report.json")
+    try:  # checked before training, not after it: a folder that cannot be made lost the whole run
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"--out {args.out!r} cannot be created ({err.strerror or err}); give a writable folder") from None
     for flag, value in (("--device-budget", args.device_budget), ("--host-budget", args.host_budget)):
         if value is not None:
             parse_size(value, flag)

@@ -109,13 +109,14 @@ def resolved_config() -> dict:
     """What ``enable()`` with no arguments would use now: ``mode``, ``mode_source``, every
     feature and setting as ``{"value", "source"}``, and under ``variables`` the variables read
     where they are used (``VB_SWAP_TIMEOUT``, ``VB_LOG_LEVEL``...) as ``{"value", "source"}``
-    (``default`` when unset). Nothing is enabled.
+    (``default`` when unset), and under ``unknown_variables`` the ``VB_*`` variables set that no
+    setting reads, each with the closest known name (``did_you_mean``, or None). Nothing is enabled.
 
     Raises:
         ConfigError: a bad environment variable or ``.vbrc`` (path and line named).
     """
     from apt_model.base.settings import read_env
-    from apt_model.switch.config import build_config
+    from apt_model.switch.config import build_config, unknown_env_names
     from apt_model.switch.settings import TABLE
 
     cfg = build_config(None, {})
@@ -126,7 +127,8 @@ def resolved_config() -> dict:
     return {"mode": cfg.mode, "mode_source": cfg.sources["mode"],
             "features": {k: {"value": v, "source": cfg.sources[k]} for k, v in cfg.features.items()},
             "settings": cfg.shown_settings(),
-            "variables": variables}
+            "variables": variables,
+            "unknown_variables": [{"name": n, "did_you_mean": c} for n, c in unknown_env_names()]}
 
 
 def _files() -> list[dict]:
@@ -147,6 +149,11 @@ def format_resolved(files: list[dict], resolved: dict) -> str:
         out.append(f"{section}:" if section != "variables" else "variables read where they are used:")
         for k, v in resolved.get(section, {}).items():
             out.append(f"  {k:<27} {json.dumps(v['value'], default=str):<22} {v['source']}")
+    unknown = resolved.get("unknown_variables") or []
+    if unknown:
+        out.append("unknown VB_* variables (ignored):")
+        out.extend(f"  {u['name']}" + (f"  did you mean {u['did_you_mean']}?" if u["did_you_mean"] else "")
+                   for u in unknown)
     return "\n".join(out)
 
 

@@ -11,12 +11,41 @@ variable is only read later, where it is used (``VB_SWAP_TIMEOUT``, ``VB_PROBE_C
 """
 from __future__ import annotations
 
+import difflib
+import os
 from dataclasses import dataclass, field
 
 from apt_model.base.errors import ConfigError
+from apt_model.base.log import get_logger
 from apt_model.base.settings import read_env
 from apt_model.switch.modes import DEFAULT_MODE, MODE_TABLE, validate_feature_value, validate_mode
 from apt_model.switch.settings import MODE, TABLE
+
+log = get_logger(__name__)
+
+_warned_unknown: set[str] = set()  # unknown variable names already warned about (once per process)
+
+
+def unknown_env_names(environ=None) -> list[tuple[str, str | None]]:
+    """The ``VB_*`` variables set in ``environ`` (default ``os.environ``) that no setting reads, each
+    with the known name closest to it (None when nothing is close): ``VB_MDOE`` -> ``VB_MODE``.
+    A typo in a variable's *name* is otherwise ignored without a word (the setting keeps its
+    default), where a typo in its value fails (a probe's finding, 2026-11-28)."""
+    env = os.environ if environ is None else environ
+    known = sorted(e.env for e in TABLE if e.env)
+    out = []
+    for name in sorted(env):
+        if name.startswith("VB_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            out.append((name, close[0] if close else None))
+    return out
+
+
+def describe_unknown_env(name: str, close: str | None) -> str:
+    """One line about an unknown ``VB_*`` variable (see :func:`unknown_env_names`)."""
+    hint = f"did you mean {close}? " if close else ""
+    return (f"environment variable {name} is not a setting apt_model reads: ignored ({hint}the variables are "
+            "listed in docs/configuration.md and by `apt-vb config show`)")
 
 #: Settings that are not features: name -> default (from :data:`~apt_model.switch.settings.TABLE`).
 SETTINGS = {s.name: s.default for s in TABLE.of_kind("setting")}
@@ -155,6 +184,10 @@ def build_config(mode: str | None, overrides: dict | None = None) -> VBConfig:
         target = cfg.features if entry.kind == "feature" else cfg.settings
         target[entry.name] = entry.default if entry.env_at_use else value  # VB_DEVICE: the ranking reads it
         cfg.sources[entry.name] = source
+    for name, close in unknown_env_names():
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            log.warning(describe_unknown_env(name, close))
     valid = TABLE.names("feature", "setting")
     for name, value in (overrides or {}).items():
         if name not in valid:

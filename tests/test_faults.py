@@ -973,6 +973,35 @@ def test_a_full_disk_under_the_probe_names_the_probe(tmp_path, monkeypatch):
     assert "bandwidth probe could not write" in str(info.value) and "evict" not in str(info.value)
 
 
+def test_a_model_the_levels_cannot_hold_is_refused_before_anything_is_paged(tmp_path, cpu_device):
+    """A swap_budget below what the paged parameters and gradients need: the model was refused
+    halfway through being paged (SwapFullError while its parameters were written out) and left
+    half-paged with the switch on - state_dict() and every later call raised again (a probe's
+    finding). It is refused up front now, naming the room and the swap_budget to set; nothing is
+    paged, so the model stays readable and usable."""
+    torch.manual_seed(0)
+    nn = torch.nn
+    m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    vb.enable("balanced", swap_dir=str(tmp_path), paging="always", device_budget="64KB", swap_budget="1KB",
+              mixed_precision="off", compile="off", banner=False)
+    try:
+        with pytest.raises(ConfigError) as info:
+            m.to("cpu")
+        text = str(info.value)
+        assert "cannot be paged" in text and "swap_budget 1000B" in text and "raise swap_budget" in text, text
+        feat = vb.get_report()["models"][0]["features"]["paging"]
+        assert feat["chosen"] == "refused" and "cannot be paged" in feat["reason"]
+        sd = m.state_dict()  # readable: nothing was paged
+        assert all(torch.equal(sd[n], before[n]) for n in before)
+        m(torch.randn(2, 64)).sum().backward()  # and trains, unpaged
+        assert all(p.grad is not None for p in m.parameters())
+    finally:
+        vb.disable()
+    for n, p in m.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
 # ------------------------------------------------------------------ 7. input gaps of the memory stack
 def test_sizes_are_whole_bytes_and_everything_else_is_refused():
     """A size is a whole number of bytes >= 1: fractions of a byte (``device_budget=3.5`` used to be

@@ -24,6 +24,7 @@ This module imports nothing above :mod:`apt_model.base`.
 """
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass
@@ -184,6 +185,25 @@ def read_env(setting: Setting, environ: Mapping[str, str] | None = None) -> tupl
     if raw is None or not raw.strip():
         return None
     return setting.validate(raw.strip(), setting.env), f"environment:{setting.env}"
+
+
+#: The prefix of apt_model's variable names (``ENABLE_VIRTUAL_BLACKWELL`` and ``APT_MODEL_CACHE`` aside).
+ENV_PREFIX = "VB_"
+
+
+def unknown_env_names(known: Iterable[str], environ: Mapping[str, str] | None = None) -> list[tuple[str, str | None]]:
+    """The ``VB_*`` variables set in ``environ`` (default ``os.environ``) that are not in ``known``,
+    sorted, each with the name of ``known`` closest to it (``difflib``, None when nothing is close):
+    ``VB_MDOE`` -> ``VB_MODE``. A typo in a variable's *name* is otherwise ignored without a
+    word, where a typo in its value fails."""
+    env = os.environ if environ is None else environ
+    known = sorted(k for k in known if k)
+    out = []
+    for name in sorted(env):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
+            out.append((name, close[0] if close else None))
+    return out
 
 
 def relabel(err: ConfigError, name: str, label: str) -> ConfigError:

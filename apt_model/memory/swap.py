@@ -506,7 +506,7 @@ class SwapSpace:
                     self.stale_bytes += old_n
                 raise SwapFullError(
                     f"swap budget exceeded in {self.folder}: writing {n} bytes would put {self.bytes_on_disk + n} "
-                    f"bytes on disk, over VB_SWAP_BUDGET={self.budget} bytes (writing {key})"
+                    f"bytes on disk, over the swap budget of {self.budget} bytes (swap_budget / VB_SWAP_BUDGET; writing {key})"
                 )
             self.bytes_on_disk += n - old_n
         try:

@@ -30,7 +30,9 @@ fp32 buffer with ``y`` from a ``Linear`` (bf16 under autocast) raises "self (Flo
 (BFloat16) must have the same scalar type" — hand-written mixture-of-experts and graph layers do
 this —, as do ``scatter_add_``, ``masked_scatter_``, ``.numpy()`` of a bf16 tensor, and custom
 kernels that take fp32 only. Before 2026-11-28 such a script crashed at its first call under the
-switch's bf16 while it ran as written without the switch. The retry wraps the model's whole call
+switch's bf16 while it ran as written without the switch. Only an error whose message is about
+dtypes (names the autocast dtype, fp32, "dtype" or "scalar type") is retried: a shape or device
+error would only raise again. The retry wraps the model's whole call
 (:mod:`~apt_model.base.call_wrapper`); what the failed attempt did before it raised stays done (a
 BatchNorm's running statistics updated once more, random numbers drawn). If the retry raises too,
 the error was not autocast's: that error propagates and autocast stays as it was. Out of memory
@@ -75,6 +77,11 @@ def _framework_autocast(module: nn.Module) -> bool:
     autocast starts inside the call, after the pre-hook looked, so the trial compared bf16 with
     bf16 and reported on it (a probe's finding, 2026-11-28)."""
     return "forward" in module.__dict__ and getattr(module, "_original_forward", None) is not None
+
+
+#: Words in an error's message (lower-cased) that name an autocast dtype: a forward that raised
+#: with one of them (or "dtype", "scalar type", fp32) under the switch's autocast runs again without it.
+DTYPE_WORDS = {torch.bfloat16: ("bfloat16", "bf16"), torch.float16: ("half", "float16", "fp16")}
 
 
 #: Training calls in a row the script manages precision for (its own autocast on, the model cast)
@@ -297,17 +304,28 @@ class AutocastHooks:
                 return inner(*args, **kwargs)
             except Exception as err:
                 raised, tls.raised = getattr(tls, "raised", None), None
-                if raised is not err or isinstance(err, torch.OutOfMemoryError) or getattr(tls, "retrying", False):
+                if (raised is not err or isinstance(err, torch.OutOfMemoryError) or getattr(tls, "retrying", False)
+                        or not self._about_dtypes(err)):
                     raise
                 tls.retrying = True
                 try:
                     out = inner(*args, **kwargs)
+                except Exception as again:  # not autocast's: the error plain PyTorch raises, alone
+                    raise again from None
                 finally:
                     tls.retrying = False
                 self._turn_off(err)
                 return out
 
         return call
+
+    def _about_dtypes(self, err: Exception) -> bool:
+        """Whether ``err``'s message is about dtypes (names this autocast's dtype, fp32, a dtype or a
+        scalar type): only such a call is run again. A shape or device error would raise again
+        without autocast; running the forward twice would only repeat its side effects."""
+        text = str(err).lower()
+        names = DTYPE_WORDS.get(self.dtype, ()) + ("dtype", "scalar type", "scalartype", "float32", "fp32")
+        return any(w in text for w in names)
 
     def _turn_off(self, err: Exception) -> None:
         first = (str(err).strip().splitlines() or [""])[0][:200]

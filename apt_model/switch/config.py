@@ -11,13 +11,12 @@ variable is only read later, where it is used (``VB_SWAP_TIMEOUT``, ``VB_PROBE_C
 """
 from __future__ import annotations
 
-import difflib
-import os
 from dataclasses import dataclass, field
 
 from apt_model.base.errors import ConfigError
 from apt_model.base.log import get_logger
 from apt_model.base.settings import read_env
+from apt_model.base.settings import unknown_env_names as _unknown_env_names
 from apt_model.switch.modes import DEFAULT_MODE, MODE_TABLE, validate_feature_value, validate_mode
 from apt_model.switch.settings import MODE, TABLE
 
@@ -27,18 +26,10 @@ _warned_unknown: set[str] = set()  # unknown variable names already warned about
 
 
 def unknown_env_names(environ=None) -> list[tuple[str, str | None]]:
-    """The ``VB_*`` variables set in ``environ`` (default ``os.environ``) that no setting reads, each
-    with the known name closest to it (None when nothing is close): ``VB_MDOE`` -> ``VB_MODE``.
-    A typo in a variable's *name* is otherwise ignored without a word (the setting keeps its
-    default), where a typo in its value fails (a probe's finding, 2026-11-28)."""
-    env = os.environ if environ is None else environ
-    known = sorted(e.env for e in TABLE if e.env)
-    out = []
-    for name in sorted(env):
-        if name.startswith("VB_") and name not in known:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.75)
-            out.append((name, close[0] if close else None))
-    return out
+    """The ``VB_*`` variables set that no setting of :data:`TABLE` reads, each with the closest
+    known name (see :func:`apt_model.base.settings.unknown_env_names`; a probe's finding,
+    2026-11-28: ``VB_MDOE=memory`` ran balanced mode without a word)."""
+    return _unknown_env_names((e.env for e in TABLE), environ)
 
 
 def describe_unknown_env(name: str, close: str | None) -> str:

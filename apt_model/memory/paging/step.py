@@ -25,6 +25,7 @@ import torch.nn as nn
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
+from apt_model.base.sizes import format_size, format_size_at_least
 from apt_model.memory.paging.resident import ResidentModels
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
 from apt_model.memory.placement import PagingBudgetError, plan_placement
@@ -95,6 +96,7 @@ class PagingStep(FeatureStep):
         bw = stack.measure()
         plan = self._plan(model, budget, bw["disk"], req == "always", taken, warn=True, levels=stack.levels,
                           device=ctx.device)
+        self._check_capacity(model, plan)
         step = self._step_placement(plan, ctx)
         return Decision(self.name, req, "paged", plan.reason, [str(level) for level in stack.levels], act=True,
                         plan=plan, details={"plan": plan.to_dict(), "optimizer_step": step.to_dict()},
@@ -119,6 +121,39 @@ class PagingStep(FeatureStep):
             plan.reason = (plan.reason.replace("forced by the caller", "everything paged: adopted after other "
                                                "models, it does not fit what they keep resident", 1) + f" ({err})")
             return plan
+
+    def _check_capacity(self, model: nn.Module, plan) -> None:
+        """Refuse a plan whose paged parameters and gradients alone cannot fit the room the levels
+        have: level 0's room for pages, the host level, and the swap files' room left
+        (``swap_budget`` or the disk's free space). Before 2026-11-28 such a model was refused
+        halfway through being paged (``SwapFullError`` while its parameters were written out), left
+        half-paged with the switch on: ``state_dict()`` and every later call raised again (a
+        probe's finding). Optimizer states are not counted (the plan's figure assumes AdamW; the
+        script's optimizer may keep fewer), only named in the suggestion.
+
+        Raises:
+            PagingBudgetError: naming the bytes, the levels' room and what to set.
+        """
+        stack = self.session.stack
+        certain = (plan.params_bytes if plan.page_params else 0) + (plan.grads_bytes if plan.page_grads else 0)
+        swap = stack.levels[-1]
+        swap_room = max(swap.capacity - stack.swap.bytes_on_disk, 0)
+        above = plan.page_budget + sum(level.capacity for level in stack.levels[1:-1])
+        if certain <= above + swap_room:
+            return
+        states = plan.states_bytes if plan.page_states else 0
+        need = certain + states - above + stack.swap.bytes_on_disk
+        setting = ("raise swap_budget (VB_SWAP_BUDGET) to at least " if stack.swap_budget else
+                   "free disk space there or give another swap_dir (VB_SWAP_DIR) with at least ")
+        raise PagingBudgetError(
+            f"{type(model).__name__} cannot be paged: its paged parameters"
+            + (" and gradients" if plan.page_grads and plan.page_params else "")
+            + f" alone are {format_size(certain)} (optimizer states ~{format_size(states)} more), but the memory "
+            f"levels have {format_size(above + swap_room)} of room: level 0 {format_size(plan.page_budget)} for pages"
+            + "".join(f", {level.kind} {format_size(level.capacity)}" for level in stack.levels[1:-1])
+            + f", swap files {format_size(swap_room)} (in {stack.swap.folder}"
+            + (f", swap_budget {format_size(stack.swap_budget)}" if stack.swap_budget else ", the disk's free space")
+            + f"); {setting}{format_size_at_least(need)} ({need} bytes) for the swap files")
 
     def _step_placement(self, plan, ctx: AdoptionContext):
         """Where the paged model's optimizer step runs (:mod:`~apt_model.memory.paging.step_placement`)."""

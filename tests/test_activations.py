@@ -920,22 +920,33 @@ def test_the_scripts_own_checkpoint_around_the_model_recomputes_the_first_call_e
         assert la == lb and all(torch.equal(a, b) for a, b in zip(ga, gb))
 
 
-def test_a_backward_after_disable_reads_its_offloaded_activations_back(tmp_path):
+@pytest.mark.parametrize("paged", [False, True])
+def test_a_backward_after_disable_reads_its_offloaded_activations_back(tmp_path, paged, cpu_device):
     """``with vb.enabled(...): loss = model(x)`` then ``loss.backward()`` outside: the offloader
     had shut its I/O threads and the swap files were gone ("cannot schedule new futures after
-    shutdown": a probe's finding). ``disable()`` brings a live graph's activations back first."""
+    shutdown": a probe's finding). ``disable()`` brings a live graph's activations back first.
+    With paging on too, the paging session (closed first) deleted the swap folder the offloader
+    shares before it could ("act0.bin is missing"), and the swap level's counters went negative
+    (-64 KiB resident in the report): a later probe's findings. The folder is the stack's now."""
     m, ref = gpt(layers=2), gpt(layers=2)
     x = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(3))
     torch.manual_seed(5)
     F.cross_entropy(ref(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)).backward()
+    paging = dict(paging="always", device_budget="128KB") if paged else {}
     with vb.enabled("memory", swap_dir=str(tmp_path), activation_budget="16KB", offload_min_bytes=1024,
-                    activation_checkpointing=False, **PLAIN):
+                    activation_checkpointing=False, **{**PLAIN, **paging}):
         m.to("cpu")
         torch.manual_seed(5)
         loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1))
-        assert vb.get_report()["activations"]["offload"]["offloaded_bytes"] > 0
+        rep = vb.get_report()
+        assert rep["activations"]["offload"]["offloaded_bytes"] > 0
+        assert rep["models"][0]["features"]["paging"]["chosen"] == ("paged" if paged else "off")
     loss.backward()
     assert all(torch.equal(a.grad, b.grad) for a, b in zip(m.parameters(), ref.parameters()))
+    if paged:
+        swap_level = vb.get_report()["stats"]["levels"][-1]
+        assert swap_level["resident_bytes"] == 0 and swap_level["stale_bytes"] == 0, swap_level
+    assert not list(tmp_path.glob("vb-*"))  # the swap folder went with the session
 
 
 def test_a_layer_instance_shared_across_depth_is_reported_as_such(tmp_path):

@@ -387,6 +387,50 @@ def test_a_paged_model_is_never_handed_to_ddp_dataparallel_or_fsdp2(world_of_one
     assert model(x).shape == (2, 4)  # still a working, paged model
 
 
+def test_fsdp2_meta_device_recipe_in_memory_mode_trains_like_plain(world_of_one, tmp_path, cpu_device):
+    """FSDP2's recipe (build on ``meta``, ``fully_shard``, ``to_empty``, ``reset_parameters``): the
+    model is first seen at its first call, already sharded. Memory mode's FP4 planning read the
+    storage of FSDP2's DTensor shards ("Attempted to access the data pointer on an invalid python
+    storage") on every rank (a probe's finding); FP4 now leaves such a model alone, saying why."""
+    from torch.distributed.fsdp import fully_shard
+
+    def run(switch: bool):
+        if switch:
+            vb.enable("memory", swap_dir=str(tmp_path), mixed_precision="off", compile="off", attention="off",
+                      banner=False)
+        try:
+            torch.manual_seed(0)
+            with torch.device("meta"):
+                model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+            fully_shard(model)
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            for m in model.modules():
+                if isinstance(m, nn.Linear):
+                    m.reset_parameters()
+            opt = torch.optim.AdamW(model.parameters())
+            gen = torch.Generator().manual_seed(1)
+            losses = []
+            for _ in range(3):
+                loss = model(torch.randn(8, 16, generator=gen)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.detach())
+            feats = vb.get_report()["models"][0]["features"] if switch else None
+            return losses, [p.full_tensor().detach().clone() for p in model.parameters()], feats
+        finally:
+            if switch:
+                vb.disable()
+
+    world_of_one()
+    plain_losses, plain_params, _ = run(False)
+    losses, params, feats = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert feats["fp4"]["chosen"] == "off" and "DTensor" in feats["fp4"]["reason"], feats["fp4"]
+
+
 def test_a_one_rank_group_of_the_script_is_reported_and_leaves_the_model_alone(world_of_one):
     import torch.distributed as dist
 

@@ -181,6 +181,9 @@ class Pager:
         reuse_memory: on a CPU compute level, keep evicted pages' memory for the next load of the
             same size, within the budget (:mod:`~apt_model.memory.page_buffers`); the setting
             ``paging_reuse_memory``. Default: only where the level below is the swap files.
+        owns_swap: whether :meth:`close` deletes ``swap``'s folder (with the default store); the
+            switch's paging session passes False: the folder is the VGPU stack's, shared with the
+            activation offloader (see :class:`~apt_model.memory.stores.DiskStore`).
 
     Attributes:
         kept_bytes: training state kept resident on this level outside the pages (set by the
@@ -188,7 +191,7 @@ class Pager:
     """
 
     def __init__(self, budget: int, swap: SwapSpace, io: IOEngine | None = None, store=None,
-                 device: torch.device | str = "cpu", reuse_memory: bool | None = None):
+                 device: torch.device | str = "cpu", reuse_memory: bool | None = None, owns_swap: bool = True):
         self.buffers = None  # set below; the budget's setter looks at it
         self.budget = int(budget)
         self.kept_bytes = 0
@@ -197,7 +200,7 @@ class Pager:
         self.level_budget: int | None = None
         self.swap = swap
         self.io = io or IOEngine()
-        self.store = store if store is not None else DiskStore(swap, self.io)
+        self.store = store if store is not None else DiskStore(swap, self.io, owns_swap)
         self.device = torch.device(device)
         self.pages: dict[str, Page] = {}
         self.by_tensor: dict[int, Page] = {}  # id(live tensor) -> page, for fault handling

@@ -61,9 +61,14 @@ class DiskStore:
     level_kind = "nvme"
     writes_in_order = False  # the I/O threads complete writes in any order (the pager's reap)
 
-    def __init__(self, swap: SwapSpace, io: IOEngine):
+    def __init__(self, swap: SwapSpace, io: IOEngine, owns_swap: bool = True):
+        """``owns_swap``: whether :meth:`close` deletes the swap folder too. The switch's paging
+        session passes False: the folder is the VGPU stack's, shared with the activation
+        offloader, whose saved activations a backward after ``disable()`` still reads (the paging
+        session, closed first, deleted the folder under them until 2026-11-28: a probe's finding)."""
         self.swap = swap
         self.io = io
+        self.owns_swap = owns_swap
 
     def has(self, page: Page) -> bool:
         return self.swap.has(page.key)
@@ -122,7 +127,8 @@ class DiskStore:
 
     def close(self) -> None:
         self.io.close()
-        self.swap.close()
+        if self.owns_swap:
+            self.swap.close()
 
 
 class HostLevelFullError(MemoryError):

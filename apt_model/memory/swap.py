@@ -411,9 +411,12 @@ class SwapSpace:
         self._release_pending = True
         self._owner.release()  # an interrupt inside the deletion: the next close(), or the exit's, finishes it
         self._release_pending = False
-        if not self._owner.keep:  # the folder and its files are gone: the counters say so
-            self.bytes_on_disk = 0
-            self.stale_bytes = 0
+        if not self._owner.keep:  # the folder and its files are gone: the counters and records say so
+            with self._lock:  # (a remove() after this finds nothing: it drove the counters negative)
+                self.bytes_on_disk = 0
+                self.stale_bytes = 0
+                self._records.clear()
+                self._stale.clear()
         try:
             atexit.unregister(self.close)
         except Exception:  # noqa: BLE001

@@ -151,8 +151,9 @@ def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
     owners: dict[int, list[str]] = {}
     for mname, m in model.named_modules(remove_duplicate=False):
         for pname, p in m.named_parameters(recurse=False):
-            if p is None or p.device.type == "meta" or p.untyped_storage().nbytes() == 0:
-                continue
+            if p is None or p.device.type == "meta" or type(p.data) is not torch.Tensor \
+                    or p.untyped_storage().nbytes() == 0:
+                continue  # a DTensor (FSDP2's shards) has no storage of its own to compare
             owners.setdefault(p.untyped_storage().data_ptr(), []).append(f"{mname}.{pname}" if mname else pname)
     return {k: v for k, v in owners.items() if len(set(v)) > 1}
 

@@ -72,6 +72,11 @@ class FP4Step(FeatureStep):
                 "no parameter of the model is trainable: a frozen copy (an EMA of the weights, a teacher, a "
                 "reference model) is often updated in place or compared exactly, which FP4 storage would break; "
                 f"the {ctx.config.mode} mode's default leaves it as it is (fp4='storage' stores it in FP4 anyway)"), tried)
+        wrapped = sorted({type(p.data).__name__ for p in model.parameters() if type(p.data) is not torch.Tensor})
+        if wrapped:  # FSDP2's fully_shard before the switch saw the model (its meta-device recipe), tensor parallel
+            return Decision(self.name, req, "off", (
+                f"the model's parameters are {', '.join(wrapped)} (sharded by FSDP2's fully_shard or another "
+                "tensor-subclass wrapper before the switch adopted it): FP4 storage converts plain tensors only"), tried)
         plan = plan_fp4(model, policy, "storage")
         convert = [c for c in plan if c.convert]
         skipped = [c for c in plan if not c.convert]

@@ -98,10 +98,12 @@ class PagingSession:
             from apt_model.memory.stores import DiskStore, HostStore
 
             io = IOEngine()
-            store = HostStore(device, host_budget or budget, DiskStore(swap, io))
+            # the swap folder is the VGPU stack's (closed last, by its own undo): the activation
+            # offloader shares it, and a backward after disable() reads its saved activations
+            store = HostStore(device, host_budget or budget, DiskStore(swap, io, owns_swap=False))
             self.pager = Pager(budget, swap, io=io, store=store, device=device)
         else:
-            self.pager = Pager(budget, swap, device=device, reuse_memory=reuse_memory)
+            self.pager = Pager(budget, swap, device=device, reuse_memory=reuse_memory, owns_swap=False)
         self.swap = swap
         self.host_is_level0 = store is None  # no host level: the compute level is host memory (a CPU run)
         if device.type == "cpu":  # the compute level is host RAM: freed pages must leave the RSS at once
@@ -1012,7 +1014,11 @@ class PagingSession:
 
     def report(self) -> dict:
         if self._closed_report is not None:
-            return copy.deepcopy(self._closed_report)  # the caller's to change, as a live report is
+            out = copy.deepcopy(self._closed_report)  # the caller's to change, as a live report is
+            # the swap folder is the VGPU stack's, deleted after this session closed: read its
+            # counters now (0 once it is gone), not as they were at the close
+            out["swap"].update(bytes_on_disk=self.swap.bytes_on_disk, stale_bytes=self.swap.stale_bytes)
+            return out
         self.retire_dead()
         store = self.pager.store
         return {

@@ -134,3 +134,24 @@ def test_the_call_wrapper_does_not_hide_a_compile_by_the_script(cpu_device):
     finally:
         vb.disable()
     assert model._compiled_call_impl is compiled
+
+
+def test_no_retry_inside_the_scripts_own_non_reentrant_checkpoint(cpu_device):
+    """A retry inside the script's non-reentrant ``torch.utils.checkpoint`` left the failed
+    attempt's saved tensors counted: the backward raised "CheckpointError: A different number of
+    tensors was saved" (a probe's finding). There the dtype error propagates, as documented."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = Experts()
+    vb.enable("balanced", mixed_precision="bf16", compile="off", banner=False)
+    try:
+        model.to("cpu")
+        x = torch.randn(8, 16, requires_grad=True)
+        with pytest.raises(RuntimeError, match="same scalar type"):
+            checkpoint(model, x, use_reentrant=False).square().mean().backward()
+        assert model._vb_autocast.active and model._vb_autocast.failure is None
+        loss = _loss(model, x)  # outside the checkpoint the call is retried as usual
+        loss.backward()
+        assert not model._vb_autocast.active
+    finally:
+        vb.disable()

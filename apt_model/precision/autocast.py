@@ -36,7 +36,11 @@ error would only raise again. The retry wraps the model's whole call
 (:mod:`~apt_model.base.call_wrapper`); what the failed attempt did before it raised stays done (a
 BatchNorm's running statistics updated once more, random numbers drawn). If the retry raises too,
 the error was not autocast's: that error propagates and autocast stays as it was. Out of memory
-is never retried. Backward is not covered: an op whose *backward* fails in bf16 still fails.
+is never retried, nor is a call inside the script's own non-reentrant ``torch.utils.checkpoint``
+(the failed attempt's saved tensors would stay counted there, and its backward raise
+``CheckpointError``), nor a model compiled after adoption (``model.compile()`` replaces the
+wrapper; a compiled function or ``torch.compile(model)`` of an adopted model raises from compiled
+code, outside it). Backward is not covered: an op whose *backward* fails in bf16 still fails.
 
 How a sample is timed — forward and backward, with device events, no thread-locals across
 forward and backward, nothing after the verdict — is :mod:`apt_model.devices.call_timer`'s job
@@ -51,6 +55,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from apt_model.activations.checkpoint import in_enclosing_checkpoint
 from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, watch_compilation
 from apt_model.base.log import get_logger
@@ -307,6 +312,11 @@ class AutocastHooks:
                 if (raised is not err or isinstance(err, torch.OutOfMemoryError) or getattr(tls, "retrying", False)
                         or not self._about_dtypes(err)):
                     raise
+                if in_enclosing_checkpoint():
+                    # inside the script's non-reentrant torch.utils.checkpoint, the failed attempt's
+                    # saved tensors stay counted: a retry there made its backward raise
+                    # CheckpointError (a probe's finding); the error is the script's to see
+                    raise
                 tls.retrying = True
                 try:
                     out = inner(*args, **kwargs)
@@ -328,6 +338,8 @@ class AutocastHooks:
         return any(w in text for w in names)
 
     def _turn_off(self, err: Exception) -> None:
+        if self.failure is not None:  # another thread's call got there first: said once
+            return
         first = (str(err).strip().splitlines() or [""])[0][:200]
         self.failure = (f"the forward raised under {str(self.dtype).replace('torch.', '')} autocast "
                         f"({type(err).__name__}: {first}) and ran without it")

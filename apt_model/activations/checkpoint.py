@@ -47,6 +47,7 @@ from torch.utils.checkpoint import checkpoint
 
 from apt_model.base import functional_call
 from apt_model.base.errors import ConfigError
+from apt_model.base.forward_scope import in_enclosing_checkpoint
 
 _EVERY = re.compile(r"^every:(\d+)$")
 
@@ -126,14 +127,6 @@ def in_function_transform() -> bool:
     functorch = getattr(torch._C, "_functorch", None)
     peek = getattr(functorch, "peek_interpreter_stack", None)
     return peek is not None and peek() is not None
-
-
-def in_enclosing_checkpoint() -> bool:
-    """Whether the calling code runs inside a non-reentrant ``torch.utils.checkpoint`` region of
-    the script's own — its forward or its recomputation in backward — as the innermost saved-tensor
-    hooks show (PyTorch keeps no other record of it)."""
-    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
-    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"
 
 
 def running_stats_layers(module: nn.Module) -> list[nn.Module]:

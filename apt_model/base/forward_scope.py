@@ -157,3 +157,11 @@ class ForwardScopes:
                 self.on_abandon(payload)
             n += 1
         return n
+
+
+def in_enclosing_checkpoint() -> bool:
+    """Whether the calling code runs inside a non-reentrant ``torch.utils.checkpoint`` region of
+    the script's own — its forward or its recomputation in backward — as the innermost saved-tensor
+    hooks show (PyTorch keeps no other record of it)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and getattr(hooks[0], "__module__", None) == "torch.utils.checkpoint"

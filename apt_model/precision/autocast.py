@@ -55,9 +55,9 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from apt_model.activations.checkpoint import in_enclosing_checkpoint
+
 from apt_model.base.call_wrapper import wrap_call
-from apt_model.base.forward_scope import ForwardScopes, eagerly, watch_compilation
+from apt_model.base.forward_scope import ForwardScopes, eagerly, in_enclosing_checkpoint, watch_compilation
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import to_fp32
 from apt_model.devices.call_timer import CallTimer, in_backward

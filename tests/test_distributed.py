@@ -446,6 +446,31 @@ def test_a_one_rank_group_of_the_script_is_reported_and_leaves_the_model_alone(w
     assert dist.is_initialized()  # the script's group is the script's: disable() leaves it
 
 
+def test_the_scripts_ddp_model_is_named_after_its_class_and_stats_name_the_rank(world_of_one, cpu_device):
+    """A DDP wrapper the script made was reported as ``model:DistributedDataParallel#1``, and every
+    rank printed the same ``print_stats`` header (a probe's findings). ``uptime_s`` stops at
+    ``disable()``."""
+    import time
+
+    from apt_model.switch.banner import format_stats
+
+    world_of_one()
+    vb.enable("balanced", mixed_precision="off", compile="off", banner=False)
+    try:
+        ddp = nn.parallel.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2)))
+        ddp(torch.randn(3, 4)).sum().backward()
+        rep = vb.get_report()
+        assert rep["models"][0]["name"] == "Sequential (DistributedDataParallel)", rep["models"][0]["name"]
+        assert ", rank " not in format_stats(rep).splitlines()[0]  # one process: nothing to tell apart
+        rep["distributed"].update(rank=1, world_size=2)
+        assert format_stats(rep).splitlines()[0].endswith(", rank 1 of 2")
+    finally:
+        vb.disable()
+    up = vb.get_stats()["uptime_s"]
+    time.sleep(0.05)
+    assert vb.get_stats()["uptime_s"] == up
+
+
 def test_the_switch_initializes_nothing_without_a_complete_launcher(monkeypatch):
     import torch.distributed as dist
 

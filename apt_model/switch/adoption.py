@@ -80,10 +80,14 @@ def model_device(model: nn.Module) -> torch.device | None:
 
 def _model_name(model: nn.Module) -> str:
     """The report's name of ``model``: its class, seen through ``torch.compile(model)``'s wrapper
-    (``OptimizedModule(TinyLM)``: the name the script knows is ``TinyLM``)."""
+    (``OptimizedModule(TinyLM)``: the name the script knows is ``TinyLM``) and through
+    ``DistributedDataParallel`` / ``DataParallel`` (``GPT (DistributedDataParallel)``)."""
     inner = getattr(model, "_orig_mod", None)
     if isinstance(inner, nn.Module):
         return f"{type(inner).__name__} (compiled)"
+    inner = getattr(model, "module", None)
+    if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) and isinstance(inner, nn.Module):
+        return f"{type(inner).__name__} ({type(model).__name__})"  # the script's DDP(model): GPT, not the wrapper
     return type(model).__name__
 
 

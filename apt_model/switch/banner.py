@@ -170,8 +170,12 @@ def format_stats(report: dict) -> str:
     """``print_stats()`` text: counters, memory, and each adopted model's decisions."""
     s = report["stats"]
     cfg = report["config"]
+    dist = report.get("distributed") or {}
+    world = dist.get("world_size") or 1
+    # under a launcher every rank prints its own: say whose (a probe's finding: two identical tables)
+    rank = f", rank {dist.get('rank', 0)} of {world}" if world > 1 else ""
     lines = [f"Virtual Blackwell {report['version']} — {'enabled' if s['enabled'] else 'disabled'}, "
-             f"mode={cfg.get('mode')}, device={s['device']}"]
+             f"mode={cfg.get('mode')}, device={s['device']}{rank}"]
     lines.append(f"  adopted models: {s['adopted_models']}, attention on SDPA: {s['attention_routed']}, "
                  f"autocast: {s['autocast_models']} ({s['autocast_calls']} calls), "
                  f".cuda() redirects: {s['cuda_redirects']}, probes: {s['probe_seconds']:.2f} s")

@@ -68,6 +68,7 @@ class _State:
         self.redirect_target: torch.device | None = None
         self.counters = {"cuda_redirects": 0, "adoptions": 0}
         self.enabled_at: float | None = None
+        self.disabled_at: float | None = None  # uptime stops counting at disable()
         self.source = "api"
         self.lock = threading.RLock()
         self.tls = threading.local()
@@ -142,7 +143,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         st.unadopted_once = weakref.WeakSet()
         st.lazy_parts = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
-        st.enabled_at = time.time()
+        st.enabled_at, st.disabled_at = time.time(), None
         st.log.record("switch", "mode", mode or config.mode, config.mode,
                       f"enabled from {source}; mode from {config.sources['mode']}")
         st.log.record("device", "device", config.device or "auto", str(selection.device), selection.reason,
@@ -240,6 +241,7 @@ def _disable(forget_banner: bool) -> None:
         except Exception as err:  # a critical undo failed (paging: PagingRecoveryError); the rest is undone
             failures, raised = list(getattr(err, "undo_failures", [])), err
         _state.enabled = False
+        _state.disabled_at = time.time()
         _state.redirect_target = None
         _state.log.record("switch", "mode", _state.config.mode, "off", "disabled")
         for f in failures:
@@ -386,7 +388,7 @@ def get_stats() -> dict:
         "enabled": st.enabled,
         "mode": st.config.mode if st.config else None,
         "device": str(st.selection.device) if st.selection else None,
-        "uptime_s": round(time.time() - st.enabled_at, 3) if st.enabled_at else 0.0,
+        "uptime_s": round((st.disabled_at or time.time()) - st.enabled_at, 3) if st.enabled_at else 0.0,
         "adopted_models": len(records),
         "attention_routed": sum(1 for r in records if r.features.get("attention", {}).get("chosen") == "sdpa"),
         "autocast_models": sum(1 for r in records if r.features.get("mixed_precision", {}).get("chosen") in ("bf16", "fp16")),

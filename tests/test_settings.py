@@ -286,12 +286,12 @@ def test_a_bad_variable_fails_at_enable_naming_it_and_the_valid_values(monkeypat
 #: setting -> (good value, its canonical form, bad value, words of the error)
 SETTING_CASES = {
     "redirect_cuda": (False, False, "yes", "must be True or False"),
-    "adopt": ("explicit", "explicit", "always", "is not valid; valid values: auto, explicit"),
+    "adopt": ("Explicit", "explicit", "always", "is not valid; valid values: auto, explicit"),  # any case, like the rest
     "verbose": (True, True, 1, "must be True or False"),
     "banner": (False, False, "no", "must be True or False"),
     "device": ("cpu", "cpu", "gpu", ": unknown kind 'gpu'; valid kinds:"),
     "prefer": (["cpu"], ("cpu",), 3, "must be a device kind or a sequence of kinds"),
-    "autocast_min_speedup": ("1.5", 1.5, "fast", "is not a number"),
+    "autocast_min_speedup": ("1.5", 1.5, True, "is not a number"),  # a flag is no number (was 1.0)
     "autocast_trial_calls": (8, 8, 6, "must be a multiple of 4, >= 0"),
     "autocast_trial_min_speedup": (1.2, 1.2, 200, "must be between 0 and 100, both excluded"),
     "sdpa_min_speedup": (1, 1.0, 0, "must be between 0 and 100, both excluded"),

@@ -292,6 +292,8 @@ def number_between(low: float, high: float) -> Check:
     """A number strictly between ``low`` and ``high`` (strings are parsed), as a float."""
 
     def check(value, label):
+        if isinstance(value, bool):  # float(True) is 1.0: a flag given where a number belongs
+            raise ConfigError(f"{label}={value!r} is not a number")
         try:
             number = float(value)
         except (TypeError, ValueError):

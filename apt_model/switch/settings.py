@@ -50,7 +50,7 @@ REDIRECT_CUDA = Setting(
 ADOPT = Setting(
     "adopt", "auto", None,
     "auto: models moved with .to()/.cuda() or first called are adopted; explicit: only vb.adopt()",
-    choice(("auto", "explicit"), fold_case=False), values="auto, explicit")
+    choice(("auto", "explicit")), values="auto, explicit")
 VERBOSE = Setting("verbose", False, None, "print the decisions as they are made, and the long banner", boolean,
                   values="True, False")
 BANNER = Setting("banner", True, None, "print the one-line-per-feature banner at enable()", boolean,

@@ -1010,7 +1010,8 @@ def test_sizes_are_whole_bytes_and_everything_else_is_refused():
     from apt_model.base.sizes import parse_size
 
     for value, message in [("3.5", "not a whole number of bytes"), (3.5, "not a whole number of bytes"),
-                           ("0.5B", "not a whole number"), ("1.1KiB", "1126.4 bytes"), (float("nan"), "is not a size"),
+                           ("0.5B", "not a whole number"), ("1.1KiB", "1126.4 bytes"),
+                           ("1.2GiB", r"1288490188.8 bytes, not a whole number of bytes \(1288490188 would be\)"), (float("nan"), "is not a size"),
                            (float("inf"), "is not a size"), (0, "at least 1 byte"), (True, "is not a size"),
                            ("lots", "is not a size"), ("\u0661\u0666MB", "is not a size")]:  # Arabic-Indic "16"
         with pytest.raises(ConfigError, match=message) as info:

@@ -53,8 +53,10 @@ def parse_size(value: str | int | float, name: str = "size") -> int:
         number, unit = m.group(1), m.group(2).lower()
     exact = Fraction(number) * _UNITS[unit]  # exact: 1.1KiB is 1126.4 bytes, not a rounding of it
     if exact.denominator != 1:
+        near = int(exact)  # rounded down: never cut off silently, but offered (1.2GiB is a common way to write it)
+        hint = f" ({near} would be)" if near >= 1 else ""
         raise ConfigError(
-            f"{name}={value!r} is {float(exact):g} bytes, not a whole number of bytes; {_FORMS}"
+            f"{name}={value!r} is {float(exact):.1f} bytes, not a whole number of bytes{hint}; {_FORMS}"
         )
     size = int(exact)
     if size <= 0:

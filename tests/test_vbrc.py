@@ -125,6 +125,8 @@ def test_toml_with_comments_tables_nulls_and_comment_keys(project):
     assert cf.lines["fp4_policy"] == 5
     f.write_text('{"_comment": "x", "host_budget": null, "mode": "memory"}')
     assert read_config_file(f).values == {"mode": "memory"}
+    f.write_text('{"mode": "memory"}', encoding="utf-8-sig")  # a BOM (Windows editors): was "not valid TOML"
+    assert read_config_file(f).values == {"mode": "memory"} and read_config_file(f).format == "json"
 
 
 @pytest.mark.parametrize("fmt", ["json", "toml"])

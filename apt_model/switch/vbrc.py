@@ -275,7 +275,7 @@ def read_config_file(path: str | os.PathLike) -> ConfigFile:
     """
     p = Path(path).expanduser().absolute()
     try:
-        text = p.read_text(encoding="utf-8")
+        text = p.read_text(encoding="utf-8-sig")  # a BOM (Windows editors) was read as TOML: "not valid TOML"
     except UnicodeDecodeError as err:
         raise ConfigFileError(p, None, None, f"not UTF-8 text ({err.reason} at byte {err.start})") from None
     except OSError as err:

@@ -261,12 +261,20 @@ class CompileLadder:
         self._dispatcher = LadderForward(self, model)
         self._set_forwards = [self._dispatcher]  # the instance forwards this ladder put on the model
         model.forward = self._dispatcher
-        model_ref = weakref.ref(model)
+        # the undo stack holds the model and the ladder weakly: a model the script drops is freed
+        # (these two undo actions held the ladder, and through it the model, until 2026-11-28: a
+        # slow test, which CI does not run, failed at this session's start)
+        model_ref, ladder_ref = weakref.ref(model), weakref.ref(self)
 
         def restore_forward():
-            m = model_ref()
-            if m is not None and any(vars(m).get("forward") is f for f in self._set_forwards):
-                self._put_back_forward(m)  # else the script replaced it since (accelerate's wrapper): left
+            m, ladder = model_ref(), ladder_ref()
+            if m is not None and ladder is not None and any(vars(m).get("forward") is f for f in ladder._set_forwards):
+                ladder._put_back_forward(m)  # else the script replaced it since (accelerate's wrapper): left
+
+        def drop_timer():
+            ladder = ladder_ref()
+            if ladder is not None:
+                ladder._drop_timer()
 
         patches.add_undo(restore_forward, f"compile ladder forward {self.tag}")
         pre = model.register_forward_pre_hook(self._pre)
@@ -278,7 +286,7 @@ class CompileLadder:
         patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
         patches.add_handle(post, f"compile ladder hook {self.tag}")
         patches.add_handle(self._step_hook, f"compile ladder optimizer-step check {self.tag}")
-        patches.add_undo(self._drop_timer, f"compile ladder trial's backward hooks {self.tag}")
+        patches.add_undo(drop_timer, f"compile ladder trial's backward hooks {self.tag}")
 
     def _drop_timer(self) -> None:
         """Close the trial's timer (its hooks off the parameters, no verdict after) and let it go."""

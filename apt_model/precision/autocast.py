@@ -204,7 +204,11 @@ class AutocastHooks:
         return eagerly(self._adopting_call, module, args)
 
     def _adopting_call(self, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled() and module.training and not in_backward():
+        self._as_written(module, in_backward())
+
+    def _as_written(self, module: nn.Module, recomputing: bool) -> None:
+        """This call runs as written, in fp32 (the adopting call, the call wrapper's retry)."""
+        if torch.is_grad_enabled() and module.training and not recomputing:
             self._last_use = False  # its recomputation in backward (checkpointing) runs the same
         self._scopes.push(None)
 
@@ -223,9 +227,7 @@ class AutocastHooks:
             self._scopes.push(ctx, None)
             return None
         if getattr(self._tls, "retrying", False):  # the call wrapper's retry of a call that raised under autocast
-            if torch.is_grad_enabled() and module.training and not recomputing:
-                self._last_use = False
-            self._scopes.push(None)
+            self._as_written(module, recomputing)
             return None
         if not torch.is_grad_enabled() and not module.training:
             # evaluation and generation (a model in eval mode under no_grad / inference_mode) run as
@@ -300,8 +302,9 @@ class AutocastHooks:
         tls = self._tls
 
         def call(*args, **kwargs):
-            if torch.compiler.is_compiling() or in_backward():
-                # a recomputation in backward (checkpointing) runs what its forward ran, and stops
+            if not self.active or torch.compiler.is_compiling() or in_backward():
+                # autocast is off for good (a verdict, a failure): nothing to run again; a
+                # recomputation in backward (checkpointing) runs what its forward ran, and stops
                 # early by raising: never run again
                 return inner(*args, **kwargs)
             tls.raised = None

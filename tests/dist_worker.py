@@ -368,6 +368,58 @@ def _fake_npu_count(flag: str) -> int:
     return int(flag.partition("=")[2] or 2)
 
 
+class _RankSkewed(nn.Module):
+    """A model whose training calls sleep 15 ms with autocast on for rank 1 and off for rank 0:
+    rank 0's trial keeps bf16, rank 1's alone would turn it off."""
+
+    def __init__(self, rank: int, width: int = 16):
+        super().__init__()
+        self.rank = rank
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        import time
+
+        if torch.is_grad_enabled() and torch.is_autocast_enabled("cpu") == (self.rank == 1):
+            time.sleep(0.015)
+        return self.lin(x)
+
+
+def _train_until_decided(vb, model, index: int, width: int) -> tuple[dict, int]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(4, width)
+    feature, steps = None, 0
+    for steps in range(1, 400):
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        feature = vb.get_report()["models"][index]["features"]["mixed_precision"]
+        if "on trial" not in feature["reason"]:
+            break
+    return feature, steps
+
+
+def scenario_agree(vb, rank):
+    """Replicas of a :class:`_RankSkewed` per rank (no DDP: the ranks' timings stay their own),
+    each trained until its ``mixed_precision`` decision leaves the trial: first the same model on
+    both ranks (rank 0's verdict, bf16 kept, must hold on rank 1 too), then different models
+    (widths 16 and 24: each rank keeps its own verdict, without waiting)."""
+    import torch.distributed as dist
+
+    vb.enable("balanced", mixed_precision="auto", autocast_min_speedup=0.01, autocast_trial_calls=8,
+              compile="off", banner=False)
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    same, same_steps = _train_until_decided(vb, _RankSkewed(rank, 16).to(vb.device()), 0, 16)
+    dist.barrier()
+    width = 16 if rank == 0 else 24
+    other, other_steps = _train_until_decided(vb, _RankSkewed(rank, width).to(vb.device()), 1, width)
+    dist.barrier()
+    vb.disable()
+    dist.destroy_process_group()
+    return {"same": same, "same_steps": same_steps, "other": other, "other_steps": other_steps}
+
+
 def main(argv: list[str]) -> None:
     """``[--fake-npu[=N]] OUT_DIR SCENARIO...`` runs scenarios; ``[--fake-npu[=N]] --script PATH ARGS...``
     runs a script unchanged as ``__main__`` (on the fake NPU machine when asked)."""

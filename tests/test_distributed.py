@@ -623,6 +623,26 @@ def test_accelerate_prepare_under_the_switch_trains_on_the_switchs_device(scenar
         assert r["models"][0]["features"]["distributed"]["chosen"] == "DDP"
 
 
+def test_rank_0s_trial_verdict_holds_for_every_rank_of_a_job(tmp_path):
+    """Each rank times its own trial; near a threshold two ranks kept different settings (bf16 on
+    one, fp32 on the other: a probe's finding). Rank 0's verdict now holds for every rank running
+    the same model, and a rank training another model keeps its own without waiting. The model
+    sleeps under autocast on rank 1 only, so rank 1's own trial would turn bf16 off."""
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), "agree"], tmp_path, env=CPU_ONLY)
+    out = [json.loads((tmp_path / f"agree-rank{rank}.json").read_text()) for rank in (0, 1)]
+
+    r0, r1 = out[0]["same"], out[1]["same"]
+    assert r0["chosen"] == "bf16" and "rank 0's verdict holds for all 2 ranks" in r0["reason"], r0
+    assert r1["chosen"] == "bf16", r1
+    assert "kept as rank 0 decided for all 2 ranks" in r1["reason"] and "alone would have turned it off" in r1["reason"], r1
+    assert r1["trial"]["ranks"]["by"] == "rank 0" and r1["trial"]["ranks"]["own_keep"] is False
+
+    o0, o1 = out[0]["other"], out[1]["other"]
+    assert o0["chosen"] == "bf16" and o1["chosen"] == "fp32", (o0, o1)
+    assert "keeps its own verdict (rank 0 runs no such trial" in o1["reason"], o1
+    assert "waited_calls" not in o1["trial"]["ranks"]
+
+
 @pytest.mark.slow  # a torchrun of two ranks (detection: test_privateuse1_npu.py); the default suite's 15-minute budget on 2 cores
 def test_npu_machine_backend_mapping_and_rank_devices(tmp_path):
     """Two ranks on an Ascend-like machine (PrivateUse1 ``npu``, two devices, ``hccl`` registered;

@@ -57,6 +57,7 @@ from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import CountingBackend
 from apt_model.compile.overrides import OverrideBackend
 from apt_model.devices.call_timer import CallTimer
+from apt_model.devices.rank_agreement import agreement_note, ranks_suffix
 from apt_model.devices.trial import SpeedTrial
 
 log = get_logger(__name__)
@@ -210,11 +211,16 @@ class CompileLadder:
             it as the model's ``compile`` decision).
         gate: returns True once training calls may start a rung (the autocast trial is done).
         tag: the model's name in the timeline and logs.
+        channel_for: ``channel_for(trial_name)`` gives the channel on which a rung's verdict is
+            agreed between the ranks of a job (rank 0 decides: :mod:`apt_model.devices.rank_agreement`),
+            or None (this process decides alone).
     """
 
     def __init__(self, model: nn.Module, rungs: list[Rung], policy: LadderPolicy, device: torch.device,
-                 record: Callable[[str, str, dict], None], gate: Callable[[], bool] = lambda: True, tag: str = "model"):
+                 record: Callable[[str, str, dict], None], gate: Callable[[], bool] = lambda: True, tag: str = "model",
+                 channel_for: Callable[[str], Any] | None = None):
         self.model_ref = model
+        self.channel_for = channel_for
         self.rungs = list(rungs)
         self.policy = policy
         self.device = torch.device(device)
@@ -245,7 +251,8 @@ class CompileLadder:
         """A copy of an adopted model (pickling, ``copy.deepcopy``) carries an inert ladder: its
         hooks do nothing and its forward is the eager one (compiled callables do not travel)."""
         return {"model_ref": self.model_ref, "state": "done", "chosen": "eager", "rungs": [], "index": 0,
-                "timeline": list(self.timeline), "tag": self.tag, "_timer": None, "_fn": None, "_handles": []}
+                "timeline": list(self.timeline), "tag": self.tag, "_timer": None, "_fn": None, "_handles": [],
+                "channel_for": None}
 
     def __setstate__(self, state):
         self.__dict__.update(state)
@@ -444,7 +451,10 @@ class CompileLadder:
                                + (f" ({rejected})" if rejected else ""), outcome="not applicable")
         self._baseline_compiles = self._counter.compiles
         trial = SpeedTrial(self.policy.trial_calls, self.policy.min_speedup)
-        self._timer = CallTimer(trial, self._verdict, self.device)
+        channel = None
+        if self.channel_for is not None:
+            channel = self.channel_for(f"compile/{self.index}-{rung.name}/{'dynamic' if self._dynamic else 'static'}")
+        self._timer = CallTimer(trial, self._verdict, self.device, channel=channel)
         self.state = "trial"
 
     def _check_storm(self) -> None:
@@ -472,14 +482,26 @@ class CompileLadder:
             return
         timing = (f"{rung.name} {summary['on_ms']} ms vs eager {summary['off_ms']} ms per forward+backward "
                   f"(median of {summary['calls'] // 2} calls each): {summary['speedup']:.2f}x")
+        followed = agreement_note(keep, summary, timing)
+        if followed is not None:
+            if keep:
+                entry = self._entry(rung, "kept", followed, trial=summary)
+                self._finish(rung.name, self._fn)
+                self.record(rung.name, f"{rung.label}: {entry['reason']}", self._details())
+            else:
+                self._leave(followed, outcome="not faster", trial=summary)
+            return
+        suffix = ranks_suffix(summary)
         if keep:
-            entry = self._entry(rung, "kept", f"{timing} >= {summary['min_speedup']:.2f}x, a clear win", trial=summary)
+            entry = self._entry(rung, "kept", f"{timing} >= {summary['min_speedup']:.2f}x, a clear win{suffix}",
+                                trial=summary)
             self._finish(rung.name, self._fn)
             self.record(rung.name, f"{rung.label}: {entry['reason']}", self._details())
             return
         clear = summary["speedup"] >= summary["min_speedup"]
         self._leave(f"{timing}: " + ("no clear win (the timings overlap)" if clear
-                                     else f"below {summary['min_speedup']:.2f}x"), outcome="not faster", trial=summary)
+                                     else f"below {summary['min_speedup']:.2f}x") + suffix,
+                    outcome="not faster", trial=summary)
 
     def _leave(self, reason: str, outcome: str, trial: dict | None = None) -> None:
         """The rung under way is left (``outcome``, ``reason``); the next one starts at the next

@@ -141,7 +141,13 @@ class CompileStep(FeatureStep):
         def record(chosen: str, reason: str, details: dict) -> None:
             ctx.record_later(Decision(self.name, decision.requested, chosen, reason, details=details))
 
-        ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope)
+        agreement = ctx.session.services.get("agreement")
+        order = ctx.record.id
+        channel_for = ((lambda trial: agreement.channel(model_ref(), order, trial) if model_ref() is not None else None)
+                       if agreement is not None else None)
+        model_ref = weakref.ref(model)
+        ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope,
+                               channel_for=channel_for)
         ladder.attach(patches)
         ctx.on_first_call(lambda module, args, kwargs: ladder.first_call(module))
         self.ladders = [r for r in self.ladders if r() is not None] + [weakref.ref(ladder)]

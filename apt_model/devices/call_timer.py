@@ -94,6 +94,11 @@ class CallTimer:
         clock: the clock (``mark/ready/wait/elapsed``, see :mod:`apt_model.devices.timing`);
             default :func:`~apt_model.devices.timing.clock_for` of ``device``.
         max_lag: finished samples allowed to wait for their events before blocking on the oldest (>= 0).
+        channel: where the verdict is agreed between the ranks of a job
+            (:class:`~apt_model.devices.rank_agreement.TrialChannel`), or None (this process decides
+            alone). With one, ``on_verdict`` gets the agreed verdict: at once on rank 0 and where
+            rank 0 has decided already, else at a later training call; meanwhile the calls go on
+            alternating the variants, untimed, and :attr:`running` stays True.
 
     Attributes:
         verdict: None while the trial runs, then whether the variant under trial is kept.
@@ -104,10 +109,12 @@ class CallTimer:
     """
 
     def __init__(self, trial: SpeedTrial, on_verdict: Callable[[bool, dict], None] | None = None,
-                 device: torch.device | str = "cpu", clock: Any = None, max_lag: int = 2):
+                 device: torch.device | str = "cpu", clock: Any = None, max_lag: int = 2, channel: Any = None):
         if max_lag < 0:
             raise ValueError(f"max_lag={max_lag} must be >= 0")
         self.trial = trial
+        self.channel = channel
+        self._awaiting = False  # the local verdict is in; rank 0's is awaited (see ``channel``)
         self.on_verdict = on_verdict
         self.device = torch.device(device)
         self.max_lag = max_lag
@@ -123,11 +130,11 @@ class CallTimer:
         self._pending: Sample | None = None  # forward done, backward not yet through the module
         self._measured: deque[Sample] = deque()  # all marks taken, durations not yet read
 
-    _RUNTIME = ("_lock", "_closed", "_pending", "_measured", "on_verdict")
+    _RUNTIME = ("_lock", "_closed", "_pending", "_measured", "on_verdict", "channel")
 
     def __getstate__(self):
         state = {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}  # no live hooks
-        state["on_verdict"] = None
+        state["on_verdict"], state["channel"], state["_awaiting"] = None, None, False
         if state.get("clock_reason") != "given":
             state["clock"], state["clock_reason"] = None, None  # events do not pickle: chosen again
         return state
@@ -138,7 +145,8 @@ class CallTimer:
 
     @property
     def running(self) -> bool:
-        return self.trial.running
+        """Whether no verdict has been applied yet (the trial runs, or rank 0's verdict is awaited)."""
+        return self.trial.running or self._awaiting
 
     def _clock(self):
         if self.clock is None:
@@ -150,6 +158,8 @@ class CallTimer:
         for this timed call (None: not a timed call, use the current verdict), ``sample`` the marks
         to pass to :meth:`end` (None when not timed). Only training calls (grad enabled, module in
         train mode) are timed."""
+        if self._awaiting:
+            return self._await(module)
         if not self.trial.running or self._closed:
             return None, None
         recomputing = in_backward()
@@ -170,19 +180,54 @@ class CallTimer:
                          "not be matched to them")
             return None, None
         use = self.trial.issue()
+        if self.channel is not None and self.issued == 1:
+            self.channel.start()  # rank 0 says it runs this trial
         return use, Sample(self._clock().mark(), use)
+
+    def _await(self, module: nn.Module) -> tuple[bool | None, None]:
+        """A call while rank 0's verdict is awaited: a training call looks for it (and gives up
+        waiting after :data:`~apt_model.devices.rank_agreement.WAIT_CALLS_FACTOR` times the
+        trial's length) and runs the next variant of the ABBA order, untimed; others run the
+        current verdict (None)."""
+        if not (torch.is_grad_enabled() and module.training) or in_backward():
+            return None, None
+        from apt_model.devices.rank_agreement import WAIT_CALLS_FACTOR
+
+        got = self.channel.poll()
+        if got is None and self.channel.waited > WAIT_CALLS_FACTOR * self.trial.needed():
+            got = self.channel.give_up()
+        if got is not None:
+            self._awaiting = False
+            self._deliver(*got)
+            return None, None
+        return self.trial.issue(), None
+
+    def _conclude(self, keep: bool, summary: dict, final: bool = False) -> None:
+        """The local verdict: agreed through the channel (or not, alone) and delivered, or awaited."""
+        if self.channel is not None:
+            got = self.channel.settle(keep, summary, final=final)
+            if got is None:
+                with self._lock:
+                    self._awaiting = True
+                return
+            keep, summary = got
+        self._deliver(keep, summary)
+
+    def _deliver(self, keep: bool, summary: dict) -> None:
+        self.verdict = keep
+        if self.on_verdict is not None:
+            self.on_verdict(keep, summary)
 
     def give_up(self, reason: str) -> None:
         """End a running trial without a verdict: the setting stays off, ``on_verdict(False,
         summary)`` is told (``summary["gave_up"]`` is ``reason``), and the timer closes."""
-        if not self.trial.running or self._closed:
+        if not self.running or (self._closed and not self._awaiting):
             return
         with self._lock:
             summary = self.trial.give_up(reason)
             self.verdict = False
         self.close()
-        if self.on_verdict is not None:
-            self.on_verdict(False, summary)
+        self._conclude(False, summary, final=True)
 
     def settle(self) -> None:
         """At a training call's start: withdraw a call whose backward never came (a second call
@@ -219,7 +264,7 @@ class CallTimer:
         backward still running on autograd's device thread delivers no verdict afterwards). For
         the owner's detach, and at the verdict; idempotent."""
         with self._lock:
-            self._closed = True
+            self._closed, self._awaiting = True, False
             pending, self._pending = self._pending, None
             measured = list(self._measured)
             self._measured.clear()
@@ -255,12 +300,10 @@ class CallTimer:
                     seconds += clock.elapsed(sample.b0, sample.b1)
                 verdict = self.trial.record(seconds)
                 if verdict is not None:
-                    self.verdict = verdict
                     verdict_summary = (verdict, self.trial.summary())
         if verdict_summary is not None:
             self.close()  # drops the samples left; a call timed before the verdict may still await its backward
-            if self.on_verdict is not None:
-                self.on_verdict(*verdict_summary)
+            self._conclude(*verdict_summary)
 
     def _time_backward(self, module: nn.Module, output, sample: Sample) -> None:
         """Finish ``sample`` when backward has gone through the module (or now, if it cannot)."""

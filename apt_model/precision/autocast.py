@@ -111,6 +111,8 @@ class AutocastHooks:
             :mod:`apt_model.devices.timing`); default :func:`~apt_model.devices.timing.clock_for`.
         max_lag: finished samples allowed to wait for their events before the hooks block on the
             oldest (>= 0).
+        channel: where the trial's verdict is agreed between the ranks of a job (rank 0 decides:
+            :mod:`apt_model.devices.rank_agreement`), or None.
 
     Attributes:
         active: whether autocast is applied to calls (False after a trial turned it off).
@@ -123,7 +125,8 @@ class AutocastHooks:
 
     def __init__(self, device_type: str, dtype: torch.dtype, trial: SpeedTrial | None = None,
                  on_verdict: Callable[[bool, dict], None] | None = None,
-                 device: torch.device | str | None = None, clock: Any = None, max_lag: int = 2):
+                 device: torch.device | str | None = None, clock: Any = None, max_lag: int = 2,
+                 channel: Any = None):
         if max_lag < 0:
             raise ValueError(f"max_lag={max_lag} must be >= 0")
         self.device_type = device_type
@@ -143,7 +146,8 @@ class AutocastHooks:
         #: why autocast was turned off after a forward raised under it (None: it never did)
         self.failure: str | None = None
         self._max_lag = max_lag
-        self.timer = CallTimer(trial, self._verdict, self.device, clock, max_lag) if trial is not None else None
+        self.timer = (CallTimer(trial, self._verdict, self.device, clock, max_lag, channel=channel)
+                      if trial is not None else None)
         self._init_runtime()
         watch_compilation()
 
@@ -348,7 +352,7 @@ class AutocastHooks:
                         f"({type(err).__name__}: {first}) and ran without it")
         log.warning("apt_model: %s; autocast stays off for this model", self.failure)
         timer = self.timer
-        if timer is not None and timer.trial.running:
+        if timer is not None and timer.running:  # also while rank 0's verdict is awaited
             timer.give_up(self.failure)  # -> _verdict(False, summary with "failed")
         else:
             self._verdict(False, {"failed": self.failure})
@@ -357,12 +361,12 @@ class AutocastHooks:
 def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patches: PatchSet,
                     trial: SpeedTrial | None = None,
                     on_verdict: Callable[[bool, dict], None] | None = None,
-                    device: torch.device | str | None = None, clock: Any = None) -> AutocastHooks:
+                    device: torch.device | str | None = None, clock: Any = None, channel: Any = None) -> AutocastHooks:
     """Run ``model``'s forward under autocast; the hooks are removed when ``patches`` is restored.
 
     Arguments as for :class:`AutocastHooks`; returns the attached hooks object.
     """
-    hooks = AutocastHooks(device_type, dtype, trial, on_verdict, device=device, clock=clock)
+    hooks = AutocastHooks(device_type, dtype, trial, on_verdict, device=device, clock=clock, channel=channel)
     patches.add_handle(model.register_forward_pre_hook(hooks.pre), f"autocast pre-hook {type(model).__name__}")
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")

@@ -22,6 +22,7 @@ import torch.nn as nn
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.patches import PatchSet
 from apt_model.precision.autocast import attach_autocast
+from apt_model.devices.rank_agreement import agreement_note, ranks_suffix
 from apt_model.devices.trial import SpeedTrial
 
 _AMP_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
@@ -94,10 +95,14 @@ class PrecisionStep(FeatureStep):
         want = decision.chosen
         req = ctx.config.mixed_precision
         on_verdict = lambda keep, summary: ctx.record_later(self._verdict(req, want, keep, summary))  # noqa: E731
+        agreement = ctx.session.services.get("agreement")
+        channel = agreement.channel(model, ctx.record.id, self.name) if agreement is not None and trial else None
         hooks = attach_autocast(model, ctx.device.type, getattr(torch, dname), patches, trial, on_verdict,
-                                device=ctx.device)
+                                device=ctx.device, channel=channel)
         self.hooks.append(hooks)
         ctx.on_first_call(lambda module, args, kwargs: hooks.adopting_call(module, args))
+        if hooks.timer is not None:  # the compile ladder waits for the verdict, rank 0's included
+            return decision.amend(facts={"autocast_trial": hooks.timer})
         return decision
 
     def _verdict(self, req: str, want: str, keep: bool, summary: dict) -> Decision:
@@ -110,6 +115,10 @@ class PrecisionStep(FeatureStep):
         timing = (f"{want} {summary['on_ms']} ms vs fp32 {summary['off_ms']} ms per forward+backward, median of "
                   f"{summary['calls'] // 2} calls each after {summary['settle_calls']} settling calls: "
                   f"{summary['speedup']:.2f}x")
+        followed = agreement_note(keep, summary, timing)
+        if followed is not None:
+            return Decision(self.name, "auto", want if keep else "fp32", f"{followed}", details={"trial": summary})
+        suffix = ranks_suffix(summary)
         if keep:
             why = f"kept after the trial on this model: {timing} (>= {summary['min_speedup']:.2f}x, clear win)"
         elif summary["speedup"] >= summary["min_speedup"]:
@@ -119,7 +128,7 @@ class PrecisionStep(FeatureStep):
                    "(no clear win even after extending the trial), so the script's own precision is kept")
         else:
             why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
-        return Decision(self.name, "auto", want if keep else "fp32", why, details={"trial": summary})
+        return Decision(self.name, "auto", want if keep else "fp32", why + suffix, details={"trial": summary})
 
     def stats(self) -> dict:
         return {"autocast_calls": sum(getattr(h, "calls", 0) for h in self.hooks)}

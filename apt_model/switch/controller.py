@@ -32,6 +32,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from apt_model.activations.checkpoint import in_function_transform
 from apt_model.base import functional_call
 from apt_model.base.version import __version__
+from apt_model.devices.rank_agreement import RankAgreement
 from apt_model.devices.ranking import Selection, select_device
 from apt_model.distributed.wrappers import skip_adoption
 from apt_model.base.errors import DeviceSelectionError
@@ -134,7 +135,8 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
             from apt_model.memory import interrupts
 
             interrupts.install(st.patches)  # a signal's handler waits until the pager is between two states
-        services = {"distributed": distributed, "overrides": builtin_overrides()}
+        # "agreement": rank 0's trial verdicts hold for every rank of a job (devices/rank_agreement.py)
+        services = {"distributed": distributed, "overrides": builtin_overrides(), "agreement": RankAgreement()}
         distributed.attach(services)  # the distributed policy sees the paging session through these
         st.adopter = Adopter(StepSession(config, selection.device, st.patches, stack, services), st.log)
         st.distributed = distributed

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from apt_model.base.patches import PatchSet
+from apt_model.compile.hooks import HookWatch
 from apt_model.compile.ladder import WARMUP_CALLS, CompileLadder, LadderPolicy, Rung, override_rung
 
 
@@ -339,3 +340,65 @@ def test_the_override_rung_uses_a_rewrite_only_after_it_matched_the_captured_gra
     assert entry["outcome"] == "not applicable" and "not used: output 0 differs" in entry["reason"]
     patches.restore_all()
     torch._dynamo.reset()
+
+
+def _kept_ladder(model, records):
+    """A ladder whose rung is kept whatever the timings say (min_speedup 0.01), watched for hooks."""
+    ladder = CompileLadder(model, [rung("compile", lambda eager, dynamic: model.fast)],
+                           LadderPolicy(trial_calls=4, min_speedup=0.01), torch.device("cpu"),
+                           lambda chosen, reason, d: records.append((chosen, reason)), tag="net")
+    patches = PatchSet()
+    ladder.attach(patches)
+    HookWatch(patches).watch(ladder)
+    return ladder, patches
+
+
+def test_no_rung_where_the_scripts_hooks_sit_inside_the_model():
+    """torch.compile traces submodule hooks into its graph and does not see hooks added later (a
+    probe: once balanced mode's override rung was kept, a forward hook ran at 16 of 40 steps and a
+    later one never). A hook on a submodule: eager, said; a hook on the model itself runs outside
+    the compiled forward and does not stop the ladder."""
+    model, records = Net(), []
+    model.register_forward_hook(lambda m, i, o: None)
+    ladder, patches = _kept_ladder(model, records)
+    train(model, 1)
+    assert ladder.state == "warmup"
+    patches.restore_all()
+
+    model, records = Net(), []
+    model.a.register_forward_pre_hook(lambda m, a: None)
+    ladder, patches = _kept_ladder(model, records)
+    train(model, 1)
+    assert ladder.state == "done" and ladder.chosen == "eager"
+    assert [(e["rung"], e["outcome"]) for e in ladder.timeline] == [("compile", "not applicable")]
+    assert "forward pre-hook on a" in ladder.timeline[0]["reason"] and records[-1][0] == "eager"
+    assert "forward" not in vars(model)
+    patches.restore_all()
+
+
+@pytest.mark.parametrize("when", ["trial", "kept", "global"])
+def test_a_hook_the_script_adds_later_sends_the_model_back_to_eager_and_runs(when):
+    model, records = Net(), []
+    ladder, patches = _kept_ladder(model, records)
+    steps = 0
+    while ladder.state != ("trial" if when != "kept" else "done"):
+        train(model, 1)
+        steps += 1
+        assert steps < 100
+    fired = []
+    if when == "kept":
+        assert ladder.chosen == "compile" and vars(model)["forward"] == model.fast
+    if when == "global":
+        handle = torch.nn.modules.module.register_module_forward_hook(
+            lambda m, i, o: fired.append(1) if m is model.a else None)
+    else:
+        handle = model.b.register_forward_hook(lambda m, i, o: fired.append(1))
+    assert ladder.state == "done" and ladder.chosen == "eager" and "forward" not in vars(model)
+    assert ladder.timeline[-1]["outcome"] == ("given up" if when == "kept" else "not applicable")
+    assert "the script registered a " in ladder.timeline[-1]["reason"] and records[-1][0] == "eager"
+    train(model, 3)
+    assert len(fired) == 3
+    handle.remove()
+    patches.restore_all()
+    assert torch.nn.modules.module.register_module_forward_hook.__name__ == "register_module_forward_hook"
+    assert "register_forward_hook" not in vars(nn.Module) or nn.Module.register_forward_hook.__qualname__ == "Module.register_forward_hook"

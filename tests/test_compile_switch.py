@@ -579,3 +579,31 @@ def test_the_forward_the_ladder_puts_on_a_model_has_the_models_signature():
     model = _SoftmaxAttention().to("cpu")
     assert type(model.forward).__name__ == "LadderForward"  # the override rung is offered: softmax
     assert str(inspect.signature(model.forward)) == "(x, mask=None)"
+
+
+def test_a_model_with_the_scripts_hooks_inside_gets_no_rung_and_its_hooks_all_run():
+    """A probe's script (a forward hook recording an activation, a full backward hook, and at step
+    30 a new forward hook and a pre-hook halving an input) trained differently once balanced mode
+    kept the override rung: torch.compile traces submodule hooks once and never sees later ones.
+    With hooks inside at adoption the ladder is not climbed; a hook added later on a model whose
+    rung is on trial sends it back to eager, and every hook runs at every call."""
+    vb.enable("balanced", **FAST_TRIAL)
+    m = model()
+    seen = []
+    m.blocks[0].mlp.register_forward_hook(lambda mod, i, o: seen.append(1))
+    m.to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["compile"]
+    assert feature["chosen"] == "eager" and "forward hook on blocks.0.mlp" in feature["reason"], feature
+    train(m, 3)
+    assert len(seen) == 3
+
+    m2 = model()
+    m2.to("cpu")
+    train(m2, 4)  # the override rung warms up (captures) and its trial starts
+    assert vb.get_report()["models"][1]["features"]["compile"]["chosen"] == "on trial"
+    late = []
+    m2.blocks[1].attn.register_forward_pre_hook(lambda mod, a: late.append(1))
+    feature = vb.get_report()["models"][1]["features"]["compile"]
+    assert feature["chosen"] == "eager" and "the script registered a forward pre-hook on TextbookAttention" in feature["reason"], feature
+    train(m2, 3)
+    assert len(late) == 3

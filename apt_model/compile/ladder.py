@@ -54,6 +54,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
+from apt_model.compile.hooks import script_hooks
 from apt_model.compile.backends import CountingBackend
 from apt_model.compile.overrides import OverrideBackend
 from apt_model.devices.call_timer import CallTimer
@@ -287,6 +288,7 @@ class CompileLadder:
         pre = model.register_forward_pre_hook(self._pre)
         post = model.register_forward_hook(self._post, always_call=True)
         self._params = {id(p) for p in model.parameters()}
+        self._submodules = weakref.WeakSet(m for m in model.modules() if m is not model)
         # a global hook: it holds the ladder weakly, so a model the script drops is freed
         self._step_hook = register_optimizer_step_post_hook(_WeakStepHook(self))
         self._handles = [pre, post, self._step_hook]
@@ -423,9 +425,50 @@ class CompileLadder:
             self._step_hook.remove()
             self._step_hook = None
 
+    # ------------------------------------------------------------------ the script's hooks
+    def holds_submodule(self, module: nn.Module) -> bool:
+        """Whether ``module`` is a submodule of this ladder's model (not the model itself)."""
+        return module in getattr(self, "_submodules", ())
+
+    def script_hook_added(self, description: str) -> None:
+        """The script registered a hook compiled code would trace (:mod:`apt_model.compile.hooks`):
+        a rung warming up or on trial is given up, a kept rung's compiled forward is dropped, and
+        the model runs as written from then on. Nothing changes for a ladder still waiting (its
+        rung's start looks at the hooks) or already eager."""
+        why = (f"the script registered {description} inside the model, which compiled code would not run "
+               "as eager does (torch.compile traces hooks once and does not see hooks added later)")
+        if self.state in ("warmup", "trial"):
+            self._drop_timer()
+            self._fn = None
+            self._skip_rungs(why)
+        elif self.state == "done" and self.chosen not in (None, "eager") and getattr(self, "_final", None) is not None:
+            was, model = self.chosen, self.model_ref
+            if vars(model).get("forward") is self._final:
+                self._put_back_forward(model)
+            self._final, self.chosen = None, "eager"
+            self._entry(self.rungs[min(self.index, len(self.rungs) - 1)], "given up", why)
+            log.warning("apt_model: compile ladder %s: the %s rung kept for this model is given up: %s; "
+                        "it runs as written from now on", self.tag, was, why)
+            self.record("eager", f"the model runs as written: the {was} rung was kept, then given up: {why}",
+                        self._details())
+
+    def _skip_rungs(self, why: str) -> None:
+        """Every rung left is not applicable (``why``); eager is concluded."""
+        for rung in self.rungs[self.index:]:
+            self._entry(rung, "not applicable", why)
+        self.index = len(self.rungs)
+        self._finish("eager", None)
+        self.record("eager", f"the model runs as written: {why}", self._details())
+
     # ------------------------------------------------------------------ transitions
     def _start(self) -> None:
-        """Build the rung at :attr:`index` and begin its warm-up (or go to the next one)."""
+        """Build the rung at :attr:`index` and begin its warm-up (or go to the next one) — none
+        where the script's hooks sit inside the model (:func:`~apt_model.compile.hooks.script_hooks`)."""
+        hooked = script_hooks(self.model_ref)
+        if hooked:
+            return self._skip_rungs(f"the script's hooks inside the model ({', '.join(hooked)}): compiled code "
+                                    "would run them differently from eager (torch.compile traces hooks into "
+                                    "its graph and does not see hooks added later)")
         while self.index < len(self.rungs):
             rung = self.rungs[self.index]
             try:

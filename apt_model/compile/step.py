@@ -32,6 +32,7 @@ from apt_model.base.call_wrapper import script_call
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
 from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import compiler_for
+from apt_model.compile.hooks import HookWatch, script_hooks
 from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, override_rung
 
 
@@ -83,6 +84,7 @@ class CompileStep(FeatureStep):
         # weakly: a ladder lives as long as its model (which holds it through its forward and
         # hooks), so a model the script drops is freed, and its ladder leaves the report
         self.ladders: list[weakref.ref] = []
+        self.hook_watch: HookWatch | None = None  # installed with the first ladder (compile/hooks.py)
 
     def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
         req = ctx.config.compile
@@ -94,6 +96,11 @@ class CompileStep(FeatureStep):
         if ctx.facts.get("ddp"):
             return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
                             "the switch's in-place DDP is not supported in this version")
+        hooked = script_hooks(model)
+        if hooked:
+            return Decision(self.name, req, "eager", f"the script's hooks inside the model ({', '.join(hooked)}): "
+                            "compiled code would run them differently from eager (torch.compile traces hooks into "
+                            "its graph and does not see hooks added later)")
         if ctx.trigger == "compiled function":
             return Decision(self.name, req, "eager", "the script calls this model from a function it compiles itself "
                             "(torch.compile(fn)): the compiled function is left as it is, with no rung beneath it")
@@ -149,6 +156,9 @@ class CompileStep(FeatureStep):
         ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope,
                                channel_for=channel_for)
         ladder.attach(patches)
+        if self.hook_watch is None:  # a hook the script registers later sends the model back to eager
+            self.hook_watch = HookWatch(patches)
+        self.hook_watch.watch(ladder)
         ctx.on_first_call(lambda module, args, kwargs: ladder.first_call(module))
         self.ladders = [r for r in self.ladders if r() is not None] + [weakref.ref(ladder)]
         return decision.amend(details={"timeline": ladder.timeline})

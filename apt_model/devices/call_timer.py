@@ -187,8 +187,8 @@ class CallTimer:
     def _await(self, module: nn.Module) -> tuple[bool | None, None]:
         """A call while rank 0's verdict is awaited: a training call looks for it (and gives up
         waiting after :data:`~apt_model.devices.rank_agreement.WAIT_CALLS_FACTOR` times the
-        trial's length) and runs the next variant of the ABBA order, untimed; others run the
-        current verdict (None)."""
+        trial's length) and runs the next variant of the ABBA order, untimed, or the verdict once
+        it is in; others run the current setting (None)."""
         if not (torch.is_grad_enabled() and module.training) or in_backward():
             return None, None
         from apt_model.devices.rank_agreement import WAIT_CALLS_FACTOR
@@ -199,7 +199,7 @@ class CallTimer:
         if got is not None:
             self._awaiting = False
             self._deliver(*got)
-            return None, None
+            return got[0], None  # this call runs the verdict already
         return self.trial.issue(), None
 
     def _conclude(self, keep: bool, summary: dict, final: bool = False) -> None:

@@ -1,0 +1,135 @@
+"""The script's module hooks, which compiled code would run differently: no rung where they are.
+
+``torch.compile`` of a model's forward traces the hooks of its submodules into the graph, and by
+default installs no guard on the hook dictionaries, so a hook added after compilation is never run
+(``torch._dynamo.config.skip_nnmodule_hook_guards``). A probe (2026-11-28) trained a 2-block model
+with a forward hook recording an activation, a full backward hook on another submodule, and at
+step 30 a new forward hook and a forward pre-hook halving an input: once balanced mode's override
+rung was kept — the script never asked for compilation — the first hook ran at 16 of 40 steps,
+the late ones never, and the loss went its own way (0.089 against 0.209). Plain
+``torch.compile(model.forward)`` does the same; the switch must not do it uninvited.
+
+So the ladder (:mod:`apt_model.compile.ladder`) tries no rung on a model whose submodules carry
+hooks of the script (forward, forward pre-, backward and backward pre-hooks, the module's own or
+the global ones of ``torch.nn.modules.module``), and a hook the script registers later on a
+submodule of a model on a rung — warming up, on trial or kept — sends that model back to eager
+(:class:`HookWatch`, installed once per switch session). Hooks on the model itself run outside
+the compiled forward (``Module.__call__`` runs them around it) and do not count; nor do the
+switch's own hooks.
+"""
+from __future__ import annotations
+
+import inspect
+import weakref
+from typing import Callable
+
+import torch.nn as nn
+import torch.nn.modules.module as module_mod
+
+from apt_model.base.patches import PatchSet
+
+#: ``nn.Module`` methods that register a hook compiled code would trace, and the hook dictionaries.
+MODULE_REGISTRARS = {
+    "register_forward_hook": "forward hook",
+    "register_forward_pre_hook": "forward pre-hook",
+    "register_full_backward_hook": "full backward hook",
+    "register_full_backward_pre_hook": "full backward pre-hook",
+    "register_backward_hook": "backward hook",
+}
+_DICTS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
+          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
+
+#: The global registrars of ``torch.nn.modules.module`` (every module's calls run these hooks).
+GLOBAL_REGISTRARS = {
+    "register_module_forward_hook": "global forward hook",
+    "register_module_forward_pre_hook": "global forward pre-hook",
+    "register_module_full_backward_hook": "global full backward hook",
+    "register_module_full_backward_pre_hook": "global full backward pre-hook",
+    "register_module_backward_hook": "global backward hook",
+}
+_GLOBAL_DICTS = {"_global_forward_hooks": "global forward hook", "_global_forward_pre_hooks": "global forward pre-hook",
+                 "_global_backward_hooks": "global backward hook", "_global_backward_pre_hooks": "global backward pre-hook"}
+
+
+def is_switch_hook(fn: Callable) -> bool:
+    """Whether ``fn`` is one of the switch's own hooks (defined in apt_model). A user's hook the
+    switch wrapped (``functools.wraps``, the paging's fault-handler wrapper) is the user's."""
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:
+        pass
+    owner = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    return owner == "apt_model" or owner.startswith("apt_model.")
+
+
+def script_hooks(model: nn.Module, limit: int = 3) -> list[str]:
+    """The script's hooks compiled code would trace in ``model``: on its submodules (not on the
+    model itself) and the global module hooks; at most ``limit`` descriptions plus a count of the
+    rest (``["forward hook on blocks.0.mlp.0", "full backward hook on ...", "2 more"]``)."""
+    found = []
+    for name, hooks in _GLOBAL_DICTS.items():
+        found += [hooks] * sum(not is_switch_hook(fn) for fn in getattr(module_mod, name, {}).values())
+    for qual, sub in model.named_modules():
+        if sub is model:
+            continue
+        for attr, kind in _DICTS.items():
+            found += [f"{kind} on {qual}"] * sum(not is_switch_hook(fn) for fn in getattr(sub, attr, {}).values())
+    if len(found) > limit:
+        found = found[:limit] + [f"{len(found) - limit} more"]
+    return found
+
+
+class HookWatch:
+    """Sees the script register a module hook (the registrars of :data:`MODULE_REGISTRARS` and
+    :data:`GLOBAL_REGISTRARS`, patched in ``patches``) and tells the ladders it concerns:
+    ``ladder.script_hook_added(description)`` — every watched ladder for a global hook, those whose
+    model holds the module (as a submodule) for a module's hook. Ladders are held weakly."""
+
+    def __init__(self, patches: PatchSet):
+        self._ladders: list[weakref.ref] = []
+        self._install(patches)
+
+    def watch(self, ladder) -> None:
+        self._ladders = [r for r in self._ladders if r() is not None] + [weakref.ref(ladder)]
+
+    def _tell(self, module: nn.Module | None, description: str) -> None:
+        for ref in list(self._ladders):
+            ladder = ref()
+            if ladder is not None and (module is None or ladder.holds_submodule(module)):
+                ladder.script_hook_added(description)
+
+    def _install(self, patches: PatchSet) -> None:
+        for name, kind in MODULE_REGISTRARS.items():
+            real = getattr(nn.Module, name)
+            patches.set_attr(nn.Module, name, self._module_registrar(real, kind),
+                             label=f"nn.Module.{name} (compiled code would not run a hook added later)")
+        for name, kind in GLOBAL_REGISTRARS.items():
+            real = getattr(module_mod, name)
+            patches.set_attr(module_mod, name, self._global_registrar(real, kind),
+                             label=f"torch.nn.modules.module.{name} (compiled code would not run a hook added later)")
+
+    def _module_registrar(self, real: Callable, kind: str) -> Callable:
+        watch = self
+
+        def register(module, hook, *args, **kwargs):
+            handle = real(module, hook, *args, **kwargs)
+            if not is_switch_hook(hook):
+                watch._tell(module, f"a {kind} on {type(module).__name__}")
+            return handle
+
+        register.__wrapped__ = real
+        register.__name__, register.__doc__ = real.__name__, real.__doc__
+        return register
+
+    def _global_registrar(self, real: Callable, kind: str) -> Callable:
+        watch = self
+
+        def register(hook, *args, **kwargs):
+            handle = real(hook, *args, **kwargs)
+            if not is_switch_hook(hook):
+                watch._tell(None, f"a {kind}")
+            return handle
+
+        register.__wrapped__ = real
+        register.__name__, register.__doc__ = real.__name__, real.__doc__
+        return register

@@ -60,7 +60,8 @@ class _State:
         self.distributed = None  # apt_model.distributed.session.DistributedSession
         self.steps = None  # apt_model.switch.steps.StepRecorder: per-step time and memory for the report
         self.seen: weakref.WeakSet = weakref.WeakSet()
-        #: each module of an adopted model -> that model (the latest adopted that holds it)
+        #: each module of an adopted model -> a weak reference to that model (the latest adopted that
+        #: holds it; weak both ways: a model the script drops is freed)
         self.model_of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.checked_optimizers: weakref.WeakSet = weakref.WeakSet()  # checked for adopted parameters
         self.unadopted_once: weakref.WeakSet = weakref.WeakSet()  # stepped once over no adopted model's parameters
@@ -816,7 +817,7 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             # Until 2026-11-28 every slice was adopted, so each step adopted new models and the step
             # time grew without bound (0.5 ms plain, 7.3 ms after 1600 steps: a probe's finding)
             st.seen.add(module)
-            st.model_of[module] = owner
+            st.model_of[module] = weakref.ref(owner)
             return False
         if _has_lazy_tensors(module):
             # nn.LazyLinear & co. get their parameters in their first forward: adopt at a later call
@@ -837,7 +838,7 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
             st.suspended -= 1
             for m in module.modules():  # modules the steps put in (FP4Linear, ...) belong to this model
                 st.seen.add(m)
-                st.model_of[m] = module
+                st.model_of[m] = weakref.ref(module)
         return ctx
 
 
@@ -852,7 +853,8 @@ def _view_of_adopted(module: nn.Module) -> nn.Module | None:
             or next(module.buffers(recurse=False), None) is not None:
         return None
     st = _state
-    owners = {id(st.model_of.get(c)): st.model_of.get(c) for c in children}
+    refs = [st.model_of.get(c) for c in children]
+    owners = {id(o): o for o in (r() if r is not None else None for r in refs)}
     if len(owners) != 1:
         return None
     (owner,) = owners.values()

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
 from apt_model.activations.checkpoint import blocks_for_budget, find_blocks, parse_policy
+from conftest import clean_env, run_python
 from apt_model.errors import ConfigError
 from apt_model.memory.swap import SwapCorruptionError, SwapError
 from apt_model.models.gpt import GPT, GPTConfig
@@ -971,3 +972,44 @@ def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
     vb.print_stats()
     line = next(x for x in capsys.readouterr().out.splitlines() if "activation offload:" in x)
     assert off["packed"] > 0 and f"{off['packed']} saved tensors" in line and f"{off['offloaded']} offloaded" in line
+
+
+PRUNED_BLOCKS = """
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.nn.utils import prune
+import apt_model  # the switch, from the environment
+torch.set_num_threads(1); torch.manual_seed(0)
+class Block(nn.Module):
+    def __init__(s):
+        super().__init__(); s.a = nn.Linear(64, 64); s.b = nn.Linear(64, 64)
+        prune.l1_unstructured(s.a, "weight", amount=0.4)  # weight_orig + weight_mask + a forward pre-hook
+    def forward(s, x): return x + s.b(torch.tanh(s.a(x)))
+class M(nn.Module):
+    def __init__(s):
+        super().__init__(); s.blocks = nn.ModuleList([Block() for _ in range(4)]); s.out = nn.Linear(64, 4)
+    def forward(s, x):
+        for b in s.blocks: x = b(x)
+        return s.out(x)
+m = M().to("cpu")
+opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+x = torch.randn(16, 64, generator=torch.Generator().manual_seed(1)); y = torch.zeros(16, 4)
+for s in range(4):
+    loss = F.mse_loss(m(x), y)
+    opt.zero_grad(); loss.backward(); opt.step()
+    print(loss.item().hex(), sum(p.detach().double().sum().item() for p in m.parameters()).hex())
+"""
+
+
+def test_a_pruned_model_in_memory_mode_trains_like_plain_pytorch(tmp_path):
+    """torch.nn.utils.prune computes ``weight`` from ``weight_orig`` in a forward pre-hook made
+    before adoption; paging's own pre-hook came after it, so when memory mode's checkpointing
+    recomputed a block inside backward (no fault handler there) the prune hook read freed storage:
+    a segfault, or silently different losses (a probe's finding). Paging's pre-hook runs first."""
+    plain = run_python(PRUNED_BLOCKS, env=clean_env(VB_DEVICE="cpu"))
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    switched = run_python(PRUNED_BLOCKS, env=clean_env(
+        ENABLE_VIRTUAL_BLACKWELL="1", VB_MODE="memory", VB_DEVICE="cpu", VB_DEVICE_BUDGET="96KB",
+        VB_MIXED_PRECISION="off", VB_SWAP_DIR=str(tmp_path)))
+    assert switched.returncode == 0, switched.stderr[-2000:]
+    numbers = [[line for line in out.stdout.splitlines() if line.startswith("0x")] for out in (plain, switched)]
+    assert numbers[1] == numbers[0] and len(numbers[0]) == 4  # (the switch's banner goes to stdout too)

@@ -253,7 +253,11 @@ class PagedModel:
         """The forward hooks that acquire and release ``unit``'s pages, and the ``load_state_dict``
         hooks that load into them."""
         patches, module, name = self._patches, unit.module, unit.name
-        patches.add_handle(module.register_forward_pre_hook(SessionHook(lambda m, a, u=unit: self._pre(u))),
+        # first among the module's pre-hooks: one the script made before adoption (torch.nn.utils.prune
+        # computes ``weight`` from ``weight_orig``) reads the unit's pages, also when a non-reentrant
+        # checkpoint recomputes the forward inside backward, where no fault handler runs: appended,
+        # it read freed storage there (a segfault, or silently wrong training: a probe's finding)
+        patches.add_handle(module.register_forward_pre_hook(SessionHook(lambda m, a, u=unit: self._pre(u)), prepend=True),
                            f"paging pre-hook {name}")
         patches.add_handle(module.register_forward_hook(SessionHook(lambda m, a, o, u=unit: self._post(u, o)),
                                                         always_call=True), f"paging hook {name}")

@@ -5,6 +5,7 @@ import io
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
@@ -1013,3 +1014,52 @@ def test_a_pruned_model_in_memory_mode_trains_like_plain_pytorch(tmp_path):
     assert switched.returncode == 0, switched.stderr[-2000:]
     numbers = [[line for line in out.stdout.splitlines() if line.startswith("0x")] for out in (plain, switched)]
     assert numbers[1] == numbers[0] and len(numbers[0]) == 4  # (the switch's banner goes to stdout too)
+
+
+def test_a_block_holding_the_scripts_hooks_runs_uncheckpointed_while_it_does(tmp_path):
+    """A forward hook on a layer inside a checkpointed block ran again in the recomputation: two
+    activations recorded per step, and the one kept with ``retain_grad()`` never got its gradient
+    (a probe's finding; the Grad-CAM pattern). Such a block runs as written while it holds the
+    hook (said at adoption), and is checkpointed again once the hook is removed."""
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return x + torch.tanh(self.fc(x))
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*[Block() for _ in range(3)], nn.Linear(16, 1))
+
+    def run(model, steps=2):
+        feats = []
+
+        def hook(m, i, o):
+            o.retain_grad()
+            feats.append(o)
+
+        handle = model[1].fc.register_forward_hook(hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(steps):
+            model(torch.ones(4, 16)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        handle.remove()
+        return feats
+
+    plain = run(build())
+    vb.enable("memory", swap_dir=str(tmp_path), **PLAIN)
+    model = build()
+    model[0].fc.register_forward_pre_hook(lambda m, a: None)  # there at adoption
+    model.to("cpu")
+    reason = vb.get_report()["models"][0]["features"]["activation_checkpointing"]["reason"]
+    assert "1 of them hold the script's hooks (forward pre-hook on fc in block 0) and run uncheckpointed" in reason, reason
+    feats = run(model)
+    assert len(feats) == len(plain) == 2
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(feats, plain))
+    wrapped = [vars(b)["forward"] for b in model[:3]]
+    assert [w.calls for w in wrapped] == [0, 0, 2]  # the hooked blocks ran as written; the third was checkpointed
+    model(torch.ones(4, 16)).sum().backward()  # the hook on block 1 is gone: checkpointed again
+    assert [w.calls for w in wrapped] == [0, 1, 3]

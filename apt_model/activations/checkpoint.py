@@ -22,8 +22,13 @@ most parameters (``GPT.blocks``, Hugging Face ``transformer.h`` / ``model.layers
   call, which copies the inputs once).
 
 What cannot be replayed: Python side effects of the forward itself run again in the
-recomputation (a Python counter incremented in ``forward``, a forward hook on a layer inside the
-block fires twice per step). ``activation_checkpointing=False`` turns checkpointing off.
+recomputation (a Python counter incremented in ``forward``). The **script's hooks** on layers
+inside a block (forward, forward pre-, backward hooks, and the global module hooks) would run a
+second time too — a forward hook that records an activation recorded two per step, and one that
+calls ``retain_grad()`` on it saw ``.grad`` stay None (a probe's finding, 2026-11-28) — so a block
+holding such hooks runs uncheckpointed for as long as it holds them (looked at each call, cheaply:
+the hook dictionaries' sizes; hooks on the block itself run around the checkpoint and do not
+count). ``activation_checkpointing=False`` turns checkpointing off.
 
 Policies: ``all`` blocks; ``every:K`` (blocks 0, K, 2K, ...); ``budget`` — the first training
 forward runs unchanged while the bytes each block saves for backward are counted (saved-tensor
@@ -43,11 +48,16 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_mod
 from torch.utils.checkpoint import checkpoint
 
 from apt_model.base import functional_call
 from apt_model.base.errors import ConfigError
 from apt_model.base.forward_scope import in_enclosing_checkpoint
+from apt_model.base.log import get_logger
+from apt_model.base.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, script_hooks
+
+log = get_logger(__name__)
 
 _EVERY = re.compile(r"^every:(\d+)$")
 
@@ -279,6 +289,25 @@ class CheckpointedForward:
         # the buffers its forward changes, learned too: (module, name), looked up at each call, since
         # model.to() / .half() put new tensors in a module's buffers
         self.written_buffers: list[tuple[nn.Module, str]] | None = None
+        self._hook_sizes: tuple | None = None  # the hook dictionaries' sizes when last looked at
+        #: the script's hooks inside the block (descriptions): while any, calls run uncheckpointed
+        self.hooked: list[str] = []
+
+    def hooks_inside(self) -> list[str]:
+        """The script's hooks on the block's layers (and the global module hooks): looked up again
+        only when a hook dictionary's size changed since the last call."""
+        block = self.module
+        sizes = tuple(len(getattr(m, attr)) for m in block.modules() if m is not block for attr in HOOK_DICTS) \
+            + tuple(len(getattr(module_mod, name)) for name in GLOBAL_HOOK_DICTS)
+        if sizes != self._hook_sizes:
+            self._hook_sizes = sizes
+            hooked = script_hooks(block)
+            if hooked and not self.hooked:
+                log.info("apt_model: %s runs uncheckpointed while the script's hooks sit inside it (%s): its "
+                         "recomputation in backward would run them a second time", type(block).__name__,
+                         ", ".join(hooked))
+            self.hooked = hooked
+        return self.hooked
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -302,7 +331,7 @@ class CheckpointedForward:
         # activations already, and a recomputation must save what the forward saved - this call's
         # path changes after the first call (found 2026-11-27: CheckpointError at the first backward)
         if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
-                or functional_call.swapped(self.module) or in_enclosing_checkpoint():
+                or functional_call.swapped(self.module) or in_enclosing_checkpoint() or self.hooks_inside():
             return self.forward(*args, **kwargs)
         self.calls += 1
         named = self._buffers()

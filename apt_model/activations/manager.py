@@ -34,6 +34,7 @@ from apt_model.activations.checkpoint import (
 )
 from apt_model.activations.offload import ActivationOffloader
 from apt_model.base.forward_scope import ForwardScopes
+from apt_model.base.module_hooks import script_hooks
 from apt_model.base.sizes import format_size
 from apt_model.base.feature import Decision
 from apt_model.base.patches import SessionHook
@@ -184,6 +185,11 @@ class ActivationManager:
         indices = choose_blocks(n, policy, k)
         why = (f"{note + '; ' if note else ''}policy {self.config.checkpoint_policy}: {len(indices)} of {n} "
                f"{blocks.kind} blocks in {blocks.name or 'the model'} recompute their activations in backward")
+        hooked = [(i, h) for i in indices if (h := script_hooks(blocks.modules[i]))]
+        if hooked:
+            why += (f"; {len(hooked)} of them hold the script's hooks ({hooked[0][1][0]} in {blocks.name + '.' if blocks.name else 'block '}{hooked[0][0]}"
+                    f"{', ...' if len(hooked) > 1 or len(hooked[0][1]) > 1 else ''}) and run uncheckpointed while "
+                    "they do: a recomputation would run those hooks a second time")
         return Decision(feature, req, f"{len(indices)}/{n} blocks", why, act=True, plan=("blocks", blocks, indices))
 
     def apply_checkpointing(self, model: nn.Module, rec, decision: Decision, record_later,

@@ -19,16 +19,18 @@ switch's own hooks.
 """
 from __future__ import annotations
 
-import inspect
 import weakref
 from typing import Callable
 
 import torch.nn as nn
 import torch.nn.modules.module as module_mod
 
+from apt_model.base.module_hooks import is_switch_hook, script_hooks
 from apt_model.base.patches import PatchSet
 
-#: ``nn.Module`` methods that register a hook compiled code would trace, and the hook dictionaries.
+__all__ = ["HookWatch", "script_hooks"]
+
+#: ``nn.Module`` methods that register a hook compiled code would trace.
 MODULE_REGISTRARS = {
     "register_forward_hook": "forward hook",
     "register_forward_pre_hook": "forward pre-hook",
@@ -36,8 +38,6 @@ MODULE_REGISTRARS = {
     "register_full_backward_pre_hook": "full backward pre-hook",
     "register_backward_hook": "backward hook",
 }
-_DICTS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
-          "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
 
 #: The global registrars of ``torch.nn.modules.module`` (every module's calls run these hooks).
 GLOBAL_REGISTRARS = {
@@ -47,36 +47,6 @@ GLOBAL_REGISTRARS = {
     "register_module_full_backward_pre_hook": "global full backward pre-hook",
     "register_module_backward_hook": "global backward hook",
 }
-_GLOBAL_DICTS = {"_global_forward_hooks": "global forward hook", "_global_forward_pre_hooks": "global forward pre-hook",
-                 "_global_backward_hooks": "global backward hook", "_global_backward_pre_hooks": "global backward pre-hook"}
-
-
-def is_switch_hook(fn: Callable) -> bool:
-    """Whether ``fn`` is one of the switch's own hooks (defined in apt_model). A user's hook the
-    switch wrapped (``functools.wraps``, the paging's fault-handler wrapper) is the user's."""
-    try:
-        fn = inspect.unwrap(fn)
-    except ValueError:
-        pass
-    owner = getattr(fn, "__module__", None) or type(fn).__module__ or ""
-    return owner == "apt_model" or owner.startswith("apt_model.")
-
-
-def script_hooks(model: nn.Module, limit: int = 3) -> list[str]:
-    """The script's hooks compiled code would trace in ``model``: on its submodules (not on the
-    model itself) and the global module hooks; at most ``limit`` descriptions plus a count of the
-    rest (``["forward hook on blocks.0.mlp.0", "full backward hook on ...", "2 more"]``)."""
-    found = []
-    for name, hooks in _GLOBAL_DICTS.items():
-        found += [hooks] * sum(not is_switch_hook(fn) for fn in getattr(module_mod, name, {}).values())
-    for qual, sub in model.named_modules():
-        if sub is model:
-            continue
-        for attr, kind in _DICTS.items():
-            found += [f"{kind} on {qual}"] * sum(not is_switch_hook(fn) for fn in getattr(sub, attr, {}).values())
-    if len(found) > limit:
-        found = found[:limit] + [f"{len(found) - limit} more"]
-    return found
 
 
 class HookWatch:

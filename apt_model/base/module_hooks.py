@@ -1,0 +1,56 @@
+"""The script's module hooks, told apart from the switch's own.
+
+Features whose mechanism changes when a module's hooks run decline where the script's hooks sit
+inside a model: the compile ladder (``torch.compile`` traces submodule hooks once and, by default,
+never sees hooks added later: :mod:`apt_model.compile.hooks`) and activation checkpointing (a
+block's recomputation in backward runs the forward hooks of the layers inside it a second time:
+:mod:`apt_model.activations.checkpoint`).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch.nn as nn
+import torch.nn.modules.module as module_mod
+
+#: A module's hook dictionaries, and what each holds.
+HOOK_DICTS = {"_forward_hooks": "forward hook", "_forward_pre_hooks": "forward pre-hook",
+              "_backward_hooks": "backward hook", "_backward_pre_hooks": "backward pre-hook"}
+#: The global hook dictionaries of ``torch.nn.modules.module`` (every module's calls run these).
+GLOBAL_HOOK_DICTS = {"_global_forward_hooks": "global forward hook",
+                     "_global_forward_pre_hooks": "global forward pre-hook",
+                     "_global_backward_hooks": "global backward hook",
+                     "_global_backward_pre_hooks": "global backward pre-hook"}
+
+
+def is_switch_hook(fn: Callable) -> bool:
+    """Whether ``fn`` is one of the switch's own hooks (defined in apt_model). A user's hook the
+    switch wrapped (``functools.wraps``, the paging's fault-handler wrapper) is the user's."""
+    try:
+        fn = inspect.unwrap(fn)
+    except ValueError:
+        pass
+    owner = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    return owner == "apt_model" or owner.startswith("apt_model.")
+
+
+def script_hooks(model: nn.Module, kinds: tuple[str, ...] = tuple(HOOK_DICTS), limit: int = 3) -> list[str]:
+    """The script's hooks of the given ``kinds`` (names of :data:`HOOK_DICTS`) on ``model``'s
+    submodules (not on the model itself: those run around its forward) and the global module hooks
+    of the same kinds; at most ``limit`` descriptions plus a count of the rest (``["forward hook on
+    blocks.0.mlp.0", "full backward hook on ...", "2 more"]``). Empty when there are none."""
+    found = []
+    for name, kind in GLOBAL_HOOK_DICTS.items():
+        if name.replace("_global", "") in kinds:
+            found += [kind] * sum(not is_switch_hook(fn) for fn in getattr(module_mod, name, {}).values())
+    for qual, sub in model.named_modules():
+        if sub is model:
+            continue
+        for attr in kinds:
+            hooks = getattr(sub, attr, None)
+            if hooks:
+                found += [f"{HOOK_DICTS[attr]} on {qual}"] * sum(not is_switch_hook(fn) for fn in hooks.values())
+    if len(found) > limit:
+        found = found[:limit] + [f"{len(found) - limit} more"]
+    return found

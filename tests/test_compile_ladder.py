@@ -378,6 +378,7 @@ def test_no_rung_where_the_scripts_hooks_sit_inside_the_model():
 
 @pytest.mark.parametrize("when", ["trial", "kept", "global"])
 def test_a_hook_the_script_adds_later_sends_the_model_back_to_eager_and_runs(when):
+    originals = (vars(nn.Module)["register_forward_hook"], torch.nn.modules.module.register_module_forward_hook)
     model, records = Net(), []
     ladder, patches = _kept_ladder(model, records)
     steps = 0
@@ -400,5 +401,4 @@ def test_a_hook_the_script_adds_later_sends_the_model_back_to_eager_and_runs(whe
     assert len(fired) == 3
     handle.remove()
     patches.restore_all()
-    assert torch.nn.modules.module.register_module_forward_hook.__name__ == "register_module_forward_hook"
-    assert "register_forward_hook" not in vars(nn.Module) or nn.Module.register_forward_hook.__qualname__ == "Module.register_forward_hook"
+    assert (vars(nn.Module)["register_forward_hook"], torch.nn.modules.module.register_module_forward_hook) == originals

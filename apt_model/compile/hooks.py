@@ -19,6 +19,7 @@ switch's own hooks.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable
 
@@ -70,36 +71,25 @@ class HookWatch:
 
     def _install(self, patches: PatchSet) -> None:
         for name, kind in MODULE_REGISTRARS.items():
-            real = getattr(nn.Module, name)
-            patches.set_attr(nn.Module, name, self._module_registrar(real, kind),
+            patches.set_attr(nn.Module, name, self._registrar(getattr(nn.Module, name), kind, per_module=True),
                              label=f"nn.Module.{name} (compiled code would not run a hook added later)")
         for name, kind in GLOBAL_REGISTRARS.items():
-            real = getattr(module_mod, name)
-            patches.set_attr(module_mod, name, self._global_registrar(real, kind),
+            patches.set_attr(module_mod, name, self._registrar(getattr(module_mod, name), kind, per_module=False),
                              label=f"torch.nn.modules.module.{name} (compiled code would not run a hook added later)")
 
-    def _module_registrar(self, real: Callable, kind: str) -> Callable:
+    def _registrar(self, real: Callable, kind: str, per_module: bool) -> Callable:
+        """``real`` (a module's registrar: ``(module, hook, ...)``; a global one: ``(hook, ...)``),
+        telling the ladders when the hook is the script's."""
         watch = self
 
-        def register(module, hook, *args, **kwargs):
-            handle = real(module, hook, *args, **kwargs)
-            if not is_switch_hook(hook):
-                watch._tell(module, f"a {kind} on {type(module).__name__}")
+        @functools.wraps(real)
+        def register(*args, **kwargs):
+            handle = real(*args, **kwargs)
+            module = args[0] if per_module else None
+            rest = args[1:] if per_module else args
+            hook = kwargs.get("hook", rest[0] if rest else None)
+            if hook is not None and not is_switch_hook(hook):
+                watch._tell(module, f"a {kind} on {type(module).__name__}" if per_module else f"a {kind}")
             return handle
 
-        register.__wrapped__ = real
-        register.__name__, register.__doc__ = real.__name__, real.__doc__
-        return register
-
-    def _global_registrar(self, real: Callable, kind: str) -> Callable:
-        watch = self
-
-        def register(hook, *args, **kwargs):
-            handle = real(hook, *args, **kwargs)
-            if not is_switch_hook(hook):
-                watch._tell(None, f"a {kind}")
-            return handle
-
-        register.__wrapped__ = real
-        register.__name__, register.__doc__ = real.__name__, real.__doc__
         return register

@@ -496,6 +496,32 @@ def test_each_rank_pages_into_its_own_swap_folder(monkeypatch, tmp_path):
     vb.disable()
 
 
+def test_ranks_on_one_host_share_its_free_memory_and_swap_disk(monkeypatch, tmp_path):
+    """Levels sized by default from the host's free RAM and the swap disk's free space: each of N
+    ranks on a host takes 1/N (each took 90% of what it saw, so 8 ranks could pin and swap 8x the
+    host: a probe's finding). An explicit budget is the rank's own, as given."""
+    from apt_model.memory.levels import VGPUStack
+
+    for k, v in {**LAUNCH, "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    vb.enable("balanced", paging="always", swap_dir=str(tmp_path), banner=False, device="cpu")
+    stack = vb.get_report()["memory"]["stack"]
+    vb.disable()
+    alone = VGPUStack("cpu", swap_dir=str(tmp_path), measure=False).describe()
+    assert stack["sharing"] == 4 and alone["sharing"] == 1
+    for level in (0, 1):  # host RAM (level 0 on a CPU-only run), the swap disk
+        ratio = stack["levels"][level]["capacity"] / alone["levels"][level]["capacity"]
+        assert 0.2 < ratio < 0.3, (level, ratio)  # a quarter (free memory moves a little between the two)
+
+    for k, v in {**LAUNCH, "LOCAL_WORLD_SIZE": "4", "LOCAL_RANK": "1"}.items():
+        monkeypatch.setenv(k, v)
+    vb.enable("balanced", paging="always", swap_dir=str(tmp_path), host_budget="64MB", swap_budget="1GB",
+              banner=False, device="cpu")
+    given = vb.get_report()["memory"]["stack"]["levels"]
+    vb.disable()
+    assert given[0]["capacity"] == 64_000_000 and given[1]["capacity"] == 1_000_000_000
+
+
 # ---------------------------------------------------------------------------- multi-process (torchrun)
 
 

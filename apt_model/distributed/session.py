@@ -93,6 +93,13 @@ class DistributedSession:
         self.pg = ProcessGroupManager(selection, self.env, self.setting == "auto", self._record)
 
     # ------------------------------------------------------------------ enable()
+    def ranks_on_this_host(self) -> int:
+        """Processes of this job on this host: the launcher's ``LOCAL_WORLD_SIZE`` (1 without a
+        launcher, or when it does not say). The memory levels sized by default share the host's
+        RAM and swap disk between them."""
+        n = getattr(self.env, "local_world_size", None) if self.env is not None else None
+        return n if isinstance(n, int) and n >= 1 else 1
+
     def swap_dir(self, swap_dir):
         """The swap dir for this rank: ``<swap dir>/rank<R>-<host>`` under a multi-process launcher
         (created inside an existing swap dir), else ``swap_dir`` unchanged. A swap dir that does

@@ -150,6 +150,11 @@ class VGPUStack:
         headroom: fraction of free memory left alone when no budget is given.
         measure: measure bandwidths now (else the levels show "not measured" until
             :meth:`measure` is called).
+        sharing: processes of one job on this host (a launcher's ``LOCAL_WORLD_SIZE``): a level
+            sized by default from the host's free RAM or the swap disk's free space takes 1/N of
+            it, since N ranks each start with the same free memory in view (until 2026-11-28 each
+            rank took 90% of it: 8 ranks could pin and swap 8x what the host has). A budget given
+            explicitly is this process's own. A device level is per rank and never divided.
 
     Budgets above what their level has (more than the machine's RAM, the device's memory, the
     swap disk's free space) are accepted with a warning naming the capacity and the consequence
@@ -161,9 +166,13 @@ class VGPUStack:
     """
 
     def __init__(self, device: torch.device | str = "cpu", device_budget=None, host_budget=None,
-                 swap_dir=None, swap_budget=None, headroom: float = HEADROOM["over_budget"], measure: bool = True):
+                 swap_dir=None, swap_budget=None, headroom: float = HEADROOM["over_budget"], measure: bool = True,
+                 sharing: int = 1):
+        if not isinstance(sharing, int) or isinstance(sharing, bool) or sharing < 1:
+            raise ValueError(f"sharing={sharing!r} must be a whole number of processes >= 1")
         self.device = torch.device(device)
         self.headroom = headroom
+        self.sharing = sharing
         self.device_budget = resolve_budget(device_budget, DEVICE_BUDGET)
         self.host_budget = resolve_budget(host_budget, HOST_BUDGET)
         self.swap_budget = resolve_budget(swap_budget, SWAP_BUDGET)
@@ -199,9 +208,9 @@ class VGPUStack:
         return "device_budget (VB_DEVICE_BUDGET)"
 
     def _build(self) -> None:
-        avail = int(psutil.virtual_memory().available)
+        avail = int(psutil.virtual_memory().available) // self.sharing  # this rank's share (see ``sharing``)
         host_cap = self.host_budget or int(avail * (1 - self.headroom))
-        disk_free = self.swap.free_bytes()
+        disk_free = self.swap.free_bytes() // self.sharing
         swap_cap = self.swap_budget or int(disk_free * (1 - self.headroom))
         bw = self.bandwidths or {}
         disk = bw.get("disk") or {}
@@ -236,6 +245,7 @@ class VGPUStack:
 
     def describe(self) -> dict:
         return {"device": str(self.device), "shared_host": self.shared_host, "aligned_pages": self.aligned_pages,
+                "sharing": self.sharing,
                 "levels": [asdict(level) for level in self.levels], "bandwidths": self.bandwidths,
                 "swap_folder": str(self.swap.folder),
                 "stale_folders_removed": [str(p) for p in self.swap.stale_removed], "warnings": list(self.warnings)}

@@ -120,7 +120,8 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
             try:  # before a running session is let go: a bad swap folder leaves it on, as any bad value does
                 stack = VGPUStack(selection.device, config.device_budget, config.host_budget,
                                   distributed.swap_dir(config.swap_dir), config.swap_budget,
-                                  headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"], measure=False)
+                                  headroom=HEADROOM["tight" if config.paging == "tight" else "over_budget"], measure=False,
+                                  sharing=distributed.ranks_on_this_host())
             except BaseException:
                 distributed.release_swap_dir()
                 raise

@@ -50,6 +50,8 @@ def test_prefer_puts_a_kind_first(machine):
     assert sel.ranking == ("xpu", "cuda", "cpu")
     # a preferred kind that is not usable does not win: no silent choice of a dead device
     assert select_device(prefer="npu", candidates=machine).kind == "cuda"
+    # case folds, as every other choice does ("XPU" was refused as not a device kind)
+    assert select_device(prefer=[" XPU"], candidates=machine).ranking == ("xpu", "cuda", "cpu")
 
 
 def test_prefer_unknown_kind_is_an_error_listing_kinds(machine):

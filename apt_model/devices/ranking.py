@@ -81,10 +81,14 @@ def normalize_prefer(prefer: str | Iterable[str] | None, candidates: list[Candid
         return ()
     items = (prefer,) if isinstance(prefer, str) else tuple(prefer)
     known = _known_names(candidates)
+    folded = {name.lower(): name for name in known}  # "CUDA" as "cuda", as every other choice folds case
+    out = []
     for p in items:
-        if p not in known:
+        name = folded.get(p.strip().lower()) if isinstance(p, str) else None
+        if name is None:
             raise ConfigError(f"prefer={p!r} is not a device kind; valid: {', '.join(known)}")
-    return items
+        out.append(name)
+    return tuple(out)
 
 
 def rank(candidates: list[Candidate], prefer: tuple[str, ...] = ()) -> list[Candidate]:

@@ -148,3 +148,23 @@ def test_run_passes_the_scripts_arguments_verbatim_with_their_double_dash(tmp_pa
     for launcher_args, expected in cases:
         assert main(["run", *launcher_args]) == 0
         assert f"ARGV {expected!r}" in capsys.readouterr().out, launcher_args
+
+
+def test_run_quiet_silences_a_vbrc_that_asks_for_verbose(project, capsys, monkeypatch):
+    """``apt-vb run --quiet`` printed every decision when the project's .vbrc said
+    ``verbose: true`` (a probe's minor): quiet means no banner and no decision echo."""
+    from apt_model.cli.main import main
+    import apt_model.optimization.vb_global as vb
+
+    monkeypatch.setenv("VB_DEVICE", "cpu")
+    (project / ".vbrc").write_text('{"mode": "balanced", "verbose": true, "mixed_precision": "off"}\n')
+    script = project / "train_tiny.py"
+    script.write_text("import torch\nm = torch.nn.Linear(4, 4).to('cpu')\nm(torch.ones(2, 4)).sum().backward()\nprint('TRAINED')\n")
+    try:
+        assert main(["run", "--quiet", str(script)]) == 0
+        assert vb.get_config()["settings"]["verbose"]["value"] is False
+    finally:
+        vb.disable()
+    out = capsys.readouterr()
+    assert "TRAINED" in out.out
+    assert "mixed_precision" not in out.out + out.err and "Virtual Blackwell" not in out.out + out.err

@@ -40,7 +40,8 @@ def run_script(args) -> int:
             _check_module(args.module)
         current = vb.get_config()["mode"] if vb.is_enabled() else None
         if current is None or (wanted is not None and wanted != current) or args.device:
-            vb.enable(wanted, device=args.device, banner=not args.quiet)
+            # --quiet wins over a .vbrc's verbose: true (it echoed every decision anyway)
+            vb.enable(wanted, device=args.device, banner=not args.quiet, **({"verbose": False} if args.quiet else {}))
         try:
             if args.module:  # runpy sets sys.argv[0] to the module's file, as python -m does
                 sys.argv = [args.module, *args.args]

@@ -49,7 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--mode", default=None, help="performance|speed|balanced|memory|full (default: VB_MODE, else the .vbrc mode, else balanced)")
     run.add_argument("--device", default=None, help="device to use (default: VB_DEVICE or the ranking's choice)")
     run.add_argument("--report", default=None, help="write the switch's JSON report here when the script ends")
-    run.add_argument("--quiet", action="store_true", help="no enable banner")
+    run.add_argument("--quiet", action="store_true", help="no enable banner and no decision echo (even with verbose on in a .vbrc)")
     run.add_argument("-m", dest="module", default=None, help="run a module as a script, like python -m")
     run.add_argument("script", nargs="?", help="the script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments passed to the script")

@@ -292,6 +292,65 @@ def test_a_forked_child_neither_removes_the_swap_folder_nor_waits_for_threads_it
     assert not space.folder.exists()  # the owner's close removes it
 
 
+FORKED_CHILD = """
+import os, sys, time, torch, torch.nn as nn, torch.nn.functional as F
+import apt_model.optimization.vb_global as vb
+torch.set_num_threads(1)
+vb.enable("memory", device="cpu", device_budget="64KB", mixed_precision="off", compile="off",
+          swap_dir=sys.argv[1], banner=False)
+big = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))  # over the budget: paged
+opt = torch.optim.AdamW(big.parameters())
+F.cross_entropy(big(torch.randn(8, 64)), torch.zeros(8, dtype=torch.long)).backward()
+opt.step()  # page writes are in flight now
+pid = os.fork()
+if pid == 0:
+    status = 1
+    try:
+        t0 = time.monotonic()
+        sd = big.state_dict()  # the parent's model: copies, at once
+        saved = time.monotonic() - t0
+        torch.manual_seed(1)
+        own = nn.Sequential(nn.Linear(8, 2048), nn.Linear(2048, 8))  # the child's own model
+        o = torch.optim.SGD(own.parameters(), lr=0.1)
+        for _ in range(2):
+            own(torch.ones(2, 8)).square().mean().backward(); o.step(); o.zero_grad()
+        feats = vb.get_report()["models"][-1]["features"]
+        print("CHILD", round(saved, 1), len(sd), feats["paging"]["chosen"], "os.fork()" in feats["paging"]["reason"],
+              feats["activation_offload"]["chosen"], own[0].weight.double().sum().item().hex(), flush=True)
+        status = 0
+    finally:
+        os._exit(status)
+_, st = os.waitpid(pid, 0)
+print("PARENT", os.waitstatus_to_exitcode(st))
+vb.disable()
+torch.manual_seed(1)
+own = nn.Sequential(nn.Linear(8, 2048), nn.Linear(2048, 8))
+o = torch.optim.SGD(own.parameters(), lr=0.1)
+for _ in range(2):
+    own(torch.ones(2, 8)).square().mean().backward(); o.step(); o.zero_grad()
+print("PLAIN", own[0].weight.double().sum().item().hex())
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork is POSIX only")
+def test_a_forked_child_trains_a_model_of_its_own_and_saves_the_parents_at_once(tmp_path):
+    """Once the parent paged a model, a child made by ``os.fork()`` (a DataLoader worker with its
+    own augmentation net, an asynchronous checkpoint writer) could not use a model of its own: it
+    was paged through the parent's I/O queues (ForkedPagingError, or VB_SWAP_TIMEOUT waits), and
+    the parent's ``state_dict()`` waited VB_SWAP_TIMEOUT for each page whose write was in flight
+    at the fork (a probe's findings). The child's own models run as written (no paging, no
+    offload: the swap folder is the parent's), and a write in flight fails fast, so state_dict()
+    takes copies at once."""
+    proc = subprocess.run([sys.executable, "-c", FORKED_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "VB_CONFIG": "none", "VB_SWAP_TIMEOUT": "20"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines() if line[:5] in ("CHILD", "PAREN", "PLAIN")}
+    assert lines["PARENT"] == ["0"], proc.stdout + proc.stderr[-3000:]
+    saved_s, entries, paging, says_fork, offload, digest = lines["CHILD"]
+    assert float(saved_s) < 5 and entries == "4" and paging == "off" and says_fork == "True" and offload == "off"
+    assert digest == lines["PLAIN"][0]
+
+
 def test_a_relative_swap_dir_survives_a_change_of_working_directory(tmp_path, monkeypatch):
     """``VB_SWAP_DIR=relsw`` and a script that changes directory later (Hydra does): the folder is
     resolved once, so its files are found again (until 2026-11-26 they were reported missing)."""

@@ -33,6 +33,7 @@ from apt_model.activations.checkpoint import (
     shared_layer_list,
 )
 from apt_model.activations.offload import ActivationOffloader
+from apt_model.memory.swap import FORKED_CHILD_REASON
 from apt_model.base.forward_scope import ForwardScopes
 from apt_model.base.module_hooks import script_hooks
 from apt_model.base.sizes import format_size
@@ -264,6 +265,8 @@ class ActivationManager:
             return Decision("activation_offload", req, "off", "activation_offload=off")
         if self.stack is None:
             return Decision("activation_offload", req, "off", "no VGPU stack (swap dir) in this session")
+        if self.stack.swap.forked():
+            return Decision("activation_offload", req, "off", FORKED_CHILD_REASON)
         return Decision("activation_offload", req, "on", "offload requested", act=True)
 
     def apply_offload(self, model: nn.Module, rec, decision: Decision,

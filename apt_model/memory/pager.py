@@ -536,8 +536,21 @@ class Pager:
 
     # ------------------------------------------------------------------ I/O primitives
     def _wait(self, fut: Future, page: Page, what: str) -> None:
-        """Wait (bounded) for ``page``'s ``what`` ("read", "write") to finish; re-raises its error."""
+        """Wait (bounded) for ``page``'s ``what`` ("read", "write") to finish; re-raises its error.
+
+        Raises:
+            ForkedPagingError: at once, in a process forked while the job was in flight (it runs, and
+                finishes, only in the parent: the wait took ``VB_SWAP_TIMEOUT`` per page until
+                2026-11-28, twelve minutes for a small model's ``state_dict()`` in a forked child).
+        """
         if not fut.done():
+            if self.io.forked():
+                from apt_model.memory.swap import ForkedPagingError
+
+                raise ForkedPagingError(
+                    f"the {what} of page {page.label} was in flight when this process (pid {os.getpid()}) was forked "
+                    f"from the one that pages the model (pid {self.io.pid}): it finishes only there. Use the model in "
+                    "the parent, fork before enable(), or start workers with the 'spawn' method")
             t0 = time.perf_counter()
             try:
                 wait_future(fut, f"{what} of page {page.label} ({page.key}, {page.nbytes} bytes) "

@@ -159,6 +159,14 @@ class ForkedPagingError(SwapError):
     parent's swap folder (until 2026-11-26 it did, and the parent's state was lost)."""
 
 
+#: Why a model adopted in a process forked from the one that owns the memory stack gets no paging
+#: and no activation offload (the swap folder and the I/O threads serving it are the parent's).
+FORKED_CHILD_REASON = (
+    "this process was made by os.fork() from the one that owns the memory stack (its swap folder and I/O "
+    "threads are the parent's): the model runs as written here, unpaged and not offloaded (until 2026-11-28 "
+    "it went through the parent's I/O queues and failed with ForkedPagingError or waited VB_SWAP_TIMEOUT)")
+
+
 class SwapTimeoutError(SwapError):
     """A wait of the memory stack (a page's read or write, a lock) did not end within
     ``VB_SWAP_TIMEOUT`` seconds; the message names what was awaited (see :mod:`apt_model.memory.waits`)."""
@@ -398,6 +406,11 @@ class SwapSpace:
         self._closed = False
         self._release_pending = False  # close() was cut short inside the folder's deletion
         self._finalizer = weakref.finalize(self, self._owner.release)
+
+    def forked(self) -> bool:
+        """Whether this process was made by ``os.fork()`` after the folder was claimed: the folder,
+        its files and the I/O threads serving them are the parent's."""
+        return os.getpid() != self._owner.pid
         atexit.register(self.close)
 
     # ---------------------------------------------------------------- lifecycle

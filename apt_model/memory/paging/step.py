@@ -29,6 +29,7 @@ from apt_model.base.sizes import format_size, format_size_at_least
 from apt_model.memory.paging.resident import ResidentModels
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
 from apt_model.memory.placement import PagingBudgetError, plan_placement
+from apt_model.memory.swap import FORKED_CHILD_REASON
 
 log = get_logger(__name__)
 
@@ -47,6 +48,7 @@ def sparse_gradient_sources(model: nn.Module) -> list[str]:
         if id(p) not in covered and g is not None and g.layout is not torch.strided:
             out.append(f"the {g.layout} gradient of {name}")
     return out
+
 
 
 class PagingStep(FeatureStep):
@@ -72,6 +74,8 @@ class PagingStep(FeatureStep):
         blocked = ctx.facts.get("paging_blocked")
         if blocked:
             return Decision(self.name, req, "off", blocked)
+        if stack.swap.forked():
+            return Decision(self.name, req, "off", FORKED_CHILD_REASON)
         if self.paging is not None and self.paging.owns_all(model):
             return Decision(self.name, req, "off", "its parameters are paged already, with the paged model the script "
                             "added it to (or that it wraps)")

@@ -532,3 +532,26 @@ def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how)
     assert not model._vb_autocast.trial.running and model._vb_autocast.calls == 0
     feat = vb.get_report()["models"][0]["features"]["mixed_precision"]
     assert feat["chosen"] == "fp32" and "the script managed precision in 8 training calls" in feat["reason"], feat
+
+
+def test_deterministic_algorithms_keep_the_scripts_precision_and_eager_forward(cpu_device):
+    """The bf16 trial alternates bf16 and fp32 calls and keeps bf16 by timing, and the compile
+    ladder keeps a rung by timing: the same script under torch.use_deterministic_algorithms(True)
+    gave a different result in each run (a probe: three runs, three digests, bf16 kept once).
+    With deterministic algorithms on, neither trial runs; forcing bf16 still works."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        vb.enable("balanced", autocast_min_speedup=0.01, banner=False)
+        _gpt().to("cpu")
+        features = vb.get_report()["models"][0]["features"]
+        mp, comp = features["mixed_precision"], features["compile"]
+        assert mp["chosen"] == "fp32" and "use_deterministic_algorithms(True) is on" in mp["reason"], mp
+        assert comp["chosen"] == "eager" and "use_deterministic_algorithms(True) is on" in comp["reason"], comp
+        vb.disable()
+        vb.enable("balanced", mixed_precision="bf16", banner=False)
+        _gpt().to("cpu")
+        assert vb.get_report()["models"][0]["features"]["mixed_precision"]["chosen"] == "bf16"
+    finally:
+        vb.disable()
+        torch.use_deterministic_algorithms(before)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import weakref
 
+import torch
 import torch.nn as nn
 
 from apt_model.base.call_wrapper import script_call
@@ -96,6 +97,9 @@ class CompileStep(FeatureStep):
         if ctx.facts.get("ddp"):
             return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
                             "the switch's in-place DDP is not supported in this version")
+        if torch.are_deterministic_algorithms_enabled():
+            return Decision(self.name, req, "eager", "torch.use_deterministic_algorithms(True) is on: a rung is kept "
+                            "by a timed trial, so runs of the script could compute differently (compiled or eager)")
         hooked = script_hooks(model)
         if hooked:
             return Decision(self.name, req, "eager", f"the script's hooks inside the model ({', '.join(hooked)}): "

@@ -73,6 +73,12 @@ class PrecisionStep(FeatureStep):
                 why += "; use torch.amp.GradScaler in the training loop to avoid gradient underflow"
             return Decision(self.name, req, want, why, tried, act=True, plan=(dname, None))
         note = "; fp16 is never chosen automatically (it needs loss scaling in the training loop)"
+        if torch.are_deterministic_algorithms_enabled() and cfg.autocast_trial_calls:
+            # the trial alternates bf16 and fp32 calls and its verdict depends on timing: two runs of
+            # one script computed differently (a probe: three runs, three results, bf16 kept once)
+            return Decision(self.name, req, "fp32", "torch.use_deterministic_algorithms(True) is on: the on-line "
+                            "trial's verdict depends on timing, so runs of the script would differ; the script's "
+                            "precision is kept (mixed_precision='bf16' forces bf16, the same in every run)", tried)
         if ratio < cfg.autocast_min_speedup:
             slower = f"{1 / ratio:.1f}x slower than" if ratio < 1 else f"only {ratio:.2f}x the speed of"
             if "pilot_speedup" in probe:  # a small pilot looked faster; too small to rule bf16 in

@@ -1890,8 +1890,8 @@ def run(on):
     losses = []
     for s in range(4):
         if s == 1:
-            for p in m.parameters():
-                p.share_memory_()  # what torch.multiprocessing does to tensors it sends to spawn workers
+            for p in m.parameters():  # what torch.multiprocessing does to a parameter it sends to spawn
+                p.data.untyped_storage().share_memory_()  # workers: its .data's storage (p.share_memory_() is refused)
         x = torch.randn(8, 64, generator=gen)
         loss = F.mse_loss(m(x), x[:, :1])
         opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
@@ -2622,3 +2622,110 @@ def test_a_capturable_flag_the_script_changes_between_steps_is_kept(tmp_path, cp
 
     (want, want_w), (got, got_w) = run(False), run(True)
     assert want == ["refused", "ok", "ok"] and got == want and torch.equal(got_w, want_w)
+
+
+def test_moves_that_change_nothing_move_no_page(tmp_path, cpu_device):
+    """``model.to(device)`` on a model already there (scripts call it every epoch), ``model.cpu()``,
+    ``model.float()`` of an fp32 model, and ``.cuda()`` redirected to the CPU: each read and wrote
+    back every paged parameter and gradient (a probe: 33 MB each way and a third of a paged step
+    for a 2M-parameter model). They touch no byte now; training stays bitwise plain PyTorch's."""
+    plain = model()
+    popt = make_opt(plain, "adamw")
+    ref = train(plain, popt, 2) + train(plain, popt, 1, seed=2)
+    vb.enable("memory", swap_dir=str(tmp_path), **FORCE)
+    m = model().to("cpu")
+    opt = make_opt(m, "adamw")
+    losses = train(m, opt, 2)
+
+    def moved():
+        level = vb.get_stats()["levels"][0]
+        return level["bytes_in"], level["bytes_out"], level["faults"]
+
+    before = moved()
+    moves = [lambda: m.to("cpu"), m.cpu, m.float, lambda: m.to(torch.device("cpu"), torch.float32)]
+    if not torch.cuda.is_available():  # "cuda" is redirected to the selected CPU only where CUDA is absent
+        moves += [lambda: m.to("cuda"), m.cuda]
+    for move in moves:
+        move()
+        assert moved() == before, move
+    losses += train(m, opt, 1, seed=2)
+    assert losses == ref
+    assert all(torch.equal(a, b) for a, b in zip(m.parameters(), plain.parameters()))
+    m.double()  # a real conversion still converts
+    assert all(p.dtype == torch.float64 for p in m.parameters())
+    assert all(torch.equal(a, b.double()) for a, b in zip(m.parameters(), plain.parameters()))
+
+
+def test_share_memory_of_a_paged_model_is_refused_and_the_swap_flag_keeps_a_model_unpaged(tmp_path, cpu_device):
+    """Hogwild-style ``model.share_memory()`` of a paged model went through, and spawned workers'
+    updates never reached it (a silently untrained model); with
+    ``torch.__future__.set_swap_module_params_on_conversion(True)`` a paged model's ``.float()`` and
+    ``load_state_dict()`` raised "Couldn't swap" (swap_tensors refuses weakly referenced tensors).
+    Both found by a probe."""
+    from apt_model.errors import DistributedError
+
+    vb.enable("memory", swap_dir=str(tmp_path), **FORCE)
+    m = model().to("cpu")
+    with pytest.raises(DistributedError, match=r"share_memory_\(\) of a paged tensor.*paging='off'"):
+        m.share_memory()
+    vb.disable()
+
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        vb.enable("memory", swap_dir=str(tmp_path), **FORCE)
+        m = model().to("cpu")
+        paging = vb.get_report()["models"][0]["features"]["paging"]
+        assert paging["chosen"] == "off" and "set_swap_module_params_on_conversion(True)" in paging["reason"]
+        m.double()
+        m.load_state_dict(model().double().state_dict())
+        assert all(p.dtype == torch.float64 for p in m.parameters())
+    finally:
+        vb.disable()
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+_SHARED_EMPTY_SCRIPT = '''
+import sys, time, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+import apt_model.optimization.vb_global as vb
+def run(on):
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    if on:
+        vb.enable("balanced", swap_dir=sys.argv[1], paging="always", device_budget="16KB", banner=False,
+                  compile="off", mixed_precision="off")
+    m.to("cpu")
+    gen = torch.Generator().manual_seed(1)
+    losses, shared = [], 0
+    for s in range(4):
+        if s == 2 and on:
+            time.sleep(0.5)  # the writes of the evicted pages are over
+            for p in m.parameters():
+                if p.untyped_storage().nbytes() == 0:  # paged out: share its empty storage
+                    p.untyped_storage().share_memory_()
+                    shared += 1
+        x = torch.randn(8, 64, generator=gen)
+        loss = F.mse_loss(m(x), x[:, :1])
+        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
+    if on:
+        vb.disable()
+    return losses, [p.detach().clone() for p in m.parameters()], shared
+a, b = run(False), run(True)
+print("SHARED", b[2])
+print("SAME" if a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) else "DIFFERENT")
+'''
+
+
+def test_a_paged_out_parameter_whose_empty_storage_was_shared_loads_into_a_private_one(tmp_path, cpu_device):
+    """A paged-out parameter's storage (0 bytes) put in shared memory directly: resizing it to
+    load the page crashed the process (SIGSEGV, found 2026-11-28). The tensor gets a private
+    storage to load into; training stays bitwise. In a subprocess: a crash fails this test only."""
+    from conftest import clean_env
+
+    proc = subprocess.run([sys.executable, "-c", _SHARED_EMPTY_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                          env=clean_env(), timeout=300)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    lines = proc.stdout.split()
+    assert int(lines[lines.index("SHARED") + 1]) > 0 and proc.stdout.strip().endswith("SAME"), proc.stdout

@@ -161,6 +161,23 @@ class _Saved:
         self.zero_on_load = page.zero_on_load
 
 
+_UNSHARED_WARNED: list = [False]
+
+
+def _warn_unshared(label: str) -> None:
+    """Once per process: a paged parameter was in shared memory (``model.share_memory()``: Hogwild
+    workers update it there); paging gives it its own copy, so the workers' updates no longer reach
+    the model, and theirs no longer reach the workers (a probe's finding: the parent ended
+    untrained, silently, until 2026-11-28)."""
+    if _UNSHARED_WARNED[0]:
+        return
+    _UNSHARED_WARNED[0] = True
+    log.warning("apt_model: parameter %s is in shared memory (sent to another process by torch.multiprocessing): "
+                "paging gives it its own copy, so if other processes update it (Hogwild-style training), their "
+                "updates no longer reach this model. Keep such a model unpaged (paging='off', or a device budget "
+                "that holds it)", label)
+
+
 def _own_storage(t: torch.Tensor) -> None:
     """Give ``t`` a private copy of its bytes (``t.data = copy``): the storage it had may be shared
     or may not be freed in place, and paging frees the storage it manages."""
@@ -592,6 +609,8 @@ class Pager:
         storage = page.storage()
         if storage is None:
             raise RuntimeError(f"page {page.label} has no tensor to load into")
+        if storage.nbytes() != page.nbytes and not frees_in_place(storage):
+            storage = self._fresh_storage(page, storage)
         self._alloc(storage, page.nbytes)
         if page.zero_on_load:
             byte_view(storage).zero_()
@@ -766,6 +785,8 @@ class Pager:
             # sent a model: torch.multiprocessing shares its tensors' storages; resizing that memory
             # crashed the process, until 2026-11-26): the tensor gets its own copy to page, the
             # export or the workers keep the old
+            if page.category is Category.PARAM and storage.is_shared():
+                _warn_unshared(page.label)
             _own_storage(page.bound())
             storage = page.storage()
             page.dirty = True
@@ -786,12 +807,30 @@ class Pager:
             self._fit_buffers(arriving=nbytes)  # fresh memory: buffers give way before it is taken
             alloc_storage(storage, nbytes)
 
+    def _fresh_storage(self, page: Page, storage: torch.UntypedStorage, nbytes: int | None = None) -> torch.UntypedStorage:
+        """Bind ``page``'s tensor to a private storage of ``nbytes`` (default: the page's size) in
+        place of ``storage``, which must not be resized: in shared memory (its storage shared
+        directly, ``p.untyped_storage().share_memory_()``, or by ``torch.multiprocessing`` while a
+        write of the page was in flight) or fixed in size. Resizing such a storage to 0 and back
+        crashed the process at the page's next load (a segfault, found 2026-11-28); whoever shared
+        the old storage keeps it. Returns the new storage."""
+        bound = page.bound()
+        if page.category is Category.PARAM and storage.is_shared():
+            _warn_unshared(page.label)
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            fresh = torch.UntypedStorage(page.nbytes if nbytes is None else nbytes, device=storage.device)
+            bound.data = torch.empty(0, dtype=bound.dtype, device=storage.device).set_(
+                fresh, bound.storage_offset(), bound.shape, bound.stride())
+        return page.storage()
+
     def _free(self, page: Page) -> None:
         storage = page.storage()
         page.cached = False
         self._set(page, State.LOWER)
         page.dirty = False
         self.stats.bytes_out += page.nbytes
+        if storage is not None and not frees_in_place(storage) and page.bound() is not None:
+            storage = self._fresh_storage(page, storage, nbytes=0)  # the old one is someone else's now
         if storage is not None:
             if self.buffers is not None and self.buffers.keep(storage, self.budget - self._resident):
                 self._note_buffers()

@@ -587,6 +587,12 @@ def _install_patches(st: _State) -> None:
             dev = _redirect_device(_as_cuda_device(device))
             return _call_to(orig_tensor_to, self, (dev,), {"non_blocking": non_blocking, "memory_format": memory_format})
 
+        # what the page-fault handler asks to see a conversion to what a tensor already is (it gets
+        # this replacement as the op: torch hands modes torch.Tensor.to as it is now)
+        tensor_to.to_arguments = _redirect_args
+        tensor_cuda.to_arguments = lambda args, kwargs: (
+            (_redirect_device(_as_cuda_device(args[0] if args else kwargs.get("device"))),),
+            {k: v for k, v in kwargs.items() if k in ("non_blocking", "memory_format")})
         st.patches.set_attr(torch.Tensor, "to", tensor_to, label="torch.Tensor.to")
         st.patches.set_attr(torch.Tensor, "cuda", tensor_cuda, label="torch.Tensor.cuda")
         # Dynamo knows the original Tensor.to by the identity torch.Tensor.to had when Dynamo was

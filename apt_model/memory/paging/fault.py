@@ -38,6 +38,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from apt_model.memory.pages import live_page, storage_ptr
+from apt_model.base.errors import DistributedError
 from apt_model.memory.paging.compiled import compiling
 
 _TB = torch._C.TensorBase
@@ -57,6 +58,8 @@ METADATA_ONLY = frozenset(
     ) if hasattr(_TB, name)]
     + [getattr(torch.Tensor, name) for name in ("register_hook", "register_post_accumulate_grad_hook", "__hash__")
        if hasattr(torch.Tensor, name)]
+    # Module._apply (model.to(), .float()...) asks it of every parameter and gradient: types only
+    + [f for f in (getattr(torch, "_has_compatible_shallow_copy_type", None),) if f is not None]
 )
 
 
@@ -95,6 +98,66 @@ def may_write(func, kwargs, args=()) -> bool:
     return writes_by_name(getattr(func, "__name__", ""))
 
 
+
+
+_SHARE_MEMORY = torch.Tensor.share_memory_
+
+#: Conversions that return the tensor itself when it already has their dtype.
+_DTYPE_CONVERSIONS = {_TB.float: torch.float32, _TB.double: torch.float64, _TB.half: torch.float16,
+                      _TB.bfloat16: torch.bfloat16}
+_MAYBE_SELF = frozenset([_TB.to, _TB.cpu, *_DTYPE_CONVERSIONS])
+
+
+def _same_device(target: torch.device, have: torch.device) -> bool:
+    if target.type != have.type:
+        return False
+    if target.index is None and have.index is not None:  # "cuda" means the current device of its type
+        try:
+            return torch.accelerator.current_device_index() == have.index
+        except Exception:  # noqa: BLE001 - unknown: not the same, the op runs as usual
+            return False
+    return target.index == have.index
+
+
+def returns_self(func, args, kwargs) -> bool:
+    """Whether ``func`` (``Tensor.to``, ``.cpu()``, ``.float()``, ``.double()``, ``.half()``,
+    ``.bfloat16()``) returns its tensor itself, unchanged: the device, dtype and layout asked for
+    are the ones it has (``Module.to(device)`` on a model already there, ``model.float()`` of an
+    fp32 model). Such a call reads no byte, so a paged-out tensor is not loaded for it (each one
+    was loaded and written back, until 2026-11-28: a no-op ``model.to(device)`` cost a third of a
+    paged step, a probe's finding)."""
+    t = args[0] if args else None
+    if not isinstance(t, torch.Tensor) or type(t) is not torch.Tensor and not isinstance(t, torch.nn.Parameter):
+        return False
+    fmt = kwargs.get("memory_format")
+    if fmt is not None and fmt is not torch.preserve_format:
+        return False
+    if func in _DTYPE_CONVERSIONS:
+        return len(args) == 1 and set(kwargs) <= {"memory_format"} and t.dtype == _DTYPE_CONVERSIONS[func]
+    if func is _TB.cpu:
+        return len(args) == 1 and set(kwargs) <= {"memory_format"} and t.device.type == "cpu"
+    if kwargs.get("copy"):
+        return False
+    try:
+        device, dtype, _, fmt = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+    except Exception:  # noqa: BLE001 - a form _parse_to does not take: the op runs as usual
+        return False
+    return ((device is None or _same_device(device, t.device)) and (dtype is None or dtype == t.dtype)
+            and fmt in (None, torch.preserve_format))
+
+
+def _converts_to_itself(func, args, kwargs) -> bool:
+    """:func:`returns_self` for a replacement of ``Tensor.to`` / ``Tensor.cuda`` that says what it
+    converts to (``func.to_arguments(args, kwargs) -> (to_args, to_kwargs)``: the switch's CUDA
+    redirect, which torch hands modes as the op itself)."""
+    as_to = getattr(func, "to_arguments", None)
+    if as_to is None or not args:
+        return False
+    try:
+        to_args, to_kwargs = as_to(args[1:], kwargs)
+    except Exception:  # noqa: BLE001 - not understood: the op runs as usual
+        return False
+    return returns_self(_TB.to, (args[0], *to_args), to_kwargs)
 
 
 def _storage_key(t) -> int | None:
@@ -144,6 +207,18 @@ class PageFaultMode(TorchFunctionMode):
                         kinds.add(self.watched[id(t)])
             if kinds:
                 self.handler.watched_access(kinds, may_write(func, kwargs, args))
+        if self.active and self.lookup and ((func in _MAYBE_SELF and returns_self(func, args, kwargs))
+                                            or (func == _DATA_SET and len(args) == 2 and args[1] is args[0])
+                                            or _converts_to_itself(func, args, kwargs)):
+            # a conversion to what the tensor is already, or ``p.data = p`` (Module.to() sets it when
+            # nothing changed): no byte is read or written
+            return func(*args, **kwargs)
+        if self.active and self.lookup and func is _SHARE_MEMORY and args and live_page(self.lookup, args[0]) is not None:
+            raise DistributedError(
+                "share_memory_() of a paged tensor (model.share_memory() for Hogwild-style workers): its bytes live in "
+                "this process's swap files and pages, which other processes cannot share; their updates would never "
+                "reach it (until 2026-11-28 the model silently stayed untrained). Keep the model unpaged: paging='off', "
+                "or a device budget that holds it")
         if self.active and self.lookup and func in ZEROING and not kwargs:
             handled, out = self._zero(func, args)
             if handled:

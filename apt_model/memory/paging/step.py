@@ -76,6 +76,16 @@ class PagingStep(FeatureStep):
             return Decision(self.name, req, "off", blocked)
         if stack.swap.forked():
             return Decision(self.name, req, "off", FORKED_CHILD_REASON)
+        if torch.__future__.get_swap_module_params_on_conversion():
+            # Module._apply and load_state_dict then swap parameter objects (torch.utils.swap_tensors),
+            # which refuses a tensor with a weak reference: paging keeps one to each parameter, so
+            # model.float(), .to() and load_state_dict() of a paged model raised (a probe's finding)
+            reason = ("torch.__future__.set_swap_module_params_on_conversion(True) is on: conversions and "
+                      "load_state_dict() swap parameter objects (torch.utils.swap_tensors), which refuses the "
+                      "weak references paging keeps to them; the model's training state stays in memory")
+            if req == "always":
+                log.warning("paging='always' not applied: %s", reason)
+            return Decision(self.name, req, "off", reason)
         if self.paging is not None and self.paging.owns_all(model):
             return Decision(self.name, req, "off", "its parameters are paged already, with the paged model the script "
                             "added it to (or that it wraps)")

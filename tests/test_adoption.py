@@ -222,6 +222,26 @@ def test_cuda_calls_go_to_the_selected_device_and_stop_after_disable():
         torch.ones(1).cuda()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")
+def test_a_checkpoint_loaded_to_cuda_and_a_meta_model_made_on_cuda_go_to_the_selected_device(tmp_path):
+    """A script written for CUDA loads its checkpoint with ``map_location="cuda"`` and builds a
+    model on meta then ``to_empty(device="cuda")``: both failed under the switch with torch's own
+    CUDA error (a probe's finding); they go to the selected device now, and not after disable()."""
+    path = tmp_path / "ck.pt"
+    torch.save({"w": torch.arange(4.0)}, path)
+    vb.enable("balanced", banner=False)
+    where = vb.device().type
+    for location in ("cuda", torch.device("cuda", 0), {"cpu": "cuda:0"}):
+        loaded = torch.load(path, map_location=location)["w"]
+        assert loaded.device.type == where and torch.equal(loaded.cpu(), torch.arange(4.0)), location
+    assert torch.load(path, "cuda")["w"].device.type == where  # map_location given by position
+    meta = nn.Linear(4, 4, device="meta").to_empty(device="cuda")
+    assert meta.weight.device.type == where
+    vb.disable()
+    with pytest.raises(RuntimeError):
+        torch.load(path, map_location="cuda")
+
+
 def test_a_model_that_is_never_moved_is_adopted_at_its_first_call():
     model = tiny_gpt().eval()
     x = torch.randint(0, 256, (2, 32))

@@ -536,6 +536,17 @@ def _as_cuda_device(device: Any) -> torch.device:
     return torch.device(device)
 
 
+def _redirect_location(location: Any) -> Any:
+    """``torch.load``'s ``map_location`` with CUDA devices redirected: a str or device, or the
+    values of a ``{saved: target}`` dict; a callable is left as it is."""
+    if isinstance(location, dict):
+        return {k: str(_redirect_device(v)) if isinstance(v, (str, torch.device)) else v  # torch wants str here
+                for k, v in location.items()}
+    if isinstance(location, (str, torch.device)):
+        return _redirect_device(location)
+    return location
+
+
 def _redirect_args(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if args:
         first = _redirect_device(args[0])
@@ -594,6 +605,23 @@ def _install_patches(st: _State) -> None:
             (_redirect_device(_as_cuda_device(args[0] if args else kwargs.get("device"))),),
             {k: v for k, v in kwargs.items() if k in ("non_blocking", "memory_format")})
         st.patches.set_attr(torch.Tensor, "to", tensor_to, label="torch.Tensor.to")
+        orig_to_empty, orig_load = nn.Module.to_empty, torch.load
+
+        def module_to_empty(self, *, device, recurse=True):
+            return orig_to_empty(self, device=_redirect_device(device), recurse=recurse)
+
+        def load(*args, **kwargs):
+            # map_location="cuda" (a str, a device, or a {from: to} dict) of a script written for CUDA
+            if "map_location" in kwargs:
+                kwargs["map_location"] = _redirect_location(kwargs["map_location"])
+            elif len(args) > 1:
+                args = (args[0], _redirect_location(args[1]), *args[2:])
+            return orig_load(*args, **kwargs)
+
+        functools.update_wrapper(module_to_empty, orig_to_empty)
+        functools.update_wrapper(load, orig_load)
+        st.patches.set_attr(nn.Module, "to_empty", module_to_empty, label="nn.Module.to_empty")
+        st.patches.set_attr(torch, "load", load, label="torch.load (map_location)")
         st.patches.set_attr(torch.Tensor, "cuda", tensor_cuda, label="torch.Tensor.cuda")
         # Dynamo knows the original Tensor.to by the identity torch.Tensor.to had when Dynamo was
         # imported: after this patch it found neither (an unknown builtin called by a Python

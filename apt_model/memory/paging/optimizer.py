@@ -42,7 +42,11 @@ version counter, data pointer and storage size are checked again when its chunk 
 changed after its copy began is copied again there. Early copies the next step does not take are
 let go at the next backward, and their parameters are not copied early again until a step copies
 them. A step that fails is rolled back completely — states it created are removed — and the
-error is raised; a retry steps from the same state as plain PyTorch would. A step that completes
+error is raised; a retry steps from the state before the failed step. Plain PyTorch does not roll
+back: a foreach AdamW that raised part-way (a dtype error after ``model.double()``) has already
+counted the step and applied weight decay, so a script that catches the error and goes on differs
+from plain PyTorch there (by the step count and ~1e-5 in the parameters; a probe's finding,
+documented in docs/tiers.md as the rollback's choice). A step that completes
 drops the copies. Costs: the swap files hold two versions of the paged parameters and states
 during a step (the old ones are then reused for the next step's writes).
 """

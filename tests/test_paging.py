@@ -1875,9 +1875,10 @@ def test_a_parameter_listed_twice_in_the_optimizer_is_refused(tmp_path):
 
 
 _SHARED_SCRIPT = '''
-import sys, tempfile, torch, torch.nn as nn, torch.nn.functional as F
+import sys, time, torch, torch.nn as nn, torch.nn.functional as F
 torch.set_num_threads(1)
 import apt_model.optimization.vb_global as vb
+how = sys.argv[2]  # "data": as torch.multiprocessing shares a parameter; "empty": a paged-out one's storage
 def run(on):
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
@@ -1887,18 +1888,26 @@ def run(on):
                   compile="off", mixed_precision="off")  # bitwise: no bf16 where this CPU is faster with it
     m.to("cpu")
     gen = torch.Generator().manual_seed(1)
-    losses = []
+    losses, shared = [], 0
     for s in range(4):
-        if s == 1:
+        if s == 1 and how == "data":
             for p in m.parameters():  # what torch.multiprocessing does to a parameter it sends to spawn
                 p.data.untyped_storage().share_memory_()  # workers: its .data's storage (p.share_memory_() is refused)
+                shared += 1
+        if s == 2 and how == "empty" and on:
+            time.sleep(0.5)  # the writes of the evicted pages are over
+            for p in m.parameters():
+                if p.untyped_storage().nbytes() == 0:  # paged out: share its empty storage
+                    p.untyped_storage().share_memory_()
+                    shared += 1
         x = torch.randn(8, 64, generator=gen)
         loss = F.mse_loss(m(x), x[:, :1])
         opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
     if on:
         vb.disable()
-    return losses, [p.detach().clone() for p in m.parameters()]
+    return losses, [p.detach().clone() for p in m.parameters()], shared
 a, b = run(False), run(True)
+print("SHARED", b[2])
 print("SAME" if a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) else "DIFFERENT")
 '''
 
@@ -1911,8 +1920,8 @@ def test_a_parameter_moved_to_shared_memory_is_paged_through_a_copy(tmp_path, cp
     this test, not end the test session."""
     from conftest import clean_env
 
-    proc = subprocess.run([sys.executable, "-c", _SHARED_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=clean_env(), timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _SHARED_SCRIPT, str(tmp_path), "data"], capture_output=True,
+                          text=True, env=clean_env(), timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     assert proc.stdout.strip().endswith("SAME"), proc.stdout
 
@@ -2685,47 +2694,14 @@ def test_share_memory_of_a_paged_model_is_refused_and_the_swap_flag_keeps_a_mode
         torch.__future__.set_swap_module_params_on_conversion(before)
 
 
-_SHARED_EMPTY_SCRIPT = '''
-import sys, time, torch, torch.nn as nn, torch.nn.functional as F
-torch.set_num_threads(1)
-import apt_model.optimization.vb_global as vb
-def run(on):
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    if on:
-        vb.enable("balanced", swap_dir=sys.argv[1], paging="always", device_budget="16KB", banner=False,
-                  compile="off", mixed_precision="off")
-    m.to("cpu")
-    gen = torch.Generator().manual_seed(1)
-    losses, shared = [], 0
-    for s in range(4):
-        if s == 2 and on:
-            time.sleep(0.5)  # the writes of the evicted pages are over
-            for p in m.parameters():
-                if p.untyped_storage().nbytes() == 0:  # paged out: share its empty storage
-                    p.untyped_storage().share_memory_()
-                    shared += 1
-        x = torch.randn(8, 64, generator=gen)
-        loss = F.mse_loss(m(x), x[:, :1])
-        opt.zero_grad(); loss.backward(); opt.step(); losses.append(loss.item())
-    if on:
-        vb.disable()
-    return losses, [p.detach().clone() for p in m.parameters()], shared
-a, b = run(False), run(True)
-print("SHARED", b[2])
-print("SAME" if a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) else "DIFFERENT")
-'''
-
-
 def test_a_paged_out_parameter_whose_empty_storage_was_shared_loads_into_a_private_one(tmp_path, cpu_device):
     """A paged-out parameter's storage (0 bytes) put in shared memory directly: resizing it to
     load the page crashed the process (SIGSEGV, found 2026-11-28). The tensor gets a private
     storage to load into; training stays bitwise. In a subprocess: a crash fails this test only."""
     from conftest import clean_env
 
-    proc = subprocess.run([sys.executable, "-c", _SHARED_EMPTY_SCRIPT, str(tmp_path)], capture_output=True, text=True,
-                          env=clean_env(), timeout=300)
+    proc = subprocess.run([sys.executable, "-c", _SHARED_SCRIPT, str(tmp_path), "empty"], capture_output=True,
+                          text=True, env=clean_env(), timeout=300)
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stdout.split()
     assert int(lines[lines.index("SHARED") + 1]) > 0 and proc.stdout.strip().endswith("SAME"), proc.stdout

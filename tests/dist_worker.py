@@ -385,16 +385,19 @@ class _RankSkewed(nn.Module):
         return self.lin(x)
 
 
-def _train_until_decided(vb, model, index: int, width: int) -> tuple[dict, int]:
+def _train_until_decided(vb, model, index: int, width: int, fixed: int | None = None) -> tuple[dict, int]:
+    """Train until the model's mixed_precision decision leaves the trial (at most 400 steps), or
+    exactly ``fixed`` steps: under DDP every rank must run the same steps (a rank that stopped at its
+    own verdict left the other, still waiting for rank 0's, in an all-reduce no one joined)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(4, width)
     feature, steps = None, 0
-    for steps in range(1, 400):
+    for steps in range(1, (fixed or 399) + 1):
         model(x).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
         feature = vb.get_report()["models"][index]["features"]["mixed_precision"]
-        if "on trial" not in feature["reason"]:
+        if fixed is None and "on trial" not in feature["reason"]:
             break
     return feature, steps
 
@@ -418,6 +421,37 @@ def scenario_agree(vb, rank):
     vb.disable()
     dist.destroy_process_group()
     return {"same": same, "same_steps": same_steps, "other": other, "other_steps": other_steps}
+
+
+def scenario_agree_auto(vb, rank):
+    """The switch creates the process group and attaches DDP at the first training forward (the
+    script is single-process code): rank 0 says it runs the trial once the group exists, so rank 1
+    follows its verdict (before, rank 0's first timed call came before the group, and rank 1 kept
+    its own verdict as if rank 0 trained another model). Rank 1 first adopts a small net of its
+    own: models are matched by fingerprint, not by adoption order."""
+    vb.enable("balanced", mixed_precision="auto", autocast_min_speedup=0.01, autocast_trial_calls=8,
+              compile="off", banner=False)
+    torch.manual_seed(0)
+    if rank == 1:
+        nn.Linear(3, 3).to(vb.device())  # a model only this rank has, adopted first
+    model = _RankSkewed(rank, 16).to(vb.device())
+    index = 1 if rank == 1 else 0
+    feature, steps = _train_until_decided(vb, model, index, 16, fixed=160)  # DDP: the same steps on every rank
+    out = {"feature": feature, "steps": steps, "process_group": vb.get_report()["distributed"]["process_group"]}
+    import torch.distributed as dist
+
+    dist.barrier()
+    dist.destroy_process_group()  # the script ends its distributed part; then rank 0 alone trains a probe
+    if rank == 0:  # the switch created the group again and waited forever for rank 1 (a probe's finding)
+        probe = nn.Linear(16, 2).to(vb.device())
+        opt = torch.optim.SGD(probe.parameters(), lr=0.1)
+        for _ in range(2):
+            probe(torch.ones(4, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        out["after_destroy"] = vb.get_report()["models"][-1]["features"]["distributed"]
+    vb.disable()
+    return out
 
 
 def main(argv: list[str]) -> None:

@@ -579,7 +579,10 @@ class _Sliced(nn.Module):
         self.head = nn.ModuleList([nn.Linear(8, 8)])
 
     def forward(self, x):
-        return self.layers[2:](self.layers[:2](x))
+        # slices; a Sequential of slices; a new parameterless layer among the model's own
+        x = self.layers[2:](self.layers[:2](x))
+        x = nn.Sequential(nn.Sequential(*self.layers[:1]), nn.Sequential(*self.layers[1:2]))(x)
+        return nn.Sequential(self.head[0], nn.Identity())(x)
 
 
 @pytest.mark.parametrize("moved", [True, False])

@@ -402,3 +402,31 @@ def test_a_hook_the_script_adds_later_sends_the_model_back_to_eager_and_runs(whe
     handle.remove()
     patches.restore_all()
     assert (vars(nn.Module)["register_forward_hook"], torch.nn.modules.module.register_module_forward_hook) == originals
+
+
+@pytest.mark.parametrize("order", ["swap_then_hook", "hook_then_insert"])
+def test_a_hook_on_a_submodule_swapped_in_after_the_rung_was_kept_sends_it_back(order):
+    """A fine-tuning head swap after the rung was kept (``model.b = nn.Linear(...)``), then a hook
+    on the new head, or a head that already carries a hook: the watch knew only the submodules of
+    attach time, so the hook never ran (a probe: loss 0.050 vs plain 0.261)."""
+    model, records = Net(), []
+    ladder, patches = _kept_ladder(model, records)
+    steps = 0
+    while ladder.state != "done":
+        train(model, 1)
+        steps += 1
+        assert steps < 100
+    assert ladder.chosen == "compile"
+    fired = []
+    head = nn.Linear(32, 4)
+    if order == "swap_then_hook":
+        model.b = head
+        handle = head.register_forward_pre_hook(lambda m, a: fired.append(1))
+    else:
+        handle = head.register_forward_pre_hook(lambda m, a: fired.append(1))
+        model.b = head
+    assert ladder.chosen == "eager" and "forward" not in vars(model), ladder.timeline[-1]
+    train(model, 2)
+    assert len(fired) == 2
+    handle.remove()
+    patches.restore_all()

@@ -658,7 +658,7 @@ def test_rank_0s_trial_verdict_holds_for_every_rank_of_a_job(tmp_path):
     out = [json.loads((tmp_path / f"agree-rank{rank}.json").read_text()) for rank in (0, 1)]
 
     r0, r1 = out[0]["same"], out[1]["same"]
-    assert r0["chosen"] == "bf16" and "rank 0's verdict holds for all 2 ranks" in r0["reason"], r0
+    assert r0["chosen"] == "bf16" and "rank 0 decides for all 2 ranks" in r0["reason"], r0
     assert r1["chosen"] == "bf16", r1
     assert "kept as rank 0 decided for all 2 ranks" in r1["reason"] and "alone would have turned it off" in r1["reason"], r1
     assert r1["trial"]["ranks"]["by"] == "rank 0" and r1["trial"]["ranks"]["own_keep"] is False
@@ -667,6 +667,18 @@ def test_rank_0s_trial_verdict_holds_for_every_rank_of_a_job(tmp_path):
     assert o0["chosen"] == "bf16" and o1["chosen"] == "fp32", (o0, o1)
     assert "keeps its own verdict (rank 0 runs no such trial" in o1["reason"], o1
     assert "waited_calls" not in o1["trial"]["ranks"]
+
+    # the switch's own group and DDP (created at the first training forward), and an extra model on rank 1
+    auto = tmp_path / "auto"
+    auto.mkdir()
+    torchrun([str(ROOT / "tests" / "dist_worker.py"), str(auto), "agree_auto"], auto, env=CPU_ONLY)
+    a0, a1 = [json.loads((auto / f"agree_auto-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert a0["process_group"] == a1["process_group"] == "initialized by the switch"
+    assert "rank 0 decides for all 2 ranks" in a0["feature"]["reason"], a0
+    assert "as rank 0 decided for all 2 ranks" in a1["feature"]["reason"], a1
+    assert a1["feature"]["chosen"] == a0["feature"]["chosen"]
+    # after the script destroyed the group, a model rank 0 trains alone runs as written (no new group, no hang)
+    assert "destroyed the process group" in a0["after_destroy"]["reason"], a0["after_destroy"]
 
 
 @pytest.mark.slow  # a torchrun of two ranks (detection: test_privateuse1_npu.py); the default suite's 15-minute budget on 2 cores

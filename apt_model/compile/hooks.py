@@ -63,13 +63,27 @@ class HookWatch:
     def watch(self, ladder) -> None:
         self._ladders = [r for r in self._ladders if r() is not None] + [weakref.ref(ladder)]
 
-    def _tell(self, module: nn.Module | None, description: str) -> None:
+    def _tell(self, module: nn.Module | None, description: str, inserted: bool = False) -> None:
+        """Tell the ladders concerned: all for a global hook (``module`` None); those whose model
+        holds ``module`` as a submodule; for a submodule ``inserted`` into ``module``, also the
+        ladder of the model ``module`` is."""
         for ref in list(self._ladders):
             ladder = ref()
-            if ladder is not None and (module is None or ladder.holds_submodule(module)):
+            if ladder is not None and (module is None or ladder.holds_submodule(module)
+                                       or (inserted and ladder.model_ref is module)):
                 ladder.script_hook_added(description)
 
+    def _inserted(self, parent: nn.Module, name: str, submodule):
+        """Torch's module-registration hook: a submodule put into a module (``model.head = new``,
+        a fine-tuning head swap) that already carries the script's hooks is as if they were
+        registered now (a probe: a pre-hook on a head swapped in after the rung was kept never ran)."""
+        if isinstance(submodule, nn.Module) and script_hooks(submodule, include_root=True, include_global=False):
+            self._tell(parent, f"hooks on a {type(submodule).__name__} inserted as {name!r}", inserted=True)
+        return None
+
     def _install(self, patches: PatchSet) -> None:
+        patches.add_handle(module_mod.register_module_module_registration_hook(self._inserted),
+                           "module registration hook (a submodule with the script's hooks, inserted later)")
         for name, kind in MODULE_REGISTRARS.items():
             patches.set_attr(nn.Module, name, self._registrar(getattr(nn.Module, name), kind, per_module=True),
                              label=f"nn.Module.{name} (compiled code would not run a hook added later)")

@@ -288,7 +288,6 @@ class CompileLadder:
         pre = model.register_forward_pre_hook(self._pre)
         post = model.register_forward_hook(self._post, always_call=True)
         self._params = {id(p) for p in model.parameters()}
-        self._submodules = weakref.WeakSet(m for m in model.modules() if m is not model)
         # a global hook: it holds the ladder weakly, so a model the script drops is freed
         self._step_hook = register_optimizer_step_post_hook(_WeakStepHook(self))
         self._handles = [pre, post, self._step_hook]
@@ -427,8 +426,10 @@ class CompileLadder:
 
     # ------------------------------------------------------------------ the script's hooks
     def holds_submodule(self, module: nn.Module) -> bool:
-        """Whether ``module`` is a submodule of this ladder's model (not the model itself)."""
-        return module in getattr(self, "_submodules", ())
+        """Whether ``module`` is a submodule of this ladder's model now (not the model itself;
+        looked up at each question: a submodule swapped in after attach counts)."""
+        model = self.model_ref
+        return module is not model and any(m is module for m in model.modules())
 
     def script_hook_added(self, description: str) -> None:
         """The script registered a hook compiled code would trace (:mod:`apt_model.compile.hooks`):

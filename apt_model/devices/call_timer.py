@@ -180,8 +180,8 @@ class CallTimer:
                          "not be matched to them")
             return None, None
         use = self.trial.issue()
-        if self.channel is not None and self.issued == 1:
-            self.channel.start()  # rank 0 says it runs this trial
+        if self.channel is not None:
+            self.channel.start()  # rank 0 says it runs this trial (once there is a process group)
         return use, Sample(self._clock().mark(), use)
 
     def _await(self, module: nn.Module) -> tuple[bool | None, None]:

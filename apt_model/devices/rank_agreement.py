@@ -12,8 +12,9 @@ could hang or pair with the wrong call on another rank):
 
 * The verdict of a trial is published by rank 0 in the default process group's key-value store
   (``torch.distributed``'s store, the one the launcher's rendezvous made), under a key naming the
-  switch session, the model (its adoption order and a fingerprint of its class and parameter
-  shapes: ranks training *different* models, pipeline stages, never match) and the trial.
+  switch session, the model (a fingerprint of its class and parameter shapes, and how many models
+  of that fingerprint came before it: ranks training *different* models, pipeline stages, never
+  match) and the trial.
 * Another rank, at its own verdict, reads rank 0's if it is there and follows it. If it is not
   there yet, the rank goes on alternating the two settings (the trial's ABBA order, untimed, as
   rank 0 still does: the ranks stay in step) and looks again at each training call — a
@@ -30,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import weakref
 
 import torch.nn as nn
 
@@ -95,13 +97,18 @@ class TrialChannel:
         self.waited = 0  # training calls this rank waited for rank 0's verdict
 
     def start(self) -> None:
-        """At the trial's first timed call: rank 0 says it runs this trial (a rank whose rank 0
-        never started it keeps its own verdict at once instead of waiting). Once; never raises."""
+        """At the trial's timed calls: rank 0 says it runs this trial (a rank whose rank 0 never
+        started it keeps its own verdict at once instead of waiting). Done once there is a process
+        group: the switch creates its group at the first training forward, after this call's
+        hooks began (before 2026-11-28 only the first timed call tried, so under the switch's own
+        DDP rank 0 never said so, and every other rank kept its own verdict). Never raises."""
         if self._started:
             return
-        self._started = True
         world, rank, store = _group()
-        if store is not None and rank == 0:
+        if store is None:
+            return  # no group yet: the next timed call looks again
+        self._started = True
+        if rank == 0:
             try:
                 store.set(self.key + "/started", "1")
             except Exception as err:  # noqa: BLE001
@@ -164,17 +171,29 @@ class TrialChannel:
 class RankAgreement:
     """The switch session's service ``"agreement"``: hands out one :class:`TrialChannel` per trial.
 
-    Keys read ``apt_vb/verdict/<session>/<model order>-<fingerprint>/<trial>``: ``<session>``
-    counts the switch sessions of this process (1 for the first ``enable()``), ``<model order>``
-    is the model's adoption order in the session (its record id), ``<trial>`` names the trial
-    (``mixed_precision``, ``compile/<rung>/<attempt>``).
+    Keys read ``apt_vb/verdict/<session>/<fingerprint>#<k>/<trial>``: ``<session>`` counts the
+    switch sessions of this process (1 for the first ``enable()``), ``<fingerprint>`` is
+    :func:`model_fingerprint` (taken when the model's first channel is made), ``<k>`` counts the
+    models of that fingerprint before it in the session (not the adoption order: a rank that adopts
+    an extra model of its own first, a small evaluation net, still matches the others), ``<trial>``
+    names the trial (``mixed_precision``, ``compile/<rung>/<attempt>``).
     """
 
     def __init__(self):
         self.session = next(_SESSIONS)
+        self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> "<fingerprint>#<k>"
+        self._seen: dict[str, int] = {}
 
     def channel(self, model: nn.Module, order: int, trial: str) -> TrialChannel:
-        return TrialChannel(f"{KEY_PREFIX}/{self.session}/{order}-{model_fingerprint(model)}/{trial}")
+        """The channel of ``model``'s trial ``trial`` (``order``, its adoption order, is not part of
+        the key; kept for callers)."""
+        name = self._names.get(model)
+        if name is None:
+            fp = model_fingerprint(model)
+            k = self._seen.get(fp, 0)
+            self._seen[fp] = k + 1
+            name = self._names[model] = f"{fp}#{k}"
+        return TrialChannel(f"{KEY_PREFIX}/{self.session}/{name}/{trial}")
 
 
 def agreement_note(keep: bool, summary: dict, timing: str) -> str | None:
@@ -202,5 +221,5 @@ def ranks_suffix(summary: dict) -> str:
     if not ranks:
         return ""
     if ranks["by"] == "rank 0":
-        return f"; rank 0's verdict holds for all {ranks['world']} ranks"
+        return f"; rank 0 decides for all {ranks['world']} ranks: this verdict is published for the others"
     return f"; rank {ranks['rank']} of {ranks['world']} keeps its own verdict ({ranks.get('error', 'no agreement')})"

@@ -42,6 +42,7 @@ NOT_INITIALIZED = "not initialized"
 BY_SWITCH = "initialized by the switch"
 BY_SCRIPT = "initialized by the script"
 REFUSED = "refused"
+DESTROYED = "destroyed by the script"
 
 
 def _dist():
@@ -153,6 +154,18 @@ class ProcessGroupManager:
         dist = _dist()
         if self.initialized:
             return dist.get_world_size() > 1
+        if self.status in (BY_SCRIPT, BY_SWITCH, DESTROYED):
+            # the script destroyed the default group (dist.destroy_process_group() at the end of its
+            # training): a model trained afterwards (a rank-0-only linear probe) is the script's to run
+            # as written; initializing again waited forever for ranks that had finished (a probe's
+            # finding, 2026-11-28)
+            if self.status != DESTROYED:
+                self.status = DESTROYED
+                self.reason = ("the script destroyed the process group (dist.destroy_process_group()): models trained "
+                               "after it run as written in this process, without DDP; the switch does not initialize "
+                               "a group again, since the other ranks may have finished")
+                self.record("process_group", "auto", "none", self.reason)
+            return False
         ok, why = self.can_initialize()
         if not ok:
             if self.status == NOT_INITIALIZED and self.env is not None and self.env.multi_process and self.enabled:

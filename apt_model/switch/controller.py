@@ -878,21 +878,32 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
 
 
 def _view_of_adopted(module: nn.Module) -> nn.Module | None:
-    """The adopted model whose modules are all of ``module``'s children, when ``module`` holds no
-    parameter or buffer of its own and is not that model (a slice of its ``nn.Sequential``, an
-    ``nn.ModuleList`` of some of its blocks); else None. Children adopted as models of their own
-    (an encoder and a decoder moved with ``.to()`` in ``__init__``) are not one model's modules:
-    the whole that holds them is adopted as before."""
-    children = list(module.children())
-    if not children or next(module.parameters(recurse=False), None) is not None \
-            or next(module.buffers(recurse=False), None) is not None:
-        return None
+    """The adopted model whose modules are the only ones with state under ``module``, when
+    ``module`` is a container made from them (a slice of its ``nn.Sequential``, an
+    ``nn.ModuleList`` of some of its blocks, a ``Sequential`` of such slices, with new parameterless
+    layers such as ``nn.Identity`` among them) and is not that model itself; else None. Children
+    adopted as models of their own (an encoder and a decoder moved with ``.to()`` in ``__init__``)
+    are not one model's modules: the whole that holds them is adopted as before. Until 2026-11-28
+    only direct children counted, so nested containers or a new ``nn.Identity`` made a new model
+    at every call (a probe's finding)."""
     st = _state
-    refs = [st.model_of.get(c) for c in children]
-    owners = {id(o): o for o in (r() if r is not None else None for r in refs)}
-    if len(owners) != 1:
+    owners: dict[int, nn.Module] = {}
+
+    def walk(m: nn.Module) -> bool:  # False: state of no adopted model under ``m``
+        ref = st.model_of.get(m) if m is not module else None
+        if ref is not None:
+            owner = ref()
+            if owner is None:
+                return False
+            owners[id(owner)] = owner
+            return True
+        if next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None:
+            return False
+        return all(walk(c) for c in m.children())
+
+    if not walk(module) or len(owners) != 1:
         return None
     (owner,) = owners.values()
-    if owner is None or owner is module or any(c is owner for c in children):
+    if owner is module or any(c is owner for c in module.children()):
         return None
     return owner

@@ -555,3 +555,21 @@ def test_deterministic_algorithms_keep_the_scripts_precision_and_eager_forward(c
     finally:
         vb.disable()
         torch.use_deterministic_algorithms(before)
+
+
+def test_deterministic_algorithms_turned_on_during_the_trial_end_it(cpu_device):
+    """Turned on after adoption, while the bf16 trial runs: the trial gave its verdict by timing
+    all the same (a probe's minor). It gives up at the next timed call: the script's precision."""
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        vb.enable("balanced", autocast_min_speedup=0.01, compile="off", banner=False)
+        m = _gpt().to("cpu")
+        _train(m, 2)
+        assert "on trial" in vb.get_report()["models"][0]["features"]["mixed_precision"]["reason"]
+        torch.use_deterministic_algorithms(True)
+        _train(m, 1)
+        mp = vb.get_report()["models"][0]["features"]["mixed_precision"]
+        assert mp["chosen"] == "fp32" and "use_deterministic_algorithms(True) was turned on" in mp["reason"], mp
+    finally:
+        vb.disable()
+        torch.use_deterministic_algorithms(before)

@@ -174,6 +174,10 @@ class CallTimer:
         self.settle()
         if not self.trial.running:
             return None, None
+        if torch.are_deterministic_algorithms_enabled():  # turned on after the trial began
+            self.give_up("torch.use_deterministic_algorithms(True) was turned on: a verdict taken by timing would make "
+                         "runs of the script differ")
+            return None, None
         self.issued += 1
         if self.issued > GIVE_UP_FACTOR * self.trial.needed():
             self.give_up(f"no verdict after {self.issued - 1} timed training calls: their backward passes could "

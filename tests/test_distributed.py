@@ -581,6 +581,8 @@ def test_ddp_by_the_switch_equals_one_process_on_the_global_batch(scenarios):
         assert d["launcher"]["launcher"] == "torchrun" and d["launcher"]["local_rank"] == rank
         assert r["model_features"]["distributed"]["chosen"] == "DDP"
         assert "paging is off under data parallelism (2 ranks)" in r["model_features"]["paging"]["reason"]
+        compile_ = r["model_features"]["compile"]  # not "the switch attaches DDP" where the script wraps it
+        assert compile_["chosen"] == "eager" and "by the switch, or by the script's own" in compile_["reason"]
         assert r["initialized_before_training"] is False  # lazily: evaluation under no_grad did not need it
         assert r["class"] == "Sequential" and r["state_dict_keys"][0] == "0.weight"  # same object, same keys
         assert r["initialized_after_disable"] is False  # disable() destroyed the group the switch created

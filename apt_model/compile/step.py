@@ -95,8 +95,9 @@ class CompileStep(FeatureStep):
             return Decision(self.name, req, "eager", "the model is paged: the page-fault handler (a TorchFunctionMode "
                             "running Python on every op) and the paging hooks cannot be captured in a graph")
         if ctx.facts.get("ddp"):
-            return Decision(self.name, req, "eager", "the switch attaches DDP at the first training forward; compiling "
-                            "the switch's in-place DDP is not supported in this version")
+            return Decision(self.name, req, "eager", "a multi-rank job: the model is wrapped in DDP at its first "
+                            "training forward (by the switch, or by the script's own DistributedDataParallel); the "
+                            "ladder does not compile a model under DDP in this version")
         if torch.are_deterministic_algorithms_enabled():
             return Decision(self.name, req, "eager", "torch.use_deterministic_algorithms(True) is on: a rung is kept "
                             "by a timed trial, so runs of the script could compute differently (compiled or eager)")

@@ -188,9 +188,10 @@ class ActivationManager:
                f"{blocks.kind} blocks in {blocks.name or 'the model'} recompute their activations in backward")
         hooked = [(i, h) for i in indices if (h := script_hooks(blocks.modules[i]))]
         if hooked:
-            why += (f"; {len(hooked)} of them hold the script's hooks ({hooked[0][1][0]} in {blocks.name + '.' if blocks.name else 'block '}{hooked[0][0]}"
-                    f"{', ...' if len(hooked) > 1 or len(hooked[0][1]) > 1 else ''}) and run uncheckpointed while "
-                    "they do: a recomputation would run those hooks a second time")
+            (first, hooks), where = hooked[0], f"{blocks.name}." if blocks.name else "block "
+            more = ", ..." if len(hooked) > 1 or len(hooks) > 1 else ""
+            why += (f"; {len(hooked)} of them hold the script's hooks ({hooks[0]} in {where}{first}{more}) and run "
+                    "uncheckpointed while they do: a recomputation would run those hooks a second time")
         return Decision(feature, req, f"{len(indices)}/{n} blocks", why, act=True, plan=("blocks", blocks, indices))
 
     def apply_checkpointing(self, model: nn.Module, rec, decision: Decision, record_later,

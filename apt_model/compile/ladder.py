@@ -54,7 +54,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
-from apt_model.compile.hooks import script_hooks
+from apt_model.base.module_hooks import script_hooks
+from apt_model.compile.hooks import hooks_inside_reason
 from apt_model.compile.backends import CountingBackend
 from apt_model.compile.overrides import OverrideBackend
 from apt_model.devices.call_timer import CallTimer
@@ -464,12 +465,10 @@ class CompileLadder:
     # ------------------------------------------------------------------ transitions
     def _start(self) -> None:
         """Build the rung at :attr:`index` and begin its warm-up (or go to the next one) — none
-        where the script's hooks sit inside the model (:func:`~apt_model.compile.hooks.script_hooks`)."""
+        where the script's hooks sit inside the model (:func:`~apt_model.base.module_hooks.script_hooks`)."""
         hooked = script_hooks(self.model_ref)
         if hooked:
-            return self._skip_rungs(f"the script's hooks inside the model ({', '.join(hooked)}): compiled code "
-                                    "would run them differently from eager (torch.compile traces hooks into "
-                                    "its graph and does not see hooks added later)")
+            return self._skip_rungs(hooks_inside_reason(hooked))
         while self.index < len(self.rungs):
             rung = self.rungs[self.index]
             try:
@@ -526,26 +525,19 @@ class CompileLadder:
             return
         timing = (f"{rung.name} {summary['on_ms']} ms vs eager {summary['off_ms']} ms per forward+backward "
                   f"(median of {summary['calls'] // 2} calls each): {summary['speedup']:.2f}x")
+        # a rank that followed rank 0's verdict says so; otherwise the trial's own words (and the ranks')
         followed = agreement_note(keep, summary, timing)
-        if followed is not None:
-            if keep:
-                entry = self._entry(rung, "kept", followed, trial=summary)
-                self._finish(rung.name, self._fn)
-                self.record(rung.name, f"{rung.label}: {entry['reason']}", self._details())
-            else:
-                self._leave(followed, outcome="not faster", trial=summary)
-            return
-        suffix = ranks_suffix(summary)
         if keep:
-            entry = self._entry(rung, "kept", f"{timing} >= {summary['min_speedup']:.2f}x, a clear win{suffix}",
-                                trial=summary)
+            reason = followed or f"{timing} >= {summary['min_speedup']:.2f}x, a clear win{ranks_suffix(summary)}"
+            entry = self._entry(rung, "kept", reason, trial=summary)
             self._finish(rung.name, self._fn)
             self.record(rung.name, f"{rung.label}: {entry['reason']}", self._details())
             return
-        clear = summary["speedup"] >= summary["min_speedup"]
-        self._leave(f"{timing}: " + ("no clear win (the timings overlap)" if clear
-                                     else f"below {summary['min_speedup']:.2f}x") + suffix,
-                    outcome="not faster", trial=summary)
+        if followed is None:
+            clear = summary["speedup"] >= summary["min_speedup"]
+            followed = f"{timing}: " + ("no clear win (the timings overlap)" if clear
+                                        else f"below {summary['min_speedup']:.2f}x") + ranks_suffix(summary)
+        self._leave(followed, outcome="not faster", trial=summary)
 
     def _leave(self, reason: str, outcome: str, trial: dict | None = None) -> None:
         """The rung under way is left (``outcome``, ``reason``); the next one starts at the next

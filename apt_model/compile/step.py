@@ -33,7 +33,8 @@ from apt_model.base.call_wrapper import script_call
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
 from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import compiler_for
-from apt_model.compile.hooks import HookWatch, script_hooks
+from apt_model.base.module_hooks import script_hooks
+from apt_model.compile.hooks import HookWatch, hooks_inside_reason
 from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, override_rung
 
 
@@ -103,9 +104,7 @@ class CompileStep(FeatureStep):
                             "by a timed trial, so runs of the script could compute differently (compiled or eager)")
         hooked = script_hooks(model)
         if hooked:
-            return Decision(self.name, req, "eager", f"the script's hooks inside the model ({', '.join(hooked)}): "
-                            "compiled code would run them differently from eager (torch.compile traces hooks into "
-                            "its graph and does not see hooks added later)")
+            return Decision(self.name, req, "eager", hooks_inside_reason(hooked))
         if ctx.trigger == "compiled function":
             return Decision(self.name, req, "eager", "the script calls this model from a function it compiles itself "
                             "(torch.compile(fn)): the compiled function is left as it is, with no rung beneath it")
@@ -154,10 +153,9 @@ class CompileStep(FeatureStep):
             ctx.record_later(Decision(self.name, decision.requested, chosen, reason, details=details))
 
         agreement = ctx.session.services.get("agreement")
-        order = ctx.record.id
-        channel_for = ((lambda trial: agreement.channel(model_ref(), order, trial) if model_ref() is not None else None)
+        model_ref = weakref.ref(model)  # the ladder lives on the model: no strong reference back
+        channel_for = ((lambda trial: agreement.channel(model_ref(), trial) if model_ref() is not None else None)
                        if agreement is not None else None)
-        model_ref = weakref.ref(model)
         ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope,
                                channel_for=channel_for)
         ladder.attach(patches)

@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.outputs import gradient_watch, output_tensors
+from apt_model.devices.rank_agreement import WAIT_CALLS_FACTOR
 from apt_model.devices.timing import clock_for
 from apt_model.devices.trial import SpeedTrial
 
@@ -195,8 +196,6 @@ class CallTimer:
         it is in; others run the current setting (None)."""
         if not (torch.is_grad_enabled() and module.training) or in_backward():
             return None, None
-        from apt_model.devices.rank_agreement import WAIT_CALLS_FACTOR
-
         got = self.channel.poll()
         if got is None and self.channel.waited > WAIT_CALLS_FACTOR * self.trial.needed():
             got = self.channel.give_up()

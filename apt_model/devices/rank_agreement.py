@@ -114,6 +114,10 @@ class TrialChannel:
             except Exception as err:  # noqa: BLE001
                 log.info("rank 0 could not publish the start of trial %s: %s", self.key, err)
 
+    def _ranked(self, keep: bool, summary: dict, by: str, **extra) -> tuple[bool, dict]:
+        """``(keep, summary)`` with the ``ranks`` entry: this rank, the world, whose verdict (``by``)."""
+        return keep, {**summary, "ranks": {"world": self._world, "rank": self._rank, "by": by, **extra}}
+
     def settle(self, keep: bool, summary: dict, final: bool = False) -> tuple[bool, dict] | None:
         """The local verdict ``keep`` is in. ``final``: it stands whatever rank 0 says (a give-up,
         a forward that failed under the setting): published by rank 0, never waited for."""
@@ -121,24 +125,19 @@ class TrialChannel:
         self._world, self._rank, self._store = world, rank, store
         if store is None:
             return keep, summary
-        if rank != 0 and final:
-            return keep, {**summary, "ranks": {"world": world, "rank": rank, "by": "own",
-                                               "error": "this rank's verdict is final (the trial gave up)"}}
-        if rank != 0:
-            try:
-                if not store.check([self.key + "/started"]):
-                    return keep, {**summary, "ranks": {"world": world, "rank": rank, "by": "own",
-                                                       "error": "rank 0 runs no such trial (another model)"}}
-            except Exception as err:  # noqa: BLE001
-                return keep, {**summary, "ranks": {"world": world, "rank": rank, "by": "own",
-                                                   "error": f"{type(err).__name__}: {err}"}}
         if rank == 0:
             try:
                 store.set(self.key, json.dumps({"keep": bool(keep), "speedup": summary.get("speedup")}))
             except Exception as err:  # noqa: BLE001
-                return keep, {**summary, "ranks": {"world": world, "rank": 0, "by": "own",
-                                                   "error": f"publishing failed: {type(err).__name__}: {err}"}}
-            return keep, {**summary, "ranks": {"world": world, "rank": 0, "by": "rank 0"}}
+                return self._ranked(keep, summary, "own", error=f"publishing failed: {type(err).__name__}: {err}")
+            return self._ranked(keep, summary, "rank 0")
+        if final:
+            return self._ranked(keep, summary, "own", error="this rank's verdict is final (the trial gave up)")
+        try:
+            if not store.check([self.key + "/started"]):
+                return self._ranked(keep, summary, "own", error="rank 0 runs no such trial (another model)")
+        except Exception as err:  # noqa: BLE001
+            return self._ranked(keep, summary, "own", error=f"{type(err).__name__}: {err}")
         self._local = (keep, summary)
         return self.poll(count=False)
 
@@ -146,26 +145,22 @@ class TrialChannel:
         if self._local is None:
             return None
         keep, summary = self._local
-        base = {"world": self._world, "rank": self._rank}
         try:
             if not self._store.check([self.key]):
                 self.waited += count
                 return None
             theirs = json.loads(self._store.get(self.key).decode())
         except Exception as err:  # noqa: BLE001
-            return keep, {**summary, "ranks": {**base, "by": "own", "error": f"{type(err).__name__}: {err}"}}
-        return bool(theirs["keep"]), {**summary, "ranks": {**base, "by": "rank 0", "own_keep": bool(keep),
-                                                            "rank0_speedup": theirs.get("speedup"),
-                                                            "waited_calls": self.waited}}
+            return self._ranked(keep, summary, "own", error=f"{type(err).__name__}: {err}")
+        return bool(theirs["keep"]), self._ranked(keep, summary, "rank 0", own_keep=bool(keep),
+                                                  rank0_speedup=theirs.get("speedup"), waited_calls=self.waited)[1]
 
     def give_up(self) -> tuple[bool, dict] | None:
         """The wait is over: this rank's own verdict (None when it was not waiting)."""
         if self._local is None:
             return None
-        keep, summary = self._local
-        return keep, {**summary, "ranks": {"world": self._world, "rank": self._rank, "by": "own",
-                                           "waited_calls": self.waited,
-                                           "error": f"rank 0 published no verdict within {self.waited} training calls"}}
+        return self._ranked(*self._local, "own", waited_calls=self.waited,
+                            error=f"rank 0 published no verdict within {self.waited} training calls")
 
 
 class RankAgreement:
@@ -184,9 +179,8 @@ class RankAgreement:
         self._names: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> "<fingerprint>#<k>"
         self._seen: dict[str, int] = {}
 
-    def channel(self, model: nn.Module, order: int, trial: str) -> TrialChannel:
-        """The channel of ``model``'s trial ``trial`` (``order``, its adoption order, is not part of
-        the key; kept for callers)."""
+    def channel(self, model: nn.Module, trial: str) -> TrialChannel:
+        """The channel of ``model``'s trial ``trial``."""
         name = self._names.get(model)
         if name is None:
             fp = model_fingerprint(model)

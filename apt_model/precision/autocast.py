@@ -55,7 +55,6 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-
 from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, in_enclosing_checkpoint, watch_compilation
 from apt_model.base.log import get_logger

@@ -102,7 +102,7 @@ class PrecisionStep(FeatureStep):
         req = ctx.config.mixed_precision
         on_verdict = lambda keep, summary: ctx.record_later(self._verdict(req, want, keep, summary))  # noqa: E731
         agreement = ctx.session.services.get("agreement")
-        channel = agreement.channel(model, ctx.record.id, self.name) if agreement is not None and trial else None
+        channel = agreement.channel(model, self.name) if agreement is not None and trial else None
         hooks = attach_autocast(model, ctx.device.type, getattr(torch, dname), patches, trial, on_verdict,
                                 device=ctx.device, channel=channel)
         self.hooks.append(hooks)
@@ -123,7 +123,7 @@ class PrecisionStep(FeatureStep):
                   f"{summary['speedup']:.2f}x")
         followed = agreement_note(keep, summary, timing)
         if followed is not None:
-            return Decision(self.name, "auto", want if keep else "fp32", f"{followed}", details={"trial": summary})
+            return Decision(self.name, "auto", want if keep else "fp32", followed, details={"trial": summary})
         suffix = ranks_suffix(summary)
         if keep:
             why = f"kept after the trial on this model: {timing} (>= {summary['min_speedup']:.2f}x, clear win)"

@@ -207,18 +207,6 @@ class PageFaultMode(TorchFunctionMode):
                         kinds.add(self.watched[id(t)])
             if kinds:
                 self.handler.watched_access(kinds, may_write(func, kwargs, args))
-        if self.active and self.lookup and ((func in _MAYBE_SELF and returns_self(func, args, kwargs))
-                                            or (func == _DATA_SET and len(args) == 2 and args[1] is args[0])
-                                            or _converts_to_itself(func, args, kwargs)):
-            # a conversion to what the tensor is already, or ``p.data = p`` (Module.to() sets it when
-            # nothing changed): no byte is read or written
-            return func(*args, **kwargs)
-        if self.active and self.lookup and func is _SHARE_MEMORY and args and live_page(self.lookup, args[0]) is not None:
-            raise DistributedError(
-                "share_memory_() of a paged tensor (model.share_memory() for Hogwild-style workers): its bytes live in "
-                "this process's swap files and pages, which other processes cannot share; their updates would never "
-                "reach it (until 2026-11-28 the model silently stayed untrained). Keep the model unpaged: paging='off', "
-                "or a device budget that holds it")
         if self.active and self.lookup and func in ZEROING and not kwargs:
             handled, out = self._zero(func, args)
             if handled:
@@ -229,7 +217,19 @@ class PageFaultMode(TorchFunctionMode):
                 self._collect(a, hit)
             for a in kwargs.values():
                 self._collect(a, hit)
-            if hit:
+            if hit:  # the op touches paged tensors: the few that need no page, or must not have one, first
+                if ((func in _MAYBE_SELF and returns_self(func, args, kwargs))
+                        or (func == _DATA_SET and len(args) == 2 and args[1] is args[0])
+                        or _converts_to_itself(func, args, kwargs)):
+                    # a conversion to what the tensor is already, or ``p.data = p`` (Module.to() sets
+                    # it when nothing changed): no byte is read or written
+                    return func(*args, **kwargs)
+                if func is _SHARE_MEMORY and live_page(self.lookup, args[0]) is not None:
+                    raise DistributedError(
+                        "share_memory_() of a paged tensor (model.share_memory() for Hogwild-style workers): its bytes "
+                        "live in this process's swap files and pages, which other processes cannot share; their updates "
+                        "would never reach it (until 2026-11-28 the model silently stayed untrained). Keep the model "
+                        "unpaged: paging='off', or a device budget that holds it")
                 writes = may_write(func, kwargs, args)
                 held = self.handler.enter(hit, writes, self._written(func, args, kwargs) if writes else None)
                 out = None

@@ -7,7 +7,9 @@ same batches): one the baseline script, one with the switch enabled before the m
 script a user would tune by hand (TF32 matmuls on where CUDA has them, and ``torch.autocast``
 in bf16 written around forward and loss) — the switch must not be slower than either.
 ``--arch gpt`` is the main job's GPT preset; ``--arch encoder`` an ``nn.TransformerEncoder``
-language model (causal mask, the library's fused path) of the preset's width and depth. Both warm up, then the coordinator has them run ``--steps-per-round`` steps
+language model (causal mask, the library's fused path) of the preset's width and depth; ``--arch mlp``
+a deep stack of narrow layers (``--mlp-layers`` blocks of ``--mlp-width``), where the arithmetic is
+small and the switch's cost per module call and per step shows. Both warm up, then the coordinator has them run ``--steps-per-round`` steps
 in turn — never at the same time, so they do not compete for cores — alternating which goes
 first, for ``--rounds`` rounds. Reported: median step time per side, the speed-up
 (off / mode, from the medians) and the median of per-round ratios, and the switch's decisions.
@@ -15,6 +17,8 @@ first, for ``--rounds`` rounds. Reported: median step time per side, the speed-u
     python benchmarks/switch_overhead.py --threads 2 --json bench-results/switch_overhead.json
     python benchmarks/switch_overhead.py --baseline manual --arch encoder --model-size medium \
         --seq-len 1024 --batch-size 8          # on a GPU: the accelerator issue's acceptance check
+    python benchmarks/switch_overhead.py --arch mlp --threads 1 --batch-size 4 --seq-len 16 --rounds 10 \
+        --steps-per-round 200                  # per-call overhead: 96 small modules per forward
 """
 from __future__ import annotations
 
@@ -55,6 +59,18 @@ class EncoderLM:
         return _LM()
 
 
+class DeepMLP:
+    """Factory for a byte-level LM of ``layers`` narrow blocks (``Linear(width, width)`` + ``tanh``):
+    little arithmetic per module, so what the switch costs per module call and per step shows."""
+
+    @staticmethod
+    def build(width: int, layers: int):
+        import torch.nn as nn
+
+        blocks = [m for _ in range(layers) for m in (nn.Linear(width, width), nn.Tanh())]
+        return nn.Sequential(nn.Embedding(256, width), *blocks, nn.Linear(width, 256))
+
+
 def worker(conn, mode: str, args) -> None:
     import torch
 
@@ -82,6 +98,8 @@ def worker(conn, mode: str, args) -> None:
     preset = PRESETS[args.model_size]
     if args.arch == "gpt":
         model = GPT(GPTConfig(seq_len=args.seq_len, **preset))
+    elif args.arch == "mlp":
+        model = DeepMLP.build(args.mlp_width, args.mlp_layers)
     else:
         model = EncoderLM.build(preset["d_model"], preset["n_layers"], preset["n_heads"], args.seq_len)
     model = model.to(device)
@@ -124,8 +142,11 @@ def main(argv=None) -> dict:
     p.add_argument("--mode", default="balanced", help="switch mode compared against off")
     p.add_argument("--baseline", default="off", choices=("off", "manual"),
                    help="off: the plain fp32 script; manual: TF32 + hand-written bf16 autocast")
-    p.add_argument("--arch", default="gpt", choices=("gpt", "encoder"),
-                   help="gpt: the main job's model; encoder: an nn.TransformerEncoder LM")
+    p.add_argument("--arch", default="gpt", choices=("gpt", "encoder", "mlp"),
+                   help="gpt: the main job's model; encoder: an nn.TransformerEncoder LM; mlp: a deep stack of "
+                        "narrow layers (--mlp-layers, --mlp-width), where per-call overhead shows")
+    p.add_argument("--mlp-layers", type=int, default=48, help="--arch mlp: Linear+tanh blocks")
+    p.add_argument("--mlp-width", type=int, default=16, help="--arch mlp: their width")
     p.add_argument("--model-size", default="tiny", choices=("tiny", "small", "medium"))
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
@@ -169,7 +190,8 @@ def main(argv=None) -> dict:
         "speed_probe": finals[args.mode]["speed_probe"],
     }
     tok = args.batch_size * args.seq_len
-    print(f"switch overhead — {args.model_size} {args.arch}, batch {args.batch_size}x{args.seq_len}, {args.threads} threads, "
+    label = f"{args.mlp_layers}x{args.mlp_width} mlp" if args.arch == "mlp" else f"{args.model_size} {args.arch}"
+    print(f"switch overhead — {label}, batch {args.batch_size}x{args.seq_len}, {args.threads} threads, "
           f"{args.rounds} rounds x {args.steps_per_round} steps, device {finals[base]['device']}, baseline {base}")
     print(f"  {'side':<12} {'median ms':>10} {'p25':>8} {'p75':>8} {'tokens/s':>10}")
     for name, s in ((base, off), (args.mode, on)):

@@ -117,6 +117,24 @@ def test_recorder_stays_bounded_and_evenly_spaced():
         StepRecorder("cpu", max_records=1)
 
 
+@pytest.mark.parametrize("interval, reads", [(3600.0, 9), (1e-9, 20)])
+def test_recorder_reads_memory_at_kept_steps_and_once_per_interval(monkeypatch, interval, reads):
+    """A memory reading costs as much as the rest of a step's recording: it is taken at the steps
+    kept as records (1-5, then every 2nd, 4th, 8th: 9 of 20 here) and otherwise once per
+    ``sample_interval`` (every step when the interval is shorter than a step)."""
+    import apt_model.switch.steps as steps
+
+    n = []
+    monkeypatch.setattr(steps, "rss_now", lambda: n.append(1) or 1000 + len(n))
+    rec = StepRecorder("cpu", max_records=4, sample_interval=interval)
+    for _ in range(20):
+        rec.record_step()
+    d = rec.to_dict()
+    assert len(n) == reads and d["count"] == 20 and [r["step"] for r in d["records"]] == [1, 9, 17]
+    assert d["memory_peak"]["process_rss"] == 1000 + reads
+    assert all(r["memory"]["process_rss"] >= 1000 for r in d["records"])
+
+
 def test_two_optimizers_are_told_apart():
     rec = StepRecorder("cpu")
     rec.install()

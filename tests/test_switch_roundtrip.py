@@ -45,8 +45,13 @@ def test_adopted_model_is_unpatched_by_disable_and_keeps_working():
     from apt_model.base.patches import SessionHook
     from apt_model.switch.placement import DeviceMismatchHint
 
-    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 2  # autocast + mismatch hint
+    from apt_model.switch.fast_path import ForwardFastPath
+
+    # autocast's pre-hook; autocast's post-hook, the mismatch hint and the fast path's exit hook
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 3
     assert sum(isinstance(h, SessionHook) and isinstance(h.fn, DeviceMismatchHint)
+               for h in model._forward_hooks.values()) == 1
+    assert sum(isinstance(h, SessionHook) and isinstance(getattr(h.fn, "__self__", None), ForwardFastPath)
                for h in model._forward_hooks.values()) == 1
     during = model(x)
     assert not torch.equal(during, ref)  # bf16 autocast really ran

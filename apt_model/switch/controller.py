@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_mod
 from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import ParametrizationList
@@ -40,6 +41,7 @@ from apt_model.base.log import get_logger
 from apt_model.base.feature import StepSession
 from apt_model.switch.adoption import Adopter, builtin_overrides, model_device
 from apt_model.switch.config import VBConfig, build_config
+from apt_model.switch.fast_path import ForwardFastPath
 from apt_model.switch.modes import FEATURES
 from apt_model.base.patches import PatchSet
 from apt_model.base.post_import import when_imported
@@ -59,6 +61,7 @@ class _State:
         self.stack = None
         self.distributed = None  # apt_model.distributed.session.DistributedSession
         self.steps = None  # apt_model.switch.steps.StepRecorder: per-step time and memory for the report
+        self.fast_path: ForwardFastPath | None = None  # adopt="auto": the global hook steps aside in adopted forwards
         self.seen: weakref.WeakSet = weakref.WeakSet()
         #: each module of an adopted model -> a weak reference to that model (the latest adopted that
         #: holds it; weak both ways: a model the script drops is freed)
@@ -148,6 +151,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
         st.model_of = weakref.WeakKeyDictionary()
         st.checked_optimizers = weakref.WeakSet()
         st.unadopted_once = weakref.WeakSet()
+        st.fast_path = None
         st.lazy_parts = weakref.WeakSet()
         st.counters = {"cuda_redirects": 0, "adoptions": 0}
         st.enabled_at, st.disabled_at = time.time(), None
@@ -376,7 +380,8 @@ def get_stats() -> dict:
     Keys: ``enabled``, ``mode``, ``device``, ``uptime_s``, ``adopted_models``, ``attention_routed``
     (models whose attention runs on SDPA), ``autocast_models``, ``autocast_calls``,
     ``cuda_redirects``, ``probe_seconds``, ``decisions``, ``memory`` (bytes; None where the device
-    cannot report a figure).
+    cannot report a figure), ``forward_fast_path`` (:meth:`ForwardFastPath.describe
+    <apt_model.switch.fast_path.ForwardFastPath.describe>`; None with ``adopt="explicit"``).
     """
     st = _state
     ad = st.adopter
@@ -404,6 +409,7 @@ def get_stats() -> dict:
         "probe_seconds": round(probe_s, 4),
         "decisions": len(st.log.entries),
         "memory": mem,
+        "forward_fast_path": st.fast_path.describe() if st.fast_path is not None else None,
     }
 
 
@@ -634,11 +640,22 @@ def _install_patches(st: _State) -> None:
                       f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors go to {sel.device}")
     functional_call.install(st.patches)  # its swaps are no model to adopt, no surgery to follow
     if cfg.adopt == "auto":
-        st.patches.add_handle(register_module_forward_pre_hook(_global_pre_hook), "global forward pre-hook")
+        handle = register_module_forward_pre_hook(_global_pre_hook)
+        st.patches.add_handle(handle, "global forward pre-hook")
+        # an adopted model's submodules skip the global hook (switch/fast_path.py); undone before the handle
+        st.fast_path = ForwardFastPath(module_mod._global_forward_pre_hooks, handle.id, _global_pre_hook,
+                                       (module_mod._global_forward_hooks, module_mod._global_backward_hooks,
+                                        module_mod._global_backward_pre_hooks))
+        st.patches.add_undo(st.fast_path.close, "forward fast path")
+        st.log.record("switch", "forward_fast_path", "auto", "on",
+                      f"after an adopted model's first {st.fast_path.warm_calls} calls, its submodules run without "
+                      "the switch's global forward pre-hook (PyTorch's hook-free path); off from the first "
+                      "torch.compile or Module.compile call")
         st.patches.add_handle(register_optimizer_step_pre_hook(_check_first_step), "optimizer first-step adoption check")
         orig_module_compile = nn.Module.compile
 
         def module_compile(self, *args, **kwargs):
+            _stop_fast_path(st, "Module.compile()")
             st.tls.module_compile = True  # its torch.compile(self._call_impl): adopted by the wrapper below
             try:
                 out = orig_module_compile(self, *args, **kwargs)
@@ -653,6 +670,7 @@ def _install_patches(st: _State) -> None:
         orig_torch_compile = torch.compile
 
         def torch_compile(*args, **kwargs):
+            _stop_fast_path(st, "torch.compile()")
             out = orig_torch_compile(*args, **kwargs)
             target = args[0] if args else kwargs.get("model")
             if target is None or isinstance(target, (nn.Module, type)) or out is target or not callable(out):
@@ -670,11 +688,23 @@ def _install_patches(st: _State) -> None:
         st.patches.set_attr(torch, "compile", torch_compile, label="torch.compile")
 
 
+def _stop_fast_path(st: _State, what: str) -> None:
+    """Anything compiles from now on: the global hook stays in place for good (switch/fast_path.py)."""
+    fp = st.fast_path
+    if fp is not None and fp.on and st.enabled:
+        fp.stop(f"{what} was called: compiled code is traced with the global hook in place, and stays so")
+        st.log.record("switch", "forward_fast_path", "on", "off", fp.off_reason)
+
+
 def _global_pre_hook(module: nn.Module, args: tuple):
     if torch.compiler.is_compiling():  # inside a captured graph: a model being compiled was adopted already
         return None
     st = _state
-    if st.suspended or module in st.seen:
+    if st.suspended:
+        return None
+    if module in st.seen:
+        if st.fast_path is not None:
+            st.fast_path.step_aside(module)  # an adopted model past its first calls: until its call ends
         return None
     if in_function_transform() or functional_call.swapped(module):
         # torch.func (grad, vmap), or functional_call outside them: the module's parameters are
@@ -704,7 +734,11 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     Never raises; does nothing while anything compiles."""
     st = _state
     try:
-        if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling() or opt in st.checked_optimizers:
+        if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling():
+            return None
+        if st.fast_path is not None and st.fast_path.away:
+            st.fast_path.restore()  # a forward stopped by a KeyboardInterrupt left it out (switch/fast_path.py)
+        if opt in st.checked_optimizers:
             return None
         params = {id(p) for g in opt.param_groups for p in g["params"]}
         models = (rec.ref() for rec in (st.adopter.records if st.adopter is not None else ()) if rec.ref is not None)
@@ -869,6 +903,8 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
         try:
             _, ctx = st.adopter.adopt(module, trigger, moved_note)
             st.counters["adoptions"] += 1
+            if ctx and st.fast_path is not None:
+                st.fast_path.attach(module, st.patches)
         finally:
             st.suspended -= 1
             for m in module.modules():  # modules the steps put in (FP4Linear, ...) belong to this model

@@ -11,8 +11,10 @@ step it records:
   On an accelerator the step only queues its kernels: this is the time to queue them (and any
   wait the step made), not the device's time; ``step_s`` is the device-paced figure;
 * ``memory``: process RSS at the step's end (``process_rss``) and its peak since the previous
-  step's end (``process_rss_peak``: a background thread samples the RSS every ``sample_interval``
-  seconds while the hooks are installed, so the forward/backward peak between two steps is seen),
+  reading (``process_rss_peak``: a background thread samples the RSS every ``sample_interval``
+  seconds while the hooks are installed, so the forward/backward peak between two steps is seen;
+  the memory is read at every step kept as a record, and at other steps at most once per
+  ``sample_interval``),
   and on an accelerator the bytes allocated on the device
   (:class:`~apt_model.devices.device_backend.DeviceBackend` figures);
 * ``levels``: while paging is active, the bytes of training state on each level of the VGPU
@@ -157,6 +159,7 @@ class StepRecorder:
         self._min = float("inf")
         self._max = 0.0
         self._opt_total = 0.0
+        self._memory_at = float("-inf")  # perf_counter() of the last memory reading
         self.memory_peak: dict[str, int] = {}
         self.level_labels: list[str] = []
         self._handles: list = []
@@ -210,11 +213,16 @@ class StepRecorder:
 
     def record_step(self, key: int = 0, began: float | None = None) -> None:
         """Record one finished step of optimizer ``key`` (called by the post-hook; public for loops
-        without an optimizer). ``began``: ``perf_counter()`` when the step started, if known."""
+        without an optimizer). ``began``: ``perf_counter()`` when the step started, if known.
+
+        The memory is read at a step kept as a record, and at other steps at most once per
+        ``sample_interval`` seconds: a read costs about as much as the rest of the recording, which
+        counts on a model whose step takes a few hundred microseconds (the sampler thread sees the
+        peaks in between)."""
         now = time.perf_counter()
-        mem, levels = self._memory()
         with self._lock:
             self.count += 1
+            count = self.count
             index = self._optimizers.setdefault(key, len(self._optimizers))
             prev = self._last_end.get(key)
             self._last_end[key] = now
@@ -228,6 +236,12 @@ class StepRecorder:
                 self._max = max(self._max, step_s)
             if opt_s is not None:
                 self._opt_total += opt_s
+            keep = (count - 1) % self.stride == 0
+            if not keep and now - self._memory_at < self._sampler.interval:
+                return
+            self._memory_at = now
+        mem, levels = self._memory()
+        with self._lock:
             for k, v in {**mem, **(levels or {})}.items():
                 if v > self.memory_peak.get(k, -1):
                     self.memory_peak[k] = v
@@ -235,8 +249,8 @@ class StepRecorder:
                 for k in levels:
                     if k not in self.level_labels:
                         self.level_labels.append(k)
-            if (self.count - 1) % self.stride == 0:
-                rec = {"step": self.count, "optimizer": index, "t": round(now - self.start, 6),
+            if keep:
+                rec = {"step": count, "optimizer": index, "t": round(now - self.start, 6),
                        "step_s": None if step_s is None else round(step_s, 6),
                        "optimizer_s": None if opt_s is None else round(opt_s, 6), "memory": mem}
                 if levels is not None:

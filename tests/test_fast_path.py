@@ -1,0 +1,279 @@
+"""The forward fast path: inside an adopted model's forward, after its first calls, its submodules
+run without the switch's global forward pre-hook (switch/fast_path.py)."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.modules.module as module_mod
+
+import apt_model.optimization.vb_global as vb
+from apt_model.base.patches import PatchSet
+from apt_model.switch.fast_path import WARM_CALLS, ForwardFastPath
+
+GLOBAL_PRE = module_mod._global_forward_pre_hooks  # PyTorch's dictionary of global forward pre-hooks
+
+
+class Probe(nn.Module):
+    """A layer that records how many global forward pre-hooks PyTorch holds while it runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(len(GLOBAL_PRE))
+        return self.lin(x)
+
+
+class Holder(nn.Module):
+    """A model that calls ``side`` (a network kept outside its module tree) from its call ``start`` on."""
+
+    def __init__(self, side: nn.Module | None = None, start: int = 1):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.probe = Probe()
+        object.__setattr__(self, "side", side)  # not a submodule: not adopted with this model
+        self.start, self.calls = start, 0
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.probe(self.lin(x))
+        if self.side is not None and self.calls >= self.start:
+            y = y + self.side(x)
+        return y
+
+
+def is_switch(fn) -> bool:
+    return (getattr(fn, "__module__", "") or "").startswith("apt_model")
+
+
+@pytest.fixture
+def on(cpu_device):
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    yield
+    vb.disable()
+
+
+def test_after_the_warm_calls_submodules_run_without_the_global_hook(on):
+    m = Holder()
+    x = torch.randn(2, 4)
+    for _ in range(WARM_CALLS + 3):
+        m(x)
+    stats = vb.get_stats()["forward_fast_path"]
+    assert m.probe.seen == [1] * WARM_CALLS + [0] * 3  # the hook was in place, then stepped aside
+    assert len(GLOBAL_PRE) == 1 and is_switch(next(iter(GLOBAL_PRE.values())))  # back after each call
+    assert stats["on"] and stats["calls"] == 3 and stats["ready_models"] == 1 and stats["warm_calls"] == WARM_CALLS
+    decision = [d for d in vb.get_report()["decisions"] if d["feature"] == "forward_fast_path"]
+    assert decision and decision[-1]["chosen"] == "on"
+
+
+def test_a_network_first_called_inside_forward_during_the_warm_calls_is_adopted(on):
+    m = Holder(side=nn.Linear(4, 4), start=1)
+    for _ in range(WARM_CALLS + 2):
+        m(torch.randn(2, 4))
+    assert vb.get_stats()["adopted_models"] == 2
+
+
+def test_a_network_first_called_inside_forward_later_is_adopted_at_its_first_call_elsewhere(on):
+    side = nn.Linear(4, 4)
+    m = Holder(side=side, start=WARM_CALLS + 1)
+    for _ in range(WARM_CALLS + 2):
+        m(torch.randn(2, 4))
+    assert vb.get_stats()["adopted_models"] == 1  # what the policy gives up (docs/architecture.md)
+    side(torch.randn(2, 4))
+    assert vb.get_stats()["adopted_models"] == 2
+
+
+def test_an_exception_in_forward_puts_the_hook_back(on):
+    m = Holder()
+    for _ in range(WARM_CALLS):
+        m(torch.randn(2, 4))
+    with pytest.raises(RuntimeError):
+        m(torch.randn(2, 5))  # a shape error inside the model's forward, with the hook out
+    assert len(GLOBAL_PRE) == 1
+    other = nn.Linear(4, 4)
+    other(torch.randn(2, 4))
+    assert vb.get_stats()["adopted_models"] == 2
+
+
+class Interrupted(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.interrupt = False
+
+    def forward(self, x):
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt  # not an Exception: PyTorch runs no always_call hook
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("back_by", ["optimizer step", "the model's next call"])
+def test_a_forward_stopped_by_keyboard_interrupt_gets_the_hook_back(on, back_by):
+    m = Interrupted()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(WARM_CALLS):
+        m(torch.randn(2, 4))
+    m.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        m(torch.randn(2, 4))
+    assert len(GLOBAL_PRE) == 0  # left out by the interrupted call
+    if back_by == "optimizer step":
+        opt.step()
+    else:
+        m(torch.randn(2, 4))
+    assert len(GLOBAL_PRE) == 1
+    nn.Linear(4, 4)(torch.randn(2, 4))
+    assert vb.get_stats()["adopted_models"] == 2
+
+
+def test_a_scripts_global_hook_keeps_the_slow_path_and_runs_at_every_module(on):
+    calls = []
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: calls.append(type(mod).__name__))
+    try:
+        m = Holder()
+        for _ in range(WARM_CALLS + 2):
+            m(torch.randn(2, 4))
+    finally:
+        handle.remove()
+    assert m.probe.seen == [2] * (WARM_CALLS + 2)
+    assert calls.count("Probe") == WARM_CALLS + 2 and calls.count("Linear") == 2 * (WARM_CALLS + 2)
+    assert vb.get_stats()["forward_fast_path"]["calls"] == 0
+
+
+class Registers(nn.Module):
+    """Registers a global forward pre-hook of the script's at its call ``at`` (inside forward)."""
+
+    def __init__(self, at: int, calls: list):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.at, self.n, self.calls, self.handle = at, 0, calls, None
+
+    def forward(self, x):
+        self.n += 1
+        if self.n == self.at:
+            self.handle = nn.modules.module.register_module_forward_pre_hook(
+                lambda mod, args: self.calls.append(type(mod).__name__))
+        return self.lin(x)
+
+
+def test_a_global_hook_registered_while_the_hook_is_out_runs_after_the_switchs(on):
+    calls = []
+    m = Registers(at=WARM_CALLS + 1, calls=calls)
+    for _ in range(WARM_CALLS + 1):
+        m(torch.randn(2, 4))
+    try:
+        assert len(GLOBAL_PRE) == 2
+        first, second = GLOBAL_PRE.values()
+        assert is_switch(first) and not is_switch(second)  # registration order, as PyTorch keeps it
+        m(torch.randn(2, 4))
+        # as in plain PyTorch: from the layer after its registration, then at every module
+        assert calls == ["Linear", "Registers", "Linear"]
+    finally:
+        m.handle.remove()
+
+
+def test_torch_compile_turns_it_off_without_recompiling(on):
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounter()
+    m = Holder()
+    m.lin = torch.compile(nn.Linear(4, 4), backend=counts)  # compiled before the model's first call
+    try:
+        for _ in range(WARM_CALLS + 4):
+            m(torch.randn(2, 4))
+        stats = vb.get_stats()["forward_fast_path"]
+        report = vb.get_report()["decisions"]
+    finally:
+        torch._dynamo.reset()
+    # traced once with the hook in place; had it stepped aside after the warm calls, the compiled
+    # layer's guards on the global hooks would have traced it again
+    assert counts.frame_count == 1
+    assert not stats["on"] and "torch.compile()" in stats["off_reason"] and stats["calls"] == 0
+    assert m.probe.seen == [1] * (WARM_CALLS + 4)
+    assert [d["chosen"] for d in report if d["feature"] == "forward_fast_path"] == ["on", "off"]
+
+
+class Disables(nn.Module):
+    def __init__(self, at: int):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.at, self.n = at, 0
+
+    def forward(self, x):
+        self.n += 1
+        if self.n == self.at:
+            vb.disable()
+        return self.lin(x)
+
+
+def test_disable_inside_forward_leaves_no_hook_behind(cpu_device):
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    try:
+        m = Disables(at=WARM_CALLS + 1)
+        for _ in range(WARM_CALLS + 2):
+            m(torch.randn(2, 4))
+        assert not vb.is_enabled()
+        assert not any(is_switch(fn) for fn in GLOBAL_PRE.values())
+        assert not any(is_switch(fn) for fn in m._forward_hooks.values())
+    finally:
+        vb.disable()
+
+
+def test_a_nested_adopted_model_leaves_the_hook_out_for_its_caller(on):
+    inner = Holder()
+    for _ in range(WARM_CALLS + 1):
+        inner(torch.randn(2, 4))  # adopted, and ready, on its own
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = inner
+            self.after = Probe()
+
+        def forward(self, x):
+            return self.after(self.inner(x))
+
+    outer = Outer()
+    for _ in range(WARM_CALLS + 2):
+        outer(torch.randn(2, 4))
+    assert outer.after.seen == [1] * WARM_CALLS + [0] * 2  # the inner model's end did not put it back
+    assert len(GLOBAL_PRE) == 1
+
+
+# ---------------------------------------------------------------------------- the class on its own
+
+
+def test_restore_keeps_registration_order_and_stop_puts_it_back():
+    hooks = {}
+    ours = lambda mod, args: None  # noqa: E731
+    hooks[5] = ours
+    fp = ForwardFastPath(hooks, 5, ours, warm_calls=0)
+    root = nn.Linear(2, 2)
+    patches = PatchSet()
+    fp.attach(root, patches)
+    fp.step_aside(root)
+    assert hooks == {} and fp.away
+    hooks[9] = "script's"
+    fp.restore()
+    assert list(hooks) == [5, 9] and not fp.away
+    fp.step_aside(root)  # another global hook: stays
+    assert list(hooks) == [5, 9]
+    del hooks[9]
+    fp.step_aside(root)
+    fp.stop("a reason")
+    assert hooks == {5: ours} and not fp.on and fp.off_reason == "a reason"
+    fp.step_aside(root)
+    assert hooks == {5: ours}
+    patches.restore_all()
+    assert not root._forward_hooks
+
+
+def test_bad_arguments_are_refused():
+    hooks = {3: print}
+    with pytest.raises(ValueError, match="warm_calls=-1"):
+        ForwardFastPath(hooks, 3, print, warm_calls=-1)
+    with pytest.raises(ValueError, match="hook_id=4"):
+        ForwardFastPath(hooks, 4, print)

@@ -49,9 +49,13 @@ def is_switch(fn) -> bool:
 
 @pytest.fixture
 def on(cpu_device):
+    import torch._dynamo
+
+    torch._dynamo.reset()  # no compiled code of earlier tests: the path starts on
     vb.enable("balanced", mixed_precision="off", banner=False)
     yield
     vb.disable()
+    torch._dynamo.reset()
 
 
 def test_after_the_warm_calls_submodules_run_without_the_global_hook(on):
@@ -128,6 +132,26 @@ def test_a_forward_stopped_by_keyboard_interrupt_gets_the_hook_back(on, back_by)
     assert vb.get_stats()["adopted_models"] == 2
 
 
+def test_a_model_freed_after_an_interrupted_call_gives_the_hook_back(on):
+    """A notebook: Ctrl-C inside forward, the cell run again builds a new model (the old one is
+    freed), and only evaluates: the new model is adopted at its first call."""
+    import gc
+
+    m = Interrupted()
+    for _ in range(WARM_CALLS):
+        m(torch.randn(2, 4))
+    m.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        m(torch.randn(2, 4))
+    assert vb.get_stats()["forward_fast_path"]["away"]
+    del m
+    gc.collect()
+    assert len(GLOBAL_PRE) == 1 and not vb.get_stats()["forward_fast_path"]["away"]
+    with torch.no_grad():
+        Interrupted()(torch.randn(2, 4))
+    assert vb.get_stats()["adopted_models"] == 2
+
+
 def test_a_scripts_global_hook_keeps_the_slow_path_and_runs_at_every_module(on):
     calls = []
     handle = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: calls.append(type(mod).__name__))
@@ -194,6 +218,74 @@ def test_torch_compile_turns_it_off_without_recompiling(on):
     assert not stats["on"] and "torch.compile()" in stats["off_reason"] and stats["calls"] == 0
     assert m.probe.seen == [1] * (WARM_CALLS + 4)
     assert [d["chosen"] for d in report if d["feature"] == "forward_fast_path"] == ["on", "off"]
+
+
+def test_code_compiled_before_enable_does_not_recompile(cpu_device):
+    """A layer compiled before the switch was enabled (the one line added to a script that compiles
+    its blocks), traced at the model's first call: Dynamo's start of compilation turns the path off
+    before the trace, so the layer's guards hold (under error_on_recompile it raised)."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    torch._dynamo.reset()
+    counts = torch._dynamo.testing.CompileCounter()
+    m = Holder()
+    m.lin = torch.compile(nn.Linear(4, 4), backend=counts)  # torch's own compile: the switch is off
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for _ in range(WARM_CALLS + 4):
+                m(torch.randn(2, 4))
+            m.lin(torch.randn(2, 4))  # and outside the model's forward
+        stats = vb.get_stats()["forward_fast_path"]
+    finally:
+        vb.disable()
+        torch._dynamo.reset()
+    assert counts.frame_count == 1
+    assert not stats["on"] and stats["off_reason"].startswith("Dynamo began compiling")
+
+
+def test_a_session_starts_off_while_dynamo_holds_compiled_code(cpu_device):
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: t * 2, backend="eager")
+    f(torch.ones(2))
+    try:
+        with vb.enabled("balanced", mixed_precision="off", banner=False):
+            m = Holder()
+            for _ in range(WARM_CALLS + 2):
+                m(torch.randn(2, 4))
+            stats = vb.get_stats()["forward_fast_path"]
+        assert not stats["on"] and "earlier in this process" in stats["off_reason"] and stats["calls"] == 0
+        torch._dynamo.reset()  # drops every compiled frame: the next session starts on
+        with vb.enabled("balanced", mixed_precision="off", banner=False):
+            assert vb.get_stats()["forward_fast_path"]["on"]
+    finally:
+        torch._dynamo.reset()
+
+
+def test_the_start_callback_is_registered_again_after_a_dynamo_reset(on):
+    """``torch._dynamo.reset()`` clears Dynamo's start callbacks; the next optimizer step registers
+    the switch's again, so a layer compiled by a route the switch did not patch, traced outside the
+    model's forward and then called inside it, still compiles once."""
+    import torch._dynamo
+    import torch._dynamo.testing
+
+    counts = torch._dynamo.testing.CompileCounter()
+    compile_ = torch._dynamo.optimize(counts)  # a route that is not torch.compile
+    m = Holder()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for _ in range(WARM_CALLS + 1):
+        m(torch.randn(2, 4))
+    torch._dynamo.reset()
+    opt.step()
+    m.lin = compile_(nn.Linear(4, 4))
+    m.lin(torch.randn(2, 4))
+    for _ in range(3):
+        m(torch.randn(2, 4))
+    assert counts.frame_count == 1
+    assert not vb.get_stats()["forward_fast_path"]["on"]
 
 
 class Disables(nn.Module):

@@ -645,12 +645,15 @@ def _install_patches(st: _State) -> None:
         # an adopted model's submodules skip the global hook (switch/fast_path.py); undone before the handle
         st.fast_path = ForwardFastPath(module_mod._global_forward_pre_hooks, handle.id, _global_pre_hook,
                                        (module_mod._global_forward_hooks, module_mod._global_backward_hooks,
-                                        module_mod._global_backward_pre_hooks))
+                                        module_mod._global_backward_pre_hooks),
+                                       on_stop=lambda why: st.log.record("switch", "forward_fast_path", "on", "off", why))
         st.patches.add_undo(st.fast_path.close, "forward fast path")
-        st.log.record("switch", "forward_fast_path", "auto", "on",
-                      f"after an adopted model's first {st.fast_path.warm_calls} calls, its submodules run without "
-                      "the switch's global forward pre-hook (PyTorch's hook-free path); off from the first "
-                      "torch.compile or Module.compile call")
+        st.fast_path.watch_dynamo(st.patches)
+        fp = st.fast_path
+        st.log.record("switch", "forward_fast_path", "auto", "on" if fp.on else "off",
+                      f"after an adopted model's first {fp.warm_calls} calls, its submodules run without the "
+                      "switch's global forward pre-hook (PyTorch's hook-free path); off from the first Dynamo "
+                      "compilation" if fp.on else fp.off_reason)
         st.patches.add_handle(register_optimizer_step_pre_hook(_check_first_step), "optimizer first-step adoption check")
         orig_module_compile = nn.Module.compile
 
@@ -693,7 +696,6 @@ def _stop_fast_path(st: _State, what: str) -> None:
     fp = st.fast_path
     if fp is not None and fp.on and st.enabled:
         fp.stop(f"{what} was called: compiled code is traced with the global hook in place, and stays so")
-        st.log.record("switch", "forward_fast_path", "on", "off", fp.off_reason)
 
 
 def _global_pre_hook(module: nn.Module, args: tuple):
@@ -736,8 +738,11 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     try:
         if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling():
             return None
-        if st.fast_path is not None and st.fast_path.away:
-            st.fast_path.restore()  # a forward stopped by a KeyboardInterrupt left it out (switch/fast_path.py)
+        fp = st.fast_path
+        if fp is not None:
+            if fp.away:
+                fp.restore()  # a forward stopped by a KeyboardInterrupt left it out (switch/fast_path.py)
+            fp.rewatch()  # after a torch._dynamo.reset()
         if opt in st.checked_optimizers:
             return None
         params = {id(p) for g in opt.param_groups for p in g["params"]}

@@ -22,9 +22,15 @@ Policy (:class:`ForwardFastPath`; the transitions are its methods):
     that call (nested adopted models) find the hook out and leave it so.
 ``off``
     For the rest of the session, from the first ``torch.compile`` / ``Module.compile`` call (the
-    script's or the compile ladder's; :meth:`ForwardFastPath.stop`): Dynamo traces a module's call
-    differently with global hooks present or not and guards on their number, so compiled code
-    traced with the hook out would recompile when it is back. The hook is put back at once.
+    script's or the compile ladder's; :meth:`ForwardFastPath.stop`), and from the start of any
+    Dynamo compilation however it was asked for (a model compiled before ``enable()``,
+    ``torch._dynamo.optimize``, a ``compile`` bound before the switch patched it: Dynamo's start
+    callbacks, which run before the frame is traced): Dynamo traces a module's call differently
+    with global hooks present or not and guards on their number, so compiled code traced with the
+    hook out would recompile when it is back (and raise under ``error_on_recompile``). The hook is
+    put back at once. A session starts off while Dynamo holds code compiled earlier in the process
+    (traced with the hook in place, or with no hook before ``enable()``). ``torch._dynamo.reset()``
+    drops Dynamo's start callbacks: the switch registers its own again at the next optimizer step.
     Also off when the switch is disabled (:meth:`ForwardFastPath.close`).
 
 What the policy gives up: a model called for the first time inside the forward of a ready root is
@@ -32,10 +38,13 @@ not adopted by that call; it is at its first call elsewhere, or when the script 
 ``.to()`` (docs/troubleshooting.md). While one thread runs a ready root's forward, a model another
 thread calls for the first time is adopted at a later call. A call stopped by a ``BaseException``
 that is not an ``Exception`` (``KeyboardInterrupt``) skips ``always_call`` hooks: the hook is put
-back at that root's next call, or at the next optimizer step (:meth:`ForwardFastPath.restore`).
+back at that root's next call, at the next optimizer step, or when that root is freed (a notebook
+cell run again builds a new model); until then a new model is adopted at none of its calls
+(:meth:`ForwardFastPath.restore`). A root's calls inside its own forward count as calls.
 """
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from typing import Callable
@@ -45,12 +54,20 @@ import torch.nn as nn
 
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet, SessionHook
+from apt_model.base.post_import import when_imported
 
 log = get_logger(__name__)
 
 #: Forward calls an adopted model runs with the global hook in place before its later calls run
 #: without it (models first called inside its forward during these are adopted as before).
 WARM_CALLS = 2
+
+
+def dynamo_compiled_before() -> bool:
+    """Whether Dynamo holds code it compiled in this process (its frame counter since the last
+    ``torch._dynamo.reset()``, which drops every compiled frame; False when Dynamo is not imported)."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    return bool(getattr(convert_frame, "FRAME_COUNTER", 0))
 
 
 class ForwardFastPath:
@@ -64,13 +81,15 @@ class ForwardFastPath:
         others: PyTorch's other global module hook dictionaries (forward, backward, backward-pre);
             the hook steps aside only while they are empty.
         warm_calls: forward calls of a root before it is ready (>= 0).
+        on_stop: called once with the reason when the path turns off (the decision record); its
+            errors are logged.
 
     Raises:
         ValueError: ``warm_calls`` < 0, or ``hook_id`` is not in ``hooks``.
     """
 
     def __init__(self, hooks: dict, hook_id: int, hook: Callable, others: tuple[dict, ...] = (),
-                 warm_calls: int = WARM_CALLS):
+                 warm_calls: int = WARM_CALLS, on_stop: Callable[[str], None] | None = None):
         if warm_calls < 0:
             raise ValueError(f"warm_calls={warm_calls!r} must be >= 0")
         if hooks.get(hook_id) is not hook:
@@ -80,10 +99,16 @@ class ForwardFastPath:
         self._warming: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> calls so far
         self._ready: weakref.WeakSet = weakref.WeakSet()
         self._away_for: weakref.ref | None = None  # the root whose call took the hook out
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entered by a root's weakref callback run by a collection
+        self._on_stop = on_stop
+        self._handler = None  # torch._dynamo.callback_handler, once watched
         self.on = True
         self.off_reason: str | None = None
         self.calls = 0  # root calls that ran with the hook out
+        if dynamo_compiled_before():
+            self.on = False
+            self.off_reason = ("Dynamo compiled code earlier in this process, traced with the global hook in "
+                               "place: it stays in place")
 
     # ------------------------------------------------------------------ roots
     def attach(self, root: nn.Module, patches: PatchSet) -> None:
@@ -108,8 +133,12 @@ class ForwardFastPath:
             return
         with self._lock:
             if self._away_for is None and self.on and self._hooks.pop(self._id, None) is not None:
-                self._away_for = weakref.ref(module)
+                self._away_for = weakref.ref(module, self._root_freed)
                 self.calls += 1
+
+    def _root_freed(self, ref: weakref.ref) -> None:
+        if self._away_for is ref:  # freed while its call had the hook out (an interrupted call)
+            self.restore()
 
     def root_exit(self, module: nn.Module, args: tuple, output) -> None:
         """The roots' forward hook (``always_call=True``): puts the hook back if this root's call
@@ -152,13 +181,52 @@ class ForwardFastPath:
                 self._hooks.update(items)
 
     def stop(self, reason: str) -> None:
-        """Off for the rest of the session (``reason`` recorded in :attr:`off_reason`); the hook is
-        put back now."""
-        if self.on:
+        """Off for the rest of the session (``reason`` recorded in :attr:`off_reason`, passed to
+        ``on_stop``); the hook is put back now."""
+        with self._lock:
+            first = self.on
             self.on = False
-            self.off_reason = reason
-            log.debug("forward fast path off: %s", reason)
+            if first:
+                self.off_reason = reason
         self.restore()
+        if first:
+            log.debug("forward fast path off: %s", reason)
+            if self._on_stop is not None:
+                try:
+                    self._on_stop(reason)
+                except Exception as err:  # noqa: BLE001 - a record must not break a compile or a call
+                    log.debug("forward fast path: on_stop: %s", err)
+
+    def watch_dynamo(self, patches: PatchSet) -> None:
+        """Turn off at the start of any Dynamo compilation (a start callback on
+        ``torch._dynamo.callback_handler``, registered when Dynamo is imported); removed when
+        ``patches`` is restored."""
+        def install(dynamo) -> None:
+            handler = getattr(dynamo, "callback_handler", None)
+            if handler is not None and hasattr(handler, "register_start_callback"):
+                self._handler = handler
+                self.rewatch()
+
+        def uninstall() -> None:
+            handler, self._handler = self._handler, None
+            if handler is not None and self._compile_started in handler.start_callbacks:
+                handler.remove_start_callback(self._compile_started)
+
+        patches.add_undo(uninstall, "forward fast path: Dynamo start callback")
+        stop_watching = when_imported("torch._dynamo", install)
+        if stop_watching is not None:
+            patches.add_undo(stop_watching, "forward fast path: watch for torch._dynamo")
+
+    def rewatch(self) -> None:
+        """Register the start callback again where ``torch._dynamo.reset()`` cleared it (called at
+        each optimizer step; a list look-up)."""
+        handler = self._handler
+        if handler is not None and self.on and self._compile_started not in handler.start_callbacks:
+            handler.register_start_callback(self._compile_started)
+
+    def _compile_started(self, args=None) -> None:
+        if self.on:
+            self.stop("Dynamo began compiling: compiled code is traced with the global hook in place, and stays so")
 
     def close(self) -> None:
         """The switch is being disabled: off, and the hook is not put back (its handle removes it)."""
@@ -169,6 +237,6 @@ class ForwardFastPath:
 
     def describe(self) -> dict:
         """The report's figures: ``on``, ``off_reason``, ``warm_calls``, ``ready_models``,
-        ``calls`` (root calls that ran with the hook out)."""
+        ``calls`` (root calls that ran with the hook out), ``away`` (whether it is out now)."""
         return {"on": self.on, "off_reason": self.off_reason, "warm_calls": self.warm_calls,
-                "ready_models": len(self._ready), "calls": self.calls}
+                "ready_models": len(self._ready), "calls": self.calls, "away": self.away}

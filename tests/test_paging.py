@@ -2144,8 +2144,8 @@ def test_pre_step_copies_leave_no_swap_files_behind(tmp_path):
             train(m, opt, 1, seed=step)
             s.pager.flush()  # counted with no write in flight (a file still being written was counted a step late)
             counts.append((sum(1 for _ in s.swap.folder.glob("*.bin")), s.swap.stale_bytes))
-        # which page is first written behind at step 1 or 2 depends on the I/O thread's timing
-        # (seen: 133 files at step 1 and 134 from step 2 on, in 2 of ~12 full runs): after step 1
+        # which page is first written behind at step 1 or 2 varies (likely the write-behind's timing;
+        # seen: 133 files at step 1 and 134 from step 2 on, in 2 of ~12 full runs): after step 1
         # at most 2 more files and 2 more 64 KiB pages of stale bytes in three steps; a file per
         # parameter per step (the bug) is ~30 files and ~440 KB per step
         assert counts[4][0] - counts[1][0] <= 2 and counts[4][1] - counts[1][1] <= 2 * 65536, counts

@@ -736,7 +736,7 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     Never raises; does nothing while anything compiles."""
     st = _state
     try:
-        if not st.enabled or st.config.adopt != "auto" or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or not st.enabled:  # registered only with adopt="auto"
             return None
         fp = st.fast_path
         if fp is not None:

@@ -13,8 +13,8 @@ step it records:
 * ``memory``: process RSS at the step's end (``process_rss``) and its peak since the previous
   reading (``process_rss_peak``: a background thread samples the RSS every ``sample_interval``
   seconds while the hooks are installed, so the forward/backward peak between two steps is seen;
-  the memory is read at every step kept as a record, and at other steps at most once per
-  ``sample_interval``),
+  the memory is read at most once per ``sample_interval``: a record kept sooner after the last
+  reading carries that reading),
   and on an accelerator the bytes allocated on the device
   (:class:`~apt_model.devices.device_backend.DeviceBackend` figures);
 * ``levels``: while paging is active, the bytes of training state on each level of the VGPU
@@ -160,6 +160,7 @@ class StepRecorder:
         self._max = 0.0
         self._opt_total = 0.0
         self._memory_at = float("-inf")  # perf_counter() of the last memory reading
+        self._last_reading: tuple[dict, dict | None] | None = None  # (memory, levels) read then
         self.memory_peak: dict[str, int] = {}
         self.level_labels: list[str] = []
         self._handles: list = []
@@ -215,9 +216,9 @@ class StepRecorder:
         """Record one finished step of optimizer ``key`` (called by the post-hook; public for loops
         without an optimizer). ``began``: ``perf_counter()`` when the step started, if known.
 
-        The memory is read at a step kept as a record, and at other steps at most once per
-        ``sample_interval`` seconds: a read costs about as much as the rest of the recording, which
-        counts on a model whose step takes a few hundred microseconds (the sampler thread sees the
+        The memory is read at most once per ``sample_interval`` seconds: a read costs about as much
+        as the rest of the recording, which counts on a model whose step takes a few hundred
+        microseconds. A record kept sooner carries the last reading (the sampler thread sees the
         peaks in between)."""
         now = time.perf_counter()
         with self._lock:
@@ -237,11 +238,14 @@ class StepRecorder:
             if opt_s is not None:
                 self._opt_total += opt_s
             keep = (count - 1) % self.stride == 0
-            if not keep and now - self._memory_at < self._sampler.interval:
+            if now - self._memory_at < self._sampler.interval:  # read less than an interval ago
+                if keep and self._last_reading is not None:
+                    self._keep_record(count, index, now, step_s, opt_s, *self._last_reading)
                 return
             self._memory_at = now
         mem, levels = self._memory()
         with self._lock:
+            self._last_reading = (mem, levels)
             for k, v in {**mem, **(levels or {})}.items():
                 if v > self.memory_peak.get(k, -1):
                     self.memory_peak[k] = v
@@ -250,15 +254,19 @@ class StepRecorder:
                     if k not in self.level_labels:
                         self.level_labels.append(k)
             if keep:
-                rec = {"step": count, "optimizer": index, "t": round(now - self.start, 6),
-                       "step_s": None if step_s is None else round(step_s, 6),
-                       "optimizer_s": None if opt_s is None else round(opt_s, 6), "memory": mem}
-                if levels is not None:
-                    rec["levels"] = levels
-                self.records.append(rec)
-                if len(self.records) > self.max_records:
-                    self.records = self.records[::2]
-                    self.stride *= 2
+                self._keep_record(count, index, now, step_s, opt_s, mem, levels)
+
+    def _keep_record(self, count: int, index: int, now: float, step_s, opt_s, mem: dict, levels: dict | None) -> None:
+        # under self._lock
+        rec = {"step": count, "optimizer": index, "t": round(now - self.start, 6),
+               "step_s": None if step_s is None else round(step_s, 6),
+               "optimizer_s": None if opt_s is None else round(opt_s, 6), "memory": dict(mem)}
+        if levels is not None:
+            rec["levels"] = dict(levels)
+        self.records.append(rec)
+        if len(self.records) > self.max_records:
+            self.records = self.records[::2]
+            self.stride *= 2
 
     # ------------------------------------------------------------------ output
     def summary(self) -> dict:

@@ -71,6 +71,44 @@ def test_after_the_warm_calls_submodules_run_without_the_global_hook(on):
     assert decision and decision[-1]["chosen"] == "on"
 
 
+class EncDec(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(Probe(), nn.Linear(4, 4))
+        self.decoder = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.decoder(self.encoder(x)))
+
+
+def test_parts_the_script_calls_itself_become_roots(on):
+    """``model.encoder(x)`` / ``for layer in layers``: the model itself is never called, so its
+    parts (holding two modules or more) become roots after their warm calls."""
+    m = EncDec().to("cpu")
+    layers = nn.ModuleList([nn.Sequential(Probe(), nn.Tanh()) for _ in range(3)] + [nn.Linear(4, 4)]).to("cpu")
+    x = torch.randn(2, 4)
+    for _ in range(WARM_CALLS + 3):
+        m.head(m.decoder(m.encoder(x)))
+        y = x
+        for layer in layers:
+            y = layer(y)
+    assert m.encoder[0].seen == [1] * WARM_CALLS + [0] * 3
+    assert all(layer[0].seen == [1] * WARM_CALLS + [0] * 3 for layer in layers[:3])
+    stats = vb.get_stats()["forward_fast_path"]
+    assert stats["ready_models"] == 5 and stats["calls"] == 5 * 3  # encoder, decoder, 3 layers; not the leaves
+    assert len(GLOBAL_PRE) == 1
+
+
+def test_parts_called_inside_their_models_forward_stay_parts(on):
+    m = EncDec()
+    for _ in range(WARM_CALLS + 3):
+        m(torch.randn(2, 4))
+    stats = vb.get_stats()["forward_fast_path"]
+    assert stats["ready_models"] == 1 and stats["calls"] == 3
+    assert m.encoder[0].seen == [1] * WARM_CALLS + [0] * 3
+
+
 def test_a_network_first_called_inside_forward_during_the_warm_calls_is_adopted(on):
     m = Holder(side=nn.Linear(4, 4), start=1)
     for _ in range(WARM_CALLS + 2):

@@ -646,7 +646,8 @@ def _install_patches(st: _State) -> None:
         st.fast_path = ForwardFastPath(module_mod._global_forward_pre_hooks, handle.id, _global_pre_hook,
                                        (module_mod._global_forward_hooks, module_mod._global_backward_hooks,
                                         module_mod._global_backward_pre_hooks),
-                                       on_stop=lambda why: st.log.record("switch", "forward_fast_path", "on", "off", why))
+                                       on_stop=lambda why: st.log.record("switch", "forward_fast_path", "on", "off", why),
+                                       owner_of=_owner_of)
         st.patches.add_undo(st.fast_path.close, "forward fast path")
         st.fast_path.watch_dynamo(st.patches)
         fp = st.fast_path
@@ -689,6 +690,12 @@ def _install_patches(st: _State) -> None:
 
         functools.update_wrapper(torch_compile, orig_torch_compile)
         st.patches.set_attr(torch, "compile", torch_compile, label="torch.compile")
+
+
+def _owner_of(module: nn.Module) -> nn.Module | None:
+    """The adopted model ``module`` belongs to (None: none, or freed)."""
+    ref = _state.model_of.get(module)
+    return ref() if ref is not None else None
 
 
 def _stop_fast_path(st: _State, what: str) -> None:
@@ -738,11 +745,8 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
     try:
         if torch.compiler.is_compiling() or not st.enabled:  # registered only with adopt="auto"
             return None
-        fp = st.fast_path
-        if fp is not None:
-            if fp.away:
-                fp.restore()  # a forward stopped by a KeyboardInterrupt left it out (switch/fast_path.py)
-            fp.rewatch()  # after a torch._dynamo.reset()
+        if st.fast_path is not None:
+            st.fast_path.at_step()  # after an interrupted forward or a torch._dynamo.reset() (switch/fast_path.py)
         if opt in st.checked_optimizers:
             return None
         params = {id(p) for g in opt.param_groups for p in g["params"]}

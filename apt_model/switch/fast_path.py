@@ -20,6 +20,12 @@ Policy (:class:`ForwardFastPath`; the transitions are its methods):
     ends, normally or by an exception (:meth:`ForwardFastPath.root_exit`). Only when it is the
     only global module hook: other global hooks keep the slow path anyway. Roots called inside
     that call (nested adopted models) find the hook out and leave it so.
+``parts``
+    A script that calls an adopted model's parts itself (``for layer in model.layers: x =
+    layer(x)``, ``model.encoder(x)``) never calls the model: its parts become roots of their own
+    after :data:`WARM_CALLS` calls made outside any root's call (a per-thread stack of the root
+    calls under way), when they are a child of the model, or of a ``ModuleList`` / ``ModuleDict``
+    child of it, and hold at least two modules (a leaf would pay the exit hook and save nothing).
 ``off``
     For the rest of the session, from the first ``torch.compile`` / ``Module.compile`` call (the
     script's or the compile ladder's; :meth:`ForwardFastPath.stop`), and from the start of any
@@ -83,13 +89,16 @@ class ForwardFastPath:
         warm_calls: forward calls of a root before it is ready (>= 0).
         on_stop: called once with the reason when the path turns off (the decision record); its
             errors are logged.
+        owner_of: the adopted model a seen module belongs to (None: none); without it, parts are
+            never made roots.
 
     Raises:
         ValueError: ``warm_calls`` < 0, or ``hook_id`` is not in ``hooks``.
     """
 
     def __init__(self, hooks: dict, hook_id: int, hook: Callable, others: tuple[dict, ...] = (),
-                 warm_calls: int = WARM_CALLS, on_stop: Callable[[str], None] | None = None):
+                 warm_calls: int = WARM_CALLS, on_stop: Callable[[str], None] | None = None,
+                 owner_of: Callable[[nn.Module], nn.Module | None] | None = None):
         if warm_calls < 0:
             raise ValueError(f"warm_calls={warm_calls!r} must be >= 0")
         if hooks.get(hook_id) is not hook:
@@ -102,6 +111,10 @@ class ForwardFastPath:
         self._lock = threading.RLock()  # re-entered by a root's weakref callback run by a collection
         self._on_stop = on_stop
         self._handler = None  # torch._dynamo.callback_handler, once watched
+        self._owner_of = owner_of
+        self._parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # part -> calls (-1: never a root)
+        self._patches: PatchSet | None = None  # the session's, from attach()
+        self._tls = threading.local()  # .roots: ids of this thread's root calls under way (innermost last)
         self.on = True
         self.off_reason: str | None = None
         self.calls = 0  # root calls that ran with the hook out
@@ -111,12 +124,13 @@ class ForwardFastPath:
                                "place: it stays in place")
 
     # ------------------------------------------------------------------ roots
-    def attach(self, root: nn.Module, patches: PatchSet) -> None:
-        """Start counting ``root``'s calls (an adopted model): an ``always_call`` forward hook on it,
-        removed when ``patches`` is restored."""
+    def attach(self, root: nn.Module, patches: PatchSet, ready: bool = False) -> None:
+        """Start counting ``root``'s calls (an adopted model; ``ready``: a part, ready at once): an
+        ``always_call`` forward hook on it, removed when ``patches`` is restored."""
         if not self.on or root in self._warming or root in self._ready:
             return
-        if self.warm_calls == 0:
+        self._patches = patches
+        if self.warm_calls == 0 or ready:
             self._ready.add(root)
         else:
             self._warming[root] = 0
@@ -126,8 +140,18 @@ class ForwardFastPath:
     def step_aside(self, module: nn.Module) -> None:
         """Called by the global hook for a module already seen: if ``module`` is a ready root, the
         path is on, nothing has taken the hook out and no other global hook is registered, take
-        the hook out of the dictionary until ``module``'s call ends."""
-        if module not in self._ready or not self.on or self._away_for is not None:
+        the hook out of the dictionary until ``module``'s call ends. A root's call is noted on this
+        thread's stack of root calls; a part called outside any is counted (see ``parts``)."""
+        ready = module in self._ready
+        if not ready and module not in self._warming:
+            if self._owner_of is not None and self.on and not getattr(self._tls, "roots", None):
+                self._count_part(module)
+            return
+        roots = getattr(self._tls, "roots", None)
+        if roots is None:
+            roots = self._tls.roots = []
+        roots.append(id(module))  # ids: an interrupted call's entry must not keep its model alive
+        if not ready or not self.on or self._away_for is not None:
             return
         if len(self._hooks) != 1 or any(self._others):
             return
@@ -135,6 +159,35 @@ class ForwardFastPath:
             if self._away_for is None and self.on and self._hooks.pop(self._id, None) is not None:
                 self._away_for = weakref.ref(module, self._root_freed)
                 self.calls += 1
+
+    def _count_part(self, module: nn.Module) -> None:
+        n = self._parts.get(module)
+        if n is None:
+            n = 0 if self._is_part(module) else -1
+        if n < 0:
+            self._parts[module] = -1
+            return
+        n += 1
+        if n < max(self.warm_calls, 1) or self._patches is None:
+            self._parts[module] = n
+            return
+        self._parts.pop(module, None)
+        self.attach(module, self._patches, ready=True)
+
+    def _is_part(self, module: nn.Module) -> bool:
+        """A child of its adopted model, or of a ``ModuleList`` / ``ModuleDict`` child of it, that
+        holds at least two modules."""
+        owner = self._owner_of(module)
+        if owner is None or owner is module or next(module.children(), None) is None:
+            return False
+        if sum(1 for _ in module.modules()) < 3:
+            return False
+        for child in owner.children():
+            if child is module:
+                return True
+            if isinstance(child, (nn.ModuleList, nn.ModuleDict)) and any(c is module for c in child.children()):
+                return True
+        return False
 
     def _root_freed(self, ref: weakref.ref) -> None:
         if self._away_for is ref:  # freed while its call had the hook out (an interrupted call)
@@ -144,7 +197,12 @@ class ForwardFastPath:
         """The roots' forward hook (``always_call=True``): puts the hook back if this root's call
         took it out; else counts a warming root's call. Nothing inside compiled code (a count
         changed there would be a guard that recompiles at every call), nor once off."""
-        if torch.compiler.is_compiling() or not self.on:
+        if torch.compiler.is_compiling():
+            return None
+        roots = getattr(self._tls, "roots", None)
+        if roots and roots[-1] == id(module):
+            roots.pop()
+        if not self.on:
             return None
         away = self._away_for
         if away is not None:
@@ -216,6 +274,15 @@ class ForwardFastPath:
         stop_watching = when_imported("torch._dynamo", install)
         if stop_watching is not None:
             patches.add_undo(stop_watching, "forward fast path: watch for torch._dynamo")
+
+    def at_step(self) -> None:
+        """An optimizer step (no root call is under way on this thread): put back a hook left out
+        by an interrupted call, forget such calls' entries, and :meth:`rewatch`."""
+        if self._away_for is not None:
+            self.restore()
+        if getattr(self._tls, "roots", None):
+            self._tls.roots = []
+        self.rewatch()
 
     def rewatch(self) -> None:
         """Register the start callback again where ``torch._dynamo.reset()`` cleared it (called at

@@ -109,6 +109,35 @@ def test_parts_called_inside_their_models_forward_stay_parts(on):
     assert m.encoder[0].seen == [1] * WARM_CALLS + [0] * 3
 
 
+class Siamese(nn.Module):
+    """Calls its encoder twice; a frozen helper (outside its module tree) is first called inside
+    the encoder at the model's second call."""
+
+    def __init__(self, helper: nn.Module):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        self.calls = 0
+        object.__setattr__(self, "helper", helper)
+
+    def forward(self, a, b):
+        self.calls += 1
+        za, zb = self.enc(a), self.enc(b)
+        if self.calls >= 2:
+            za = za + self.helper(a)
+        return (za - zb).pow(2).sum()
+
+
+def test_parts_called_twice_inside_the_adoption_call_stay_parts(on):
+    """The adoption call is a root call too: the encoder called twice inside it is not the
+    script's direct call, and a helper first called inside the model's second call is adopted."""
+    m = Siamese(helper=nn.Linear(4, 4))
+    for _ in range(WARM_CALLS + 2):
+        m(torch.randn(2, 4), torch.randn(2, 4))
+    assert not any(is_switch(fn) for fn in m.enc._forward_hooks.values())
+    assert vb.get_stats()["adopted_models"] == 2
+    assert vb.get_stats()["forward_fast_path"]["ready_models"] == 1
+
+
 def test_a_network_first_called_inside_forward_during_the_warm_calls_is_adopted(on):
     m = Holder(side=nn.Linear(4, 4), start=1)
     for _ in range(WARM_CALLS + 2):

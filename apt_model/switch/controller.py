@@ -729,6 +729,10 @@ def _global_pre_hook(module: nn.Module, args: tuple):
     if ctx:  # PyTorch listed this call's pre-hooks before adoption added the steps' own: run them now
         for fn in ctx.first_call_hooks():
             fn(module, args, {})
+        if st.fast_path is not None:
+            # this call is the model's first: noted as a root call (its exit hook, added by the
+            # adoption, ends it), so the parts it calls are not counted as called by the script
+            st.fast_path.step_aside(module)
     return None
 
 

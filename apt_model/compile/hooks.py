@@ -30,12 +30,12 @@ from apt_model.base.module_hooks import is_switch_hook, script_hooks
 from apt_model.base.patches import PatchSet
 
 
-
 def hooks_inside_reason(hooked: list[str]) -> str:
     """Why no rung is tried on a model holding the script's hooks (``hooked``: from
     :func:`~apt_model.base.module_hooks.script_hooks`)."""
     return (f"the script's hooks inside the model ({', '.join(hooked)}): compiled code would run them differently "
             "from eager (torch.compile traces hooks into its graph and does not see hooks added later)")
+
 
 #: ``nn.Module`` methods that register a hook compiled code would trace.
 MODULE_REGISTRARS = {

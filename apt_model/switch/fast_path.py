@@ -178,9 +178,7 @@ class ForwardFastPath:
         """A child of its adopted model, or of a ``ModuleList`` / ``ModuleDict`` child of it, that
         holds at least two modules."""
         owner = self._owner_of(module)
-        if owner is None or owner is module or next(module.children(), None) is None:
-            return False
-        if sum(1 for _ in module.modules()) < 3:
+        if owner is None or owner is module or sum(1 for _ in module.modules()) < 3:  # itself and two more
             return False
         for child in owner.children():
             if child is module:

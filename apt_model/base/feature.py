@@ -185,8 +185,13 @@ class AdoptionContext:
         hooks a step adds are not run by PyTorch for the call already under way."""
         self._first_call.append(fn)
 
-    def first_call_hooks(self) -> list[Callable]:
-        return list(self._first_call)
+    def take_first_call_hooks(self) -> list[Callable]:
+        """The functions given to :meth:`on_first_call`, handed over once: the context keeps none.
+        (Kept, they held what they close over — a compile ladder and through it the model — for as
+        long as anything held the context, such as a trial's verdict callback: a model the script
+        dropped stayed alive.)"""
+        hooks, self._first_call = self._first_call, []
+        return hooks
 
 
 class FeatureStep:

@@ -156,8 +156,8 @@ class Adopter:
 
     def adopt(self, model: nn.Module, trigger: str, moved_note: str = "") -> tuple[ModelRecord, AdoptionContext]:
         """Run every step on ``model`` (decide, then apply what acts) and return its record and the
-        adoption context (whose ``first_call_hooks()`` the caller runs when adoption happened inside
-        the model's first forward). ``trigger`` says what caused adoption (``to()``, ``compile()``,
+        adoption context (whose ``take_first_call_hooks()`` the caller runs when adoption happened
+        inside the model's first forward). ``trigger`` says what caused adoption (``to()``, ``compile()``,
         ``compiled function``, ``first forward``, ``adopt()``)."""
         dev = model_device(model) or torch.device("cpu")
         rec = ModelRecord(id=len(self.records) + 1, name=_model_name(model), trigger=trigger, device=str(dev),

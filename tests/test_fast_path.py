@@ -58,7 +58,16 @@ def on(cpu_device):
     torch._dynamo.reset()
 
 
-def test_after_the_warm_calls_submodules_run_without_the_global_hook(on):
+@pytest.fixture
+def armed(on):
+    """A module with state built and never called (a copy kept for later): the switch has not seen
+    it, so the hook stays in place between calls, and roots step aside only during their calls."""
+    kept = nn.Linear(1, 1)
+    yield kept
+    assert vb.get_stats()["forward_fast_path"]["pending"] >= 1 or not vb.is_enabled()
+
+
+def test_after_the_warm_calls_submodules_run_without_the_global_hook(armed):
     m = Holder()
     x = torch.randn(2, 4)
     for _ in range(WARM_CALLS + 3):
@@ -82,7 +91,7 @@ class EncDec(nn.Module):
         return self.head(self.decoder(self.encoder(x)))
 
 
-def test_parts_the_script_calls_itself_become_roots(on):
+def test_parts_the_script_calls_itself_become_roots(armed):
     """``model.encoder(x)`` / ``for layer in layers``: the model itself is never called, so its
     parts (holding two modules or more) become roots after their warm calls."""
     m = EncDec().to("cpu")
@@ -100,7 +109,7 @@ def test_parts_the_script_calls_itself_become_roots(on):
     assert len(GLOBAL_PRE) == 1
 
 
-def test_parts_called_inside_their_models_forward_stay_parts(on):
+def test_parts_called_inside_their_models_forward_stay_parts(armed):
     m = EncDec()
     for _ in range(WARM_CALLS + 3):
         m(torch.randn(2, 4))
@@ -127,7 +136,7 @@ class Siamese(nn.Module):
         return (za - zb).pow(2).sum()
 
 
-def test_parts_called_twice_inside_the_adoption_call_stay_parts(on):
+def test_parts_called_twice_inside_the_adoption_call_stay_parts(armed):
     """The adoption call is a root call too: the encoder called twice inside it is not the
     script's direct call, and a helper first called inside the model's second call is adopted."""
     m = Siamese(helper=nn.Linear(4, 4))
@@ -138,14 +147,14 @@ def test_parts_called_twice_inside_the_adoption_call_stay_parts(on):
     assert vb.get_stats()["forward_fast_path"]["ready_models"] == 1
 
 
-def test_a_network_first_called_inside_forward_during_the_warm_calls_is_adopted(on):
+def test_a_network_first_called_inside_forward_during_the_warm_calls_is_adopted(armed):
     m = Holder(side=nn.Linear(4, 4), start=1)
     for _ in range(WARM_CALLS + 2):
         m(torch.randn(2, 4))
     assert vb.get_stats()["adopted_models"] == 2
 
 
-def test_a_network_first_called_inside_forward_later_is_adopted_at_its_first_call_elsewhere(on):
+def test_a_network_first_called_inside_forward_later_is_adopted_at_its_first_call_elsewhere(armed):
     side = nn.Linear(4, 4)
     m = Holder(side=side, start=WARM_CALLS + 1)
     for _ in range(WARM_CALLS + 2):
@@ -155,7 +164,7 @@ def test_a_network_first_called_inside_forward_later_is_adopted_at_its_first_cal
     assert vb.get_stats()["adopted_models"] == 2
 
 
-def test_an_exception_in_forward_puts_the_hook_back(on):
+def test_an_exception_in_forward_puts_the_hook_back(armed):
     m = Holder()
     for _ in range(WARM_CALLS):
         m(torch.randn(2, 4))
@@ -181,7 +190,7 @@ class Interrupted(nn.Module):
 
 
 @pytest.mark.parametrize("back_by", ["optimizer step", "the model's next call"])
-def test_a_forward_stopped_by_keyboard_interrupt_gets_the_hook_back(on, back_by):
+def test_a_forward_stopped_by_keyboard_interrupt_gets_the_hook_back(armed, back_by):
     m = Interrupted()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     for _ in range(WARM_CALLS):
@@ -199,7 +208,7 @@ def test_a_forward_stopped_by_keyboard_interrupt_gets_the_hook_back(on, back_by)
     assert vb.get_stats()["adopted_models"] == 2
 
 
-def test_a_model_freed_after_an_interrupted_call_gives_the_hook_back(on):
+def test_a_model_freed_after_an_interrupted_call_gives_the_hook_back(armed):
     """A notebook: Ctrl-C inside forward, the cell run again builds a new model (the old one is
     freed), and only evaluates: the new model is adopted at its first call."""
     import gc
@@ -219,7 +228,7 @@ def test_a_model_freed_after_an_interrupted_call_gives_the_hook_back(on):
     assert vb.get_stats()["adopted_models"] == 2
 
 
-def test_a_scripts_global_hook_keeps_the_slow_path_and_runs_at_every_module(on):
+def test_a_scripts_global_hook_keeps_the_slow_path_and_runs_at_every_module(armed):
     calls = []
     handle = nn.modules.module.register_module_forward_pre_hook(lambda mod, args: calls.append(type(mod).__name__))
     try:
@@ -249,7 +258,7 @@ class Registers(nn.Module):
         return self.lin(x)
 
 
-def test_a_global_hook_registered_while_the_hook_is_out_runs_after_the_switchs(on):
+def test_a_global_hook_registered_while_the_hook_is_out_runs_after_the_switchs(armed):
     calls = []
     m = Registers(at=WARM_CALLS + 1, calls=calls)
     for _ in range(WARM_CALLS + 1):
@@ -265,7 +274,7 @@ def test_a_global_hook_registered_while_the_hook_is_out_runs_after_the_switchs(o
         m.handle.remove()
 
 
-def test_torch_compile_turns_it_off_without_recompiling(on):
+def test_torch_compile_turns_it_off_without_recompiling(armed):
     import torch._dynamo.testing
 
     torch._dynamo.reset()
@@ -332,7 +341,7 @@ def test_a_session_starts_off_while_dynamo_holds_compiled_code(cpu_device):
         torch._dynamo.reset()
 
 
-def test_the_start_callback_is_registered_again_after_a_dynamo_reset(on):
+def test_the_start_callback_is_registered_again_after_a_dynamo_reset(armed):
     """``torch._dynamo.reset()`` clears Dynamo's start callbacks; the next optimizer step registers
     the switch's again, so a layer compiled by a route the switch did not patch, traced outside the
     model's forward and then called inside it, still compiles once."""
@@ -381,7 +390,7 @@ def test_disable_inside_forward_leaves_no_hook_behind(cpu_device):
         vb.disable()
 
 
-def test_a_nested_adopted_model_leaves_the_hook_out_for_its_caller(on):
+def test_a_nested_adopted_model_leaves_the_hook_out_for_its_caller(armed):
     inner = Holder()
     for _ in range(WARM_CALLS + 1):
         inner(torch.randn(2, 4))  # adopted, and ready, on its own
@@ -400,6 +409,132 @@ def test_a_nested_adopted_model_leaves_the_hook_out_for_its_caller(on):
         outer(torch.randn(2, 4))
     assert outer.after.seen == [1] * WARM_CALLS + [0] * 2  # the inner model's end did not put it back
     assert len(GLOBAL_PRE) == 1
+
+
+# ---------------------------------------------------------------------------- quiet: out between calls
+# In a fresh interpreter: a module left alive by an earlier test (the switch cannot tell it from a
+# copy the script keeps) would be pending, and rightly keep the hook in place.
+
+QUIET_PRELUDE = """
+import copy, gc
+import torch, torch.nn as nn
+import torch.nn.modules.module as module_mod
+import apt_model.optimization.vb_global as vb
+
+torch.set_num_threads(1)
+
+def hook_in():
+    return any((getattr(f, "__module__", "") or "").startswith("apt_model")
+               for f in module_mod._global_forward_pre_hooks.values())
+
+def fast_path():
+    return vb.get_stats()["forward_fast_path"]
+
+class Probe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(len(module_mod._global_forward_pre_hooks))
+        return self.lin(x)
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.probe = Probe()
+
+    def forward(self, x):
+        return self.probe(self.lin(x))
+
+class BuildsInForward(nn.Module):  # builds a layer with parameters at every call (it happens)
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.LayerNorm(4)(self.lin(x))
+
+x = torch.randn(2, 4)
+"""
+
+
+def run_quiet(body: str) -> None:
+    from conftest import clean_env, run_python
+
+    out = run_python(QUIET_PRELUDE + body + "\nprint('OK')\n", env=clean_env(VB_DEVICE="cpu"))
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
+
+
+def test_with_nothing_pending_the_hook_is_out_between_calls():
+    """Every module with state the switch knows of is seen: the hook stays out between calls too
+    (PyTorch's hook-free path for the model, its loss module, everything), from the adoption call on."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+m = Holder()
+loss_fn = nn.MSELoss()
+for _ in range(3):
+    loss_fn(m(x), x).backward()
+    assert not hook_in()
+s = fast_path()
+assert s["quiet"] and s["away"] and s["pending"] == 0 and s["on"], s
+assert m.probe.seen == [0, 0, 0], m.probe.seen
+assert vb.get_stats()["adopted_models"] == 1
+""")
+
+
+def test_a_model_built_while_quiet_is_adopted_at_its_first_call():
+    """Building a model puts the hook back (its parameters' registration); a deep copy (an EMA or
+    evaluation copy, which registers nothing) too, through unpickling."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+m = Holder()
+m(x)
+assert not hook_in()
+new = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+assert hook_in() and fast_path()["pending"] == 1  # the Linear
+new(x)
+assert vb.get_stats()["adopted_models"] == 2
+m(x)
+assert not hook_in() and fast_path()["pending"] == 0
+ema = copy.deepcopy(m)
+assert hook_in()
+with torch.no_grad():
+    ema(x)
+assert [r["name"] for r in vb.get_report()["models"]] == ["Holder", "Sequential", "Holder"]
+m(x)
+assert not hook_in()
+""")
+
+
+def test_a_model_built_before_enable_and_first_called_late_is_adopted():
+    """Modules alive when the switch starts are pending too: an evaluation network built before
+    ``enable()`` and first called after many training calls of another model is adopted then."""
+    run_quiet("""
+late = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+vb.enable("balanced", mixed_precision="off", banner=False)
+m = Holder()
+for _ in range(5):
+    m(x)
+assert hook_in() and fast_path()["pending"] == 2  # armed: late's layers were never seen
+late(x)
+assert vb.get_stats()["adopted_models"] == 2
+m(x)
+assert not hook_in()
+""")
+
+
+def test_a_layer_built_inside_a_forward_is_no_model_of_its_own():
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+m = BuildsInForward()
+for _ in range(5):
+    m(x)
+assert vb.get_stats()["adopted_models"] == 1
+assert not hook_in() and fast_path()["pending"] == 0
+""")
 
 
 # ---------------------------------------------------------------------------- the class on its own

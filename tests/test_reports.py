@@ -136,6 +136,36 @@ def test_recorder_reads_memory_at_most_once_per_interval(monkeypatch, interval, 
     assert [r["memory"]["process_rss"] for r in d["records"]] == expected
 
 
+def test_a_step_between_memory_readings_costs_the_hook_only_a_note():
+    """On a model whose step takes a few hundred microseconds every microsecond of the recorder's
+    counts: between two memory readings the post-hook only notes the step (no call into the
+    recording code); the figures still count every step, each recorded as at its own step."""
+    rec = StepRecorder("cpu", max_records=8, sample_interval=3600.0)
+    rec.install()
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=0.1)
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and "apt_model" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    try:
+        p.grad = torch.ones(1)
+        opt.step()  # the first step reads the memory
+        sys.setprofile(profile)
+        for _ in range(5):
+            opt.step()
+        sys.setprofile(None)
+    finally:
+        sys.setprofile(None)
+        rec.remove()
+    assert set(calls) == {"_pre", "_post"}, calls
+    d = rec.to_dict()
+    assert d["count"] == 6 and [r["step"] for r in d["records"]] == [1, 2, 3, 4, 5, 6]
+    assert d["step_time"]["n"] == 5 and all(r["step_s"] > 0 for r in d["records"][1:])
+
+
 def test_two_optimizers_are_told_apart():
     rec = StepRecorder("cpu")
     rec.install()

@@ -647,9 +647,10 @@ def _install_patches(st: _State) -> None:
                                        (module_mod._global_forward_hooks, module_mod._global_backward_hooks,
                                         module_mod._global_backward_pre_hooks),
                                        on_stop=lambda why: st.log.record("switch", "forward_fast_path", "on", "off", why),
-                                       owner_of=_owner_of)
+                                       owner_of=_owner_of, is_seen=lambda m: m in _state.seen)
         st.patches.add_undo(st.fast_path.close, "forward fast path")
         st.fast_path.watch_dynamo(st.patches)
+        st.fast_path.watch_new_modules(st.patches)
         fp = st.fast_path
         st.log.record("switch", "forward_fast_path", "auto", "on" if fp.on else "off",
                       f"after an adopted model's first {fp.warm_calls} calls, its submodules run without the "
@@ -860,6 +861,8 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
     st = _state
     if not st.enabled or st.suspended or module in st.seen:
         return None
+    if st.fast_path is not None:
+        st.fast_path.note_seen()  # whatever is decided below, modules it had pending may be seen now
     with st.lock:
         if module in st.seen:
             return None

@@ -26,6 +26,15 @@ Policy (:class:`ForwardFastPath`; the transitions are its methods):
     after :data:`WARM_CALLS` calls made outside any root's call (a per-thread stack of the root
     calls under way), when they are a child of the model, or of a ``ModuleList`` / ``ModuleDict``
     child of it, and hold at least two modules (a leaf would pay the exit hook and save nothing).
+``quiet``
+    While no module with state exists that the switch has not seen, the hook stays out between
+    calls too (:meth:`ForwardFastPath.quiet_ok`, from :meth:`~ForwardFastPath.step_aside` and
+    :meth:`~ForwardFastPath.at_step`). Such modules are *pending*: those alive when the path first
+    could go quiet (one pass over the garbage collector's objects), and every module given a
+    parameter or buffer (PyTorch's global registration hooks) or unpickled (``copy.deepcopy``;
+    ``nn.Module.__setstate__``, patched) from then on, outside any module's call
+    (:meth:`~ForwardFastPath.new_module`). A new pending module puts the hook back at once, so it
+    is adopted at its first call; it leaves the set when seen or freed.
 ``off``
     For the rest of the session, from the first ``torch.compile`` / ``Module.compile`` call (the
     script's or the compile ladder's; :meth:`ForwardFastPath.stop`), and from the start of any
@@ -50,6 +59,7 @@ cell run again builds a new model); until then a new model is adopted at none of
 """
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import weakref
@@ -57,6 +67,7 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.modules.module as module_mod
 
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet, SessionHook
@@ -69,6 +80,37 @@ log = get_logger(__name__)
 WARM_CALLS = 2
 
 
+def _holds_state(module: nn.Module) -> bool:
+    """Whether ``module`` has a parameter or buffer of its own (not None)."""
+    return any(v is not None for v in module._parameters.values()) or any(
+        v is not None for v in module._buffers.values())
+
+
+def _module_types() -> set[type]:
+    """``nn.Module`` and every subclass defined so far."""
+    out, todo = {nn.Module}, [nn.Module]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            if sub not in out:
+                out.add(sub)
+                todo.append(sub)
+    return out
+
+
+_CALL_CODES = frozenset({nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__})
+
+
+def _inside_module_call() -> bool:
+    """Whether a module's call is under way on this thread (a frame of ``Module.__call__`` on the
+    stack; a walk of a few dozen frames, run only when a module is given state)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code in _CALL_CODES:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def dynamo_compiled_before() -> bool:
     """Whether Dynamo holds code it compiled in this process (its frame counter since the last
     ``torch._dynamo.reset()``, which drops every compiled frame; False when Dynamo is not imported)."""
@@ -77,7 +119,8 @@ def dynamo_compiled_before() -> bool:
 
 
 class ForwardFastPath:
-    """Takes the switch's global forward pre-hook out while a ready adopted model runs forward.
+    """Takes the switch's global forward pre-hook out while a ready adopted model runs forward, and
+    between calls while nothing is pending (see the module docstring for the policy).
 
     Args:
         hooks: PyTorch's dictionary of global forward pre-hooks
@@ -91,6 +134,8 @@ class ForwardFastPath:
             errors are logged.
         owner_of: the adopted model a seen module belongs to (None: none); without it, parts are
             never made roots.
+        is_seen: whether the switch has seen a module (adopted it, or decided it is no model);
+            without it, the hook is never out between calls (``quiet``).
 
     Raises:
         ValueError: ``warm_calls`` < 0, or ``hook_id`` is not in ``hooks``.
@@ -98,7 +143,8 @@ class ForwardFastPath:
 
     def __init__(self, hooks: dict, hook_id: int, hook: Callable, others: tuple[dict, ...] = (),
                  warm_calls: int = WARM_CALLS, on_stop: Callable[[str], None] | None = None,
-                 owner_of: Callable[[nn.Module], nn.Module | None] | None = None):
+                 owner_of: Callable[[nn.Module], nn.Module | None] | None = None,
+                 is_seen: Callable[[nn.Module], bool] | None = None):
         if warm_calls < 0:
             raise ValueError(f"warm_calls={warm_calls!r} must be >= 0")
         if hooks.get(hook_id) is not hook:
@@ -115,6 +161,11 @@ class ForwardFastPath:
         self._parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # part -> calls (-1: never a root)
         self._patches: PatchSet | None = None  # the session's, from attach()
         self._tls = threading.local()  # .roots: ids of this thread's root calls under way (innermost last)
+        self._is_seen = is_seen
+        self._pending: weakref.WeakSet = weakref.WeakSet()  # modules with state the switch has not seen yet
+        self._pending_len = -1  # len(self._pending) when it was last pruned; -1: prune at the next look
+        self._quiet = False  # the hook is out between calls (nothing pending)
+        self._scanned = True  # modules alive before were looked for (False: at the next quiet_ok())
         self.on = True
         self.off_reason: str | None = None
         self.calls = 0  # root calls that ran with the hook out
@@ -141,7 +192,11 @@ class ForwardFastPath:
         """Called by the global hook for a module already seen: if ``module`` is a ready root, the
         path is on, nothing has taken the hook out and no other global hook is registered, take
         the hook out of the dictionary until ``module``'s call ends. A root's call is noted on this
-        thread's stack of root calls; a part called outside any is counted (see ``parts``)."""
+        thread's stack of root calls; a part called outside any is counted (see ``parts``). When
+        nothing is pending, the hook goes out until a module is made (``quiet``)."""
+        if self._away_for is None and self.quiet_ok():
+            self._go_quiet()
+            return
         ready = module in self._ready
         if not ready and module not in self._warming:
             if self._owner_of is not None and self.on and not getattr(self._tls, "roots", None):
@@ -216,18 +271,100 @@ class ForwardFastPath:
                 self._warming[module] = calls + 1
         return None
 
+    # ------------------------------------------------------------------ new modules, quiet
+    def watch_new_modules(self, patches: PatchSet) -> None:
+        """Note every module with state that the switch has not seen: from now on each one given a
+        parameter or a buffer (PyTorch's global registration hooks: a model being built, a layer put
+        into one) or unpickled (``copy.deepcopy``, ``torch.load`` of a whole model:
+        ``nn.Module.__setstate__``, patched), and those alive before, found by one pass over the
+        garbage collector's objects the first time the hook could go out (:meth:`quiet_ok`: tens of
+        milliseconds in a large process, paid once, and only by a session that calls a model).
+        The hooks and the patch are removed when ``patches`` is restored."""
+        if self._is_seen is None:
+            return
+        self._scanned = False
+        patches.add_handle(module_mod.register_module_parameter_registration_hook(self._registered),
+                           "forward fast path: parameter registration hook")
+        patches.add_handle(module_mod.register_module_buffer_registration_hook(self._registered),
+                           "forward fast path: buffer registration hook")
+        original = nn.Module.__setstate__
+
+        def setstate(module: nn.Module, state: dict) -> None:
+            original(module, state)
+            if _holds_state(module):
+                self.new_module(module)
+
+        setstate.__doc__ = original.__doc__
+        patches.set_attr(nn.Module, "__setstate__", setstate, label="nn.Module.__setstate__ (forward fast path)")
+
+    def _registered(self, module: nn.Module, name: str, value) -> None:
+        if value is not None:
+            self.new_module(module)
+        return None
+
+    def new_module(self, module: nn.Module) -> None:
+        """``module`` holds state and may be unseen: until the switch has seen it (or it is freed),
+        the hook is in place between calls; put back now if ``quiet``. Not for a module made inside
+        a module's call (a layer built in a forward, at every call: each would be adopted as a model
+        of its own; the fast path leaves such modules to their first call elsewhere, as before)."""
+        if self.on and self._is_seen is not None and not _inside_module_call():
+            self._note(module)
+
+    def _note(self, module: nn.Module) -> None:
+        if self._is_seen(module) or getattr(module, "_vb_internal", False):
+            return
+        with self._lock:
+            self._pending.add(module)
+            self._pending_len = -1
+        if self._quiet:
+            self.restore()
+
+    def note_seen(self) -> None:
+        """The switch has seen a module (adopted, or decided it is no model): prune the pending ones
+        at the next look."""
+        self._pending_len = -1
+
+    def quiet_ok(self) -> bool:
+        """Whether the hook may be out between calls: on, and every module noted by
+        :meth:`new_module` seen or freed (pruned only when something changed: a look is a length)."""
+        if not self.on or self._is_seen is None:
+            return False
+        if not self._scanned:
+            self._scan()
+        n = len(self._pending)
+        if n and n != self._pending_len:
+            with self._lock:  # another thread may be building a model
+                for m in list(self._pending):
+                    if self._is_seen(m):
+                        self._pending.discard(m)
+                n = self._pending_len = len(self._pending)
+        return n == 0
+
+    def _scan(self) -> None:
+        self._scanned = True
+        types = _module_types()
+        for obj in gc.get_objects():  # a module in an unreachable cycle stays pending until collected
+            if type(obj) in types and _holds_state(obj):  # type(): no lazy proxy is asked its class
+                self._note(obj)
+
+    def _go_quiet(self) -> None:
+        with self._lock:
+            if self._away_for is None and not self._quiet and self.on and self._hooks.pop(self._id, None) is not None:
+                self._quiet = True
+
     # ------------------------------------------------------------------ the hook
     @property
     def away(self) -> bool:
-        """Whether the hook is out of the dictionary now."""
-        return self._away_for is not None
+        """Whether the hook is out of the dictionary now (a root's call, or ``quiet``)."""
+        return self._away_for is not None or self._quiet
 
     def restore(self) -> None:
         """Put the hook back (in its place: global hooks run in registration order) if it is out."""
         with self._lock:
-            if self._away_for is None:
+            if self._away_for is None and not self._quiet:
                 return
             self._away_for = None
+            self._quiet = False
             if self._id in self._hooks:
                 return
             self._hooks[self._id] = self._hook
@@ -281,6 +418,8 @@ class ForwardFastPath:
         if getattr(self._tls, "roots", None):
             self._tls.roots = []
         self.rewatch()
+        if not self._quiet and self.quiet_ok():
+            self._go_quiet()
 
     def rewatch(self) -> None:
         """Register the start callback again where ``torch._dynamo.reset()`` cleared it (called at
@@ -299,9 +438,12 @@ class ForwardFastPath:
             self.on = False
             self.off_reason = self.off_reason or "the switch was disabled"
             self._away_for = None
+            self._quiet = False
 
     def describe(self) -> dict:
         """The report's figures: ``on``, ``off_reason``, ``warm_calls``, ``ready_models``,
-        ``calls`` (root calls that ran with the hook out), ``away`` (whether it is out now)."""
+        ``calls`` (root calls that ran with the hook out), ``away`` (whether it is out now),
+        ``quiet`` (out between calls), ``pending`` (modules with state not seen yet, at the last look)."""
         return {"on": self.on, "off_reason": self.off_reason, "warm_calls": self.warm_calls,
-                "ready_models": len(self._ready), "calls": self.calls, "away": self.away}
+                "ready_models": len(self._ready), "calls": self.calls, "away": self.away, "quiet": self._quiet,
+                "pending": len(self._pending)}

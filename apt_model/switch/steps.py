@@ -2,8 +2,9 @@
 
 A :class:`StepRecorder` installs two global optimizer hooks
 (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``) — while the
-switch is on they are in its undo stack, so ``disable()`` removes them. After every optimizer
-step it records:
+switch is on they are in its undo stack, so ``disable()`` removes them. The post-hook notes each
+optimizer step (its clock reading); the notes are recorded in batches, when the memory is due for a
+reading or the figures are asked for, each as if at its own step. For every step it records:
 
 * ``step_s``: wall time since the same optimizer's previous step ended (the whole loop
   iteration: data, forward, backward, step); None for an optimizer's first step;
@@ -44,6 +45,8 @@ log = get_logger(__name__)
 #: Defaults: records kept (then decimated), and steps in the median/quartile window.
 MAX_RECORDS = 1000
 WINDOW = 1024
+#: Finished steps the post-hook lets wait before they are recorded, at most.
+DRAIN_AT = 256
 #: Seconds between two RSS samples of the per-step peak (a read of /proc/self/statm: ~3 us).
 SAMPLE_INTERVAL = 0.005
 
@@ -164,6 +167,8 @@ class StepRecorder:
         self.memory_peak: dict[str, int] = {}
         self.level_labels: list[str] = []
         self._handles: list = []
+        self._done: collections.deque = collections.deque()  # (key, began, ended) noted by the post-hook
+        self._drain_lock = threading.Lock()
 
     # ------------------------------------------------------------------ hooks
     def install(self, patches=None) -> None:
@@ -195,11 +200,37 @@ class StepRecorder:
     def _post(self, opt, args, kwargs):
         if torch.compiler.is_compiling():
             return None
-        try:
-            self.record_step(id(opt), self._began.pop(id(opt), None))
-        except Exception as err:  # noqa: BLE001 - a report figure must never break training
-            log.debug("step recorder: %s", err)
+        now = time.perf_counter()
+        self._done.append((id(opt), self._began.pop(id(opt), None), now))
+        if now - self._memory_at >= self._sampler.interval or len(self._done) >= DRAIN_AT:
+            try:
+                self._drain()
+            except Exception as err:  # noqa: BLE001 - a report figure must never break training
+                log.debug("step recorder: %s", err)
         return None
+
+    def _drain(self) -> None:
+        """Record the finished steps noted by the post-hook, oldest first. The hook only notes a
+        step (a clock read and a deque append: what a step of a tiny model can afford); they are
+        recorded here in one batch when the memory is due for a reading, when :data:`DRAIN_AT`
+        wait, or when the figures are asked for — each exactly as if recorded at its own step
+        (only the newest can be due for a reading: the batch is recorded as soon as one is)."""
+        with self._drain_lock:
+            done = self._done
+            if not done:
+                return
+            events = [done.popleft() for _ in range(len(done))]
+            newest = events[-1][2]
+            reading = None
+            if newest - self._memory_at >= self._sampler.interval:
+                self._memory_at = newest
+                reading = self._memory()  # outside self._lock, as a /proc read should be
+            with self._lock:
+                last = len(events) - 1
+                for i, (key, began, now) in enumerate(events):
+                    if i == last and reading is not None:
+                        self._take_reading(*reading)
+                    self._record(key, began, now)
 
     # ------------------------------------------------------------------ recording
     def _memory(self) -> tuple[dict, dict | None]:
@@ -213,48 +244,49 @@ class StepRecorder:
         return mem, levels
 
     def record_step(self, key: int = 0, began: float | None = None) -> None:
-        """Record one finished step of optimizer ``key`` (called by the post-hook; public for loops
-        without an optimizer). ``began``: ``perf_counter()`` when the step started, if known.
+        """Record one finished step of optimizer ``key`` now (for loops without an optimizer; the
+        post-hook notes its steps, recorded in batches). ``began``: ``perf_counter()`` when the step
+        started, if known.
 
         The memory is read at most once per ``sample_interval`` seconds: a read costs about as much
         as the rest of the recording, which counts on a model whose step takes a few hundred
         microseconds. A record kept sooner carries the last reading (the sampler thread sees the
         peaks in between)."""
-        now = time.perf_counter()
-        with self._lock:
-            self.count += 1
-            count = self.count
-            index = self._optimizers.setdefault(key, len(self._optimizers))
-            prev = self._last_end.get(key)
-            self._last_end[key] = now
-            step_s = None if prev is None else now - prev
-            opt_s = None if began is None else now - began
-            if step_s is not None:
-                self._times.append(step_s)
-                self._n_times += 1
-                self._total += step_s
-                self._min = min(self._min, step_s)
-                self._max = max(self._max, step_s)
-            if opt_s is not None:
-                self._opt_total += opt_s
-            keep = (count - 1) % self.stride == 0
-            if now - self._memory_at < self._sampler.interval:  # read less than an interval ago
-                if keep and self._last_reading is not None:
-                    self._keep_record(count, index, now, step_s, opt_s, *self._last_reading)
-                return
-            self._memory_at = now
-        mem, levels = self._memory()
-        with self._lock:
-            self._last_reading = (mem, levels)
-            for k, v in {**mem, **(levels or {})}.items():
-                if v > self.memory_peak.get(k, -1):
-                    self.memory_peak[k] = v
-            if levels:
-                for k in levels:
-                    if k not in self.level_labels:
-                        self.level_labels.append(k)
-            if keep:
-                self._keep_record(count, index, now, step_s, opt_s, mem, levels)
+        self._done.append((key, began, time.perf_counter()))
+        self._drain()
+
+    def _take_reading(self, mem: dict, levels: dict | None) -> None:
+        # under self._lock
+        self._last_reading = (mem, levels)
+        for k, v in {**mem, **(levels or {})}.items():
+            if v > self.memory_peak.get(k, -1):
+                self.memory_peak[k] = v
+        if levels:
+            for k in levels:
+                if k not in self.level_labels:
+                    self.level_labels.append(k)
+
+    def _record(self, key: int, began: float | None, now: float) -> None:
+        # under self._lock; the memory reading due at this step (if any) was taken just before
+        self.count += 1
+        count = self.count
+        index = self._optimizers.setdefault(key, len(self._optimizers))
+        prev = self._last_end.get(key)
+        self._last_end[key] = now
+        step_s = None if prev is None else now - prev
+        if step_s is not None:
+            self._times.append(step_s)
+            self._n_times += 1
+            self._total += step_s
+            if step_s < self._min:
+                self._min = step_s
+            if step_s > self._max:
+                self._max = step_s
+        opt_s = None if began is None else now - began
+        if opt_s is not None:
+            self._opt_total += opt_s
+        if (count - 1) % self.stride == 0 and self._last_reading is not None:
+            self._keep_record(count, index, now, step_s, opt_s, *self._last_reading)
 
     def _keep_record(self, count: int, index: int, now: float, step_s, opt_s, mem: dict, levels: dict | None) -> None:
         # under self._lock
@@ -272,6 +304,7 @@ class StepRecorder:
     def summary(self) -> dict:
         """Step-time statistics (seconds): ``n``, ``total_s``, ``mean_s``, ``min_s``, ``max_s`` over every
         timed step; ``window``, ``median_s``, ``p25_s``, ``p75_s`` over the last ``window`` of them."""
+        self._drain()
         with self._lock:
             times = list(self._times)
             out = {"n": self._n_times, "total_s": round(self._total, 6),

@@ -75,6 +75,41 @@ def test_gradients_and_losses_are_bitwise_identical(reference, features, tmp_pat
         assert all(m.blocks[i].__dict__.get("forward") is None for i in range(4))  # disable() restored them
 
 
+@pytest.mark.parametrize("how", ["no backward", "retain_graph"])
+def test_a_graph_never_backpropagated_is_freed_with_offload_on(tmp_path, how):
+    """A validation loss computed without ``no_grad``, or ``backward(retain_graph=True)`` then
+    dropped: the graph and, once the script drops it, the model are freed, as in plain PyTorch.
+    Activations offloaded (over 4 KiB) and kept (smaller) both: until 2026-11-28 a handle held a
+    saved output tensor whose ``grad_fn`` held the handle, a cycle through C++ never collected."""
+    import gc
+    import weakref
+
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096, **PLAIN,
+              activation_offload=True, activation_checkpointing=False)
+    try:
+        m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8), nn.Sigmoid()).to("cpu")
+        x = torch.randn(64, 64)  # the ReLU's output, saved by ReLU: 64 KiB (offloaded); the Sigmoid's: 2 KiB
+        m(x).sum().backward()
+        saved = []  # the ReLU's and the Sigmoid's outputs, each saved by its own node
+        handles = [m[i].register_forward_hook(lambda mod, args, out: saved.append(weakref.ref(out))) for i in (1, 3)]
+        for _ in range(3):
+            out = m(x).sum()
+            if how == "retain_graph":
+                out.backward(retain_graph=True)
+            del out
+        for h in handles:
+            h.remove()
+        gc.collect()
+        assert len(saved) == 6 and [r() for r in saved] == [None] * 6
+        assert vb.get_report()["activations"]["offload"]["offloaded_bytes"] > 0
+        weight = weakref.ref(m[0].weight)
+        del m
+        gc.collect()
+        assert weight() is None
+    finally:
+        vb.disable()
+
+
 def test_checkpointing_really_recomputes(tmp_path):
     m = gpt()
     vb.enable("balanced", checkpointing=True, **PLAIN)

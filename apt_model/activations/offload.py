@@ -84,7 +84,7 @@ class SavedActivation:
 
     def __init__(self, seq: int, t: torch.Tensor, key: str):
         self.seq = seq
-        self.tensor: torch.Tensor | None = t
+        self.tensor: torch.Tensor | None = t.detach()  # not ``t``: see _unlinked
         self.nbytes = t.numel() * t.element_size()
         self.shape, self.stride, self.dtype, self.device = t.shape, t.stride(), t.dtype, t.device
         self.version = t._version
@@ -131,7 +131,24 @@ class KeptActivation:
     __slots__ = ("tensor", "version", "shape")
 
     def __init__(self, t: torch.Tensor, version: int):
-        self.tensor, self.version, self.shape = t, version, t.shape
+        self.tensor, self.version, self.shape = _unlinked(t), version, t.shape
+
+
+def _unlinked(t: torch.Tensor) -> torch.Tensor:
+    """What a handle holds of a saved tensor ``t``: ``t.detach()`` (the same storage and version
+    counter, no autograd history) for a plain tensor with a history, ``t`` itself otherwise.
+
+    A pack hook's result is kept by the autograd node that saved ``t``; when ``t`` is that node's
+    output (a ReLU's, a sigmoid's), ``t`` holds the node back through ``t.grad_fn``: a cycle through
+    C++ that Python's garbage collector cannot see, so a graph never backpropagated (a validation
+    loss computed without ``no_grad``, a forward that raised, ``retain_graph=True`` then dropped)
+    stayed alive with the model's parameters (until 2026-11-28: a probe's finding). Autograd puts
+    the history back on what an unpack hook returns (higher-order gradients are unchanged).
+    Parameters and their views are kept as they are: the paging may change a parameter's storage
+    between forward and backward, which a detached alias would not see."""
+    if type(t) is not torch.Tensor or t.grad_fn is None or isinstance(t._base, nn.Parameter):
+        return t
+    return t.detach()
 
 
 def _modified(h, now: int | None = None) -> RuntimeError:

@@ -38,11 +38,13 @@ are checkpointed from the next step on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 import re
 import inspect
 import sys
 import types
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -473,7 +475,8 @@ def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patche
             orig = getattr(hf, name, None)
             if orig is not None:
                 patches.set_attr(hf, name, _RecordingCall(orig, asked), label=f"hf {name}: the script's call noted")
-        patches.add_undo(lambda: None if asked[0] else disable(), "hf activation checkpointing")
+        patches.add_undo(functools.partial(_hf_disable, weakref.WeakMethod(disable), asked),
+                         "hf activation checkpointing", owner=hf)
         keep = set(indices)
         for i, layer in enumerate(blocks.modules):
             layer.gradient_checkpointing = i in keep
@@ -508,3 +511,12 @@ class BlockMeter:
             self.outside += n
         else:
             self.per_block[self.current] += n
+
+
+def _hf_disable(method: weakref.WeakMethod, asked: list) -> None:
+    """Turn the library's checkpointing off again, unless the script asked for it itself; the model
+    is held weakly (the undo stack kept a Hugging Face model the script dropped alive until
+    2026-11-28: a probe's finding)."""
+    disable = method()
+    if disable is not None and not asked[0]:
+        disable()

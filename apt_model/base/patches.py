@@ -97,12 +97,25 @@ class PatchSet:
             self._undo = keep
         return dropped
 
-    def add_undo(self, fn: Callable[[], None], label: str, critical: bool = False) -> None:
+    def add_undo(self, fn: Callable[[], None], label: str, critical: bool = False, owner: Any = None) -> None:
         """Remember an arbitrary undo action. A ``critical`` one's exception is raised by
-        :meth:`restore_all` (after everything else was undone) instead of being returned."""
+        :meth:`restore_all` (after everything else was undone) instead of being returned. With
+        ``owner`` (held weakly: a module, a tensor, a hook dictionary), :meth:`prune` drops the
+        action once ``owner`` is gone; ``fn`` itself must not hold ``owner`` (or the model it
+        belongs to) strongly, or the stack keeps a model the script dropped alive.
+
+        Raises:
+            TypeError: ``owner`` cannot be referenced weakly.
+        """
+        gone = None
+        if owner is not None:
+            ref = weakref.ref(owner)
+            gone = lambda: ref() is None  # noqa: E731
         self._undo.append((label, fn))
         if critical:
             self._critical.add(id(fn))
+        if gone is not None:
+            self._gone[id(fn)] = gone
 
     def labels(self) -> list[str]:
         return [label for label, _ in self._undo]

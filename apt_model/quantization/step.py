@@ -17,6 +17,8 @@ paging: it shrinks frozen weights.
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn as nn
 
@@ -96,7 +98,7 @@ class FP4Step(FeatureStep):
             new = FP4Linear.from_linear(old, policy.format, policy.scale_rule, compute=compute)
             released = release_parameter(old.weight)
             setattr(c.parent, c.attr, new)
-            patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear")
+            patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear", owner=new)
             # checkpoints saved meanwhile load into the model's own class without the switch
             patches.add_handle(new.register_state_dict_post_hook(state_dict_as_linear),
                                f"fp4: {c.name} state_dict as nn.Linear")
@@ -128,9 +130,19 @@ class FP4Step(FeatureStep):
 
 
 def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
+    """Put ``old`` back in ``parent.attr`` in place of ``new``. Holds ``parent`` and ``new`` weakly,
+    and ``old`` only while ``new`` lives (until 2026-11-28 it held all three, so the undo stack kept
+    every model whose layers were stored in FP4 alive until ``disable()``: a probe's finding)."""
+    parent_ref, new_ref = weakref.ref(parent), weakref.ref(new)
+    original = weakref.WeakKeyDictionary({new: old})
+
     def undo():
-        if getattr(parent, attr, None) is new:
-            setattr(parent, attr, old)
-        if old.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
-            old.weight.data = new.weight  # in the dtype and on the device the layer has now (model.to())
+        p, n = parent_ref(), new_ref()
+        if p is None or n is None:
+            return  # the model was dropped: nothing to give back
+        o = original[n]
+        if getattr(p, attr, None) is n:
+            setattr(p, attr, o)
+        if o.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
+            o.weight.data = n.weight  # in the dtype and on the device the layer has now (model.to())
     return undo

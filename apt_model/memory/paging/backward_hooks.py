@@ -27,6 +27,7 @@ user's own function.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -186,10 +187,15 @@ def wrap_existing(model: nn.Module, patches) -> None:
         for key, fn in list(hooks.items()):
             if callable(fn) and not isinstance(fn, (SessionHook, UnderFaults)):
                 hooks[key] = UnderFaults(fn)
-                patches.add_undo(functools.partial(_unwrap, hooks, key), f"backward hook {key} under faults")
+                # the dictionary held weakly: it holds the script's hook, which may hold the model
+                patches.add_undo(functools.partial(_unwrap, weakref.ref(hooks), key), f"backward hook {key} under faults",
+                                 owner=hooks)
 
 
-def _unwrap(hooks: dict, key) -> None:
+def _unwrap(hooks_ref: weakref.ref, key) -> None:
+    hooks = hooks_ref()
+    if hooks is None:
+        return
     fn = hooks.get(key)
     if isinstance(fn, UnderFaults):
         hooks[key] = fn.fn

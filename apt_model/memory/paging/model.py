@@ -303,7 +303,8 @@ class PagedModel:
             if not p.requires_grad or p in self._hooked:
                 continue
             self._hooked[p] = True
-            self._patches.add_handle(p.register_hook(SessionHook(lambda g, p=p: self._before_accumulate(p))),
+            # the parameter held weakly by its own hook: a cycle through it took two collections to free
+            self._patches.add_handle(p.register_hook(SessionHook(lambda g, r=weakref.ref(p): self._before_accumulate(r()))),
                                      f"grad pre-hook {self.names[id(p)]}")
             self._patches.add_handle(p.register_post_accumulate_grad_hook(SessionHook(self._after_accumulate)),
                                      f"post-accumulate hook {self.names[id(p)]}")

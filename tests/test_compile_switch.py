@@ -607,3 +607,71 @@ def test_a_model_with_the_scripts_hooks_inside_gets_no_rung_and_its_hooks_all_ru
     assert feature["chosen"] == "eager" and "the script registered a forward pre-hook on TextbookAttention" in feature["reason"], feature
     train(m2, 3)
     assert len(late) == 3
+
+
+class SoftmaxNet(nn.Module):
+    """Hand-written attention (the override rung's case) in a class a sweep makes many of."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.head = nn.Linear(32, 96), nn.Linear(32, 8)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return self.head(torch.softmax(q @ k.transpose(-1, -2), -1) @ v)
+
+
+def test_a_sweep_of_one_class_leaves_dynamo_room_for_the_scripts_own_compile(caplog):
+    """Each model's rung compiles the class's one forward with a backend of its own: in a region
+    of its own (``isolate_recompiles``), so a sweep of more models than ``recompile_limit`` (8)
+    neither runs out of room for its later models' rungs nor leaves the script's own
+    ``torch.compile`` of that class running eagerly (until 2026-11-28 it did, after ``disable()``
+    too: a probe's finding)."""
+    import logging
+
+    limit = torch._dynamo.config.recompile_limit
+    vb.enable("balanced", paging="off", mixed_precision="off", banner=False)
+    with caplog.at_level(logging.WARNING, logger="torch._dynamo"):
+        for seed in range(limit + 1):
+            torch.manual_seed(seed)
+            m = SoftmaxNet()
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for _ in range(3):
+                m(torch.randn(2, 4, 32)).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+            del m, opt
+            gc.collect()
+        rungs = [r["features"]["compile"]["chosen"] for r in vb.get_report()["models"]]
+        vb.disable()
+        graphs = []
+
+        def backend(gm, example_inputs):
+            graphs.append(len(gm.graph.nodes))
+            return gm.forward
+
+        torch.manual_seed(0)
+        m = torch.compile(SoftmaxNet(), backend=backend)
+        m(torch.randn(2, 4, 32)).sum().backward()
+    assert len(rungs) == limit + 1 and len(set(rungs)) == 1, rungs  # the last model's ladder as the first's
+    assert graphs, "the script's own torch.compile ran eagerly"
+    assert not any("recompile_limit" in r.getMessage() for r in caplog.records)
+
+
+def test_models_evaluated_and_dropped_leave_no_optimizer_step_hooks():
+    """A ladder watches optimizer steps (through a global hook that holds it weakly) until its
+    model's first step; models only evaluated and dropped left one dead hook each, called at every
+    later step of the session (until 2026-11-28: a probe's finding)."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks as post
+
+    vb.enable("balanced", paging="off", mixed_precision="off", banner=False)
+    for _ in range(5):
+        m = SoftmaxNet().eval()
+        with torch.no_grad():
+            m(torch.randn(2, 4, 32))
+        del m
+        gc.collect()
+    ladders = [r["features"]["compile"]["chosen"] for r in vb.get_report()["models"]]
+    hooks = sum(1 for h in post.values() if type(h).__module__ == "apt_model.compile.ladder")
+    assert ladders == ["on trial"] * 5, ladders  # each got a ladder (its trial never ran: no training)
+    assert hooks <= 1, hooks  # the last model's, removed when the next ladder is made

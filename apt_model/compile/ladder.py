@@ -97,23 +97,43 @@ class Rung:
     build: Callable[[Callable, bool], tuple[Callable, Any]]
 
 
+def _isolation() -> dict:
+    """``torch.compile``'s ``isolate_recompiles=True`` where this torch has it (2.13 does).
+
+    A rung compiles the forward of the model's class, one code object for every instance, with a
+    backend of its own: without isolation each model of a sweep added an entry to that code
+    object's one set, so after ``recompile_limit`` (8) models the ladder captured nothing, and the
+    script's own ``torch.compile`` of that class ran eagerly without a word, even after
+    ``disable()`` (until 2026-11-28: a probe's finding). Isolated, each rung's compiled entries
+    count against its own limit and leave the script's untouched (Dynamo's global
+    ``accumulated_recompile_limit``, 256, still caps them all)."""
+    try:
+        return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(_TORCH_COMPILE).parameters else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+_TORCH_COMPILE = torch.compile  # torch's own (the switch patches torch.compile while it is on)
+
+
 def compile_rung(compile_fn: Callable, backend: Any, label: str) -> Rung:
     """The compile rung: ``compile_fn(eager, backend=CountingBackend(backend), dynamic=...)`` (the
-    device contract's ``compile``)."""
+    device contract's ``compile``), in a recompilation region of its own (:func:`_isolation`)."""
 
     def build(eager, dynamic):
         counter = CountingBackend(backend)
-        return compile_fn(eager, backend=counter, dynamic=True if dynamic else None), counter
+        return compile_fn(eager, backend=counter, dynamic=True if dynamic else None, **_isolation()), counter
 
     return Rung("compile", label, build)
 
 
 def override_rung(overrides: dict[str, Callable]) -> Rung:
-    """The override rung: ``torch.compile`` with an :class:`OverrideBackend` over ``overrides``."""
+    """The override rung: ``torch.compile`` with an :class:`OverrideBackend` over ``overrides``, in
+    a recompilation region of its own (:func:`_isolation`)."""
 
     def build(eager, dynamic):
         counter = CountingBackend(OverrideBackend(overrides))
-        return torch.compile(eager, backend=counter, dynamic=True if dynamic else None), counter
+        return torch.compile(eager, backend=counter, dynamic=True if dynamic else None, **_isolation()), counter
 
     return Rung("override", f"registered rewrites ({', '.join(overrides)}), run eagerly", build)
 
@@ -191,7 +211,11 @@ class LadderForward:
 
 
 class _WeakStepHook:
-    """An optimizer-step post-hook that calls ``ladder._after_step`` while the ladder lives."""
+    """An optimizer-step post-hook that calls ``ladder._after_step`` while the ladder lives.
+
+    The hooks of ladders that died with their model (dropped before the verdict) are removed when
+    the next ladder is made (:func:`_remove_dead_step_hooks`): never from a finalizer or from the
+    hook itself, which may run while ``optimizer.step()`` iterates over the hook dictionary."""
 
     def __init__(self, ladder):
         self.ref = weakref.ref(ladder)
@@ -199,6 +223,22 @@ class _WeakStepHook:
     def __call__(self, opt, args, kwargs):
         ladder = self.ref()
         return None if ladder is None else ladder._after_step(opt, args, kwargs)
+
+
+_step_hooks: list = []  # (_WeakStepHook, its handle) of every ladder made, until removed
+
+
+def _remove_dead_step_hooks() -> None:
+    """Remove the step hooks of ladders that are gone: each was called at every later optimizer
+    step of the session (a sweep of 50 evaluated models left 50; a probe's finding)."""
+    global _step_hooks
+    alive = []
+    for hook, handle in _step_hooks:
+        if hook.ref() is None:
+            handle.remove()
+        elif handle.id in (handle.hooks_dict_ref() or {}):
+            alive.append((hook, handle))
+    _step_hooks = alive
 
 
 class CompileLadder:
@@ -290,7 +330,10 @@ class CompileLadder:
         post = model.register_forward_hook(self._post, always_call=True)
         self._params = {id(p) for p in model.parameters()}
         # a global hook: it holds the ladder weakly, so a model the script drops is freed
-        self._step_hook = register_optimizer_step_post_hook(_WeakStepHook(self))
+        _remove_dead_step_hooks()
+        hook = _WeakStepHook(self)
+        self._step_hook = register_optimizer_step_post_hook(hook)
+        _step_hooks.append((hook, self._step_hook))
         self._handles = [pre, post, self._step_hook]
         patches.add_handle(pre, f"compile ladder pre-hook {self.tag}")
         patches.add_handle(post, f"compile ladder hook {self.tag}")

@@ -9,7 +9,10 @@ in bf16 written around forward and loss) — the switch must not be slower than 
 ``--arch gpt`` is the main job's GPT preset; ``--arch encoder`` an ``nn.TransformerEncoder``
 language model (causal mask, the library's fused path) of the preset's width and depth; ``--arch mlp``
 a deep stack of narrow layers (``--mlp-layers`` blocks of ``--mlp-width``), where the arithmetic is
-small and the switch's cost per module call and per step shows. Both warm up, then the coordinator has them run ``--steps-per-round`` steps
+small and the switch's cost per module call and per step shows; ``--arch tabular`` a 3-layer MLP
+classifier (``--seq-len`` byte features -> 64 -> 64 -> 2: is the next byte a space?) trained with
+Adam and an ``nn.CrossEntropyLoss`` module, a step of a few hundred microseconds: the switch's fixed
+cost per step and per model call. Both warm up, then the coordinator has them run ``--steps-per-round`` steps
 in turn — never at the same time, so they do not compete for cores — alternating which goes
 first, for ``--rounds`` rounds. Reported: median step time per side, the speed-up
 (off / mode, from the medians) and the median of per-round ratios, and the switch's decisions.
@@ -19,10 +22,13 @@ first, for ``--rounds`` rounds. Reported: median step time per side, the speed-u
         --seq-len 1024 --batch-size 8          # on a GPU: the accelerator issue's acceptance check
     python benchmarks/switch_overhead.py --arch mlp --threads 1 --batch-size 4 --seq-len 16 --rounds 10 \
         --steps-per-round 200                  # per-call overhead: 96 small modules per forward
+    python benchmarks/switch_overhead.py --arch tabular --threads 1 --batch-size 64 --seq-len 20 \
+        --rounds 10 --steps-per-round 1000     # fixed overhead per step: 0.3 ms steps
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from pathlib import Path
@@ -57,6 +63,32 @@ class EncoderLM:
                 return self.head(self.enc(self.emb(x) + self.pos[:t], mask=mask, is_causal=True))
 
         return _LM()
+
+
+class Tabular:
+    """Factory and step of a 3-layer MLP classifier over ``features`` byte values (a tabular model:
+    a step of a few hundred microseconds)."""
+
+    @staticmethod
+    def build(features: int):
+        import torch.nn as nn
+
+        return nn.Sequential(nn.Linear(features, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 2))
+
+    @staticmethod
+    def step(model, opt, loss_fn, corpus, gen, batch_size: int, features: int, device) -> float:
+        """One step on ``batch_size`` windows of ``features`` bytes: is the byte after it a space?
+        Returns its wall time in seconds (``loss.item()`` included)."""
+        import time
+
+        t0 = time.perf_counter()
+        x, y = corpus.batch("train", batch_size, features, gen, device)
+        loss = loss_fn(model(x.float() / 255.0), (y[:, -1] == 32).long())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        loss.item()
+        return time.perf_counter() - t0
 
 
 class DeepMLP:
@@ -100,14 +132,21 @@ def worker(conn, mode: str, args) -> None:
         model = GPT(GPTConfig(seq_len=args.seq_len, **preset))
     elif args.arch == "mlp":
         model = DeepMLP.build(args.mlp_width, args.mlp_layers)
+    elif args.arch == "tabular":
+        model = Tabular.build(args.seq_len)
     else:
         model = EncoderLM.build(preset["d_model"], preset["n_layers"], preset["n_heads"], args.seq_len)
     model = model.to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
 
-    def step() -> float:
-        return train_step(model, opt, corpus, gen, args.batch_size, args.seq_len, device, autocast_dtype=amp)
+    if args.arch == "tabular":  # the tabular loop: Adam, a loss module, no clipping, fp32 as written
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        step = functools.partial(Tabular.step, model, opt, loss_fn, corpus, gen, args.batch_size, args.seq_len, device)
+    else:
+        step = functools.partial(train_step, model, opt, corpus, gen, args.batch_size, args.seq_len, device,
+                                 autocast_dtype=amp)
 
     for _ in range(args.warmup):
         step()
@@ -142,7 +181,7 @@ def main(argv=None) -> dict:
     p.add_argument("--mode", default="balanced", help="switch mode compared against off")
     p.add_argument("--baseline", default="off", choices=("off", "manual"),
                    help="off: the plain fp32 script; manual: TF32 + hand-written bf16 autocast")
-    p.add_argument("--arch", default="gpt", choices=("gpt", "encoder", "mlp"),
+    p.add_argument("--arch", default="gpt", choices=("gpt", "encoder", "mlp", "tabular"),
                    help="gpt: the main job's model; encoder: an nn.TransformerEncoder LM; mlp: a deep stack of "
                         "narrow layers (--mlp-layers, --mlp-width), where per-call overhead shows")
     p.add_argument("--mlp-layers", type=int, default=48, help="--arch mlp: Linear+tanh blocks")
@@ -190,7 +229,8 @@ def main(argv=None) -> dict:
         "speed_probe": finals[args.mode]["speed_probe"],
     }
     tok = args.batch_size * args.seq_len
-    label = f"{args.mlp_layers}x{args.mlp_width} mlp" if args.arch == "mlp" else f"{args.model_size} {args.arch}"
+    label = (f"{args.mlp_layers}x{args.mlp_width} mlp" if args.arch == "mlp" else "3-layer tabular mlp"
+             if args.arch == "tabular" else f"{args.model_size} {args.arch}")
     print(f"switch overhead — {label}, batch {args.batch_size}x{args.seq_len}, {args.threads} threads, "
           f"{args.rounds} rounds x {args.steps_per_round} steps, device {finals[base]['device']}, baseline {base}")
     print(f"  {'side':<12} {'median ms':>10} {'p25':>8} {'p75':>8} {'tokens/s':>10}")

@@ -1,5 +1,7 @@
 """The forward fast path: inside an adopted model's forward, after its first calls, its submodules
 run without the switch's global forward pre-hook (switch/fast_path.py)."""
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -415,6 +417,17 @@ def test_a_nested_adopted_model_leaves_the_hook_out_for_its_caller(armed):
 # In a fresh interpreter: a module left alive by an earlier test (the switch cannot tell it from a
 # copy the script keeps) would be pending, and rightly keep the hook in place.
 
+class BuildsInForward(nn.Module):
+    """Builds a layer with parameters inside its forward, at every call (it happens)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return nn.LayerNorm(4)(self.lin(x))
+
+
 QUIET_PRELUDE = """
 import copy, gc
 import torch, torch.nn as nn
@@ -422,40 +435,13 @@ import torch.nn.modules.module as module_mod
 import apt_model.optimization.vb_global as vb
 
 torch.set_num_threads(1)
+GLOBAL_PRE = module_mod._global_forward_pre_hooks
 
 def hook_in():
-    return any((getattr(f, "__module__", "") or "").startswith("apt_model")
-               for f in module_mod._global_forward_pre_hooks.values())
+    return any((getattr(f, "__module__", "") or "").startswith("apt_model") for f in GLOBAL_PRE.values())
 
 def fast_path():
     return vb.get_stats()["forward_fast_path"]
-
-class Probe(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.seen = []
-
-    def forward(self, x):
-        self.seen.append(len(module_mod._global_forward_pre_hooks))
-        return self.lin(x)
-
-class Holder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.probe = Probe()
-
-    def forward(self, x):
-        return self.probe(self.lin(x))
-
-class BuildsInForward(nn.Module):  # builds a layer with parameters at every call (it happens)
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return nn.LayerNorm(4)(self.lin(x))
 
 x = torch.randn(2, 4)
 """
@@ -464,7 +450,8 @@ x = torch.randn(2, 4)
 def run_quiet(body: str) -> None:
     from conftest import clean_env, run_python
 
-    out = run_python(QUIET_PRELUDE + body + "\nprint('OK')\n", env=clean_env(VB_DEVICE="cpu"))
+    classes = "\n".join(inspect.getsource(c) for c in (Probe, Holder, BuildsInForward))
+    out = run_python(QUIET_PRELUDE + classes + body + "\nprint('OK')\n", env=clean_env(VB_DEVICE="cpu"))
     assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stdout[-2000:] + out.stderr[-3000:]
 
 

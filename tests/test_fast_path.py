@@ -481,7 +481,7 @@ m = Holder()
 m(x)
 assert not hook_in()
 new = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
-assert hook_in() and fast_path()["pending"] == 1  # the Linear
+assert hook_in() and fast_path()["pending"] == 2  # the Linear, and the Sequential holding it
 new(x)
 assert vb.get_stats()["adopted_models"] == 2
 m(x)
@@ -505,12 +505,103 @@ vb.enable("balanced", mixed_precision="off", banner=False)
 m = Holder()
 for _ in range(5):
     m(x)
-assert hook_in() and fast_path()["pending"] == 2  # armed: late's layers were never seen
+assert hook_in() and fast_path()["pending"] == 3  # armed: late and its layers were never seen
 late(x)
 assert vb.get_stats()["adopted_models"] == 2
 m(x)
 assert not hook_in()
 """)
+
+
+def test_wrappers_and_containers_of_adopted_models_are_adopted_at_their_first_call():
+    """A module with no state of its own around adopted models (a wrapper, ``nn.Sequential(a, b)``)
+    is a model of its own, as before the hook went quiet (a review probe's finding: its submodules'
+    registration now puts the hook back)."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+
+class Wrap(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+m = Holder()
+m(x)
+a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+a(x), b(x)
+m(x)
+assert not hook_in() and vb.get_stats()["adopted_models"] == 3
+Wrap(m)(x)
+nn.Sequential(a, b)(x)
+assert [r["name"] for r in vb.get_report()["models"]] == ["Holder", "Linear", "Linear", "Wrap", "Sequential"]
+""")
+
+
+def test_a_copy_made_inside_a_forward_and_called_afterwards_is_adopted():
+    """A forward that makes a copy (an EMA or teacher copy made lazily) inside the call: the hook
+    comes back when the call ends, so the script's call of the copy adopts it."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+
+class Teacher(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = Holder()
+        self.copies = []
+
+    def forward(self, x):
+        if not self.copies:
+            self.copies.append(copy.deepcopy(self.student))
+        return self.student(x)
+
+t = Teacher()
+for _ in range(3):
+    t(x)
+assert vb.get_stats()["adopted_models"] == 1 and hook_in()
+t.copies[0](x)
+assert vb.get_stats()["adopted_models"] == 2
+t(x)
+assert not hook_in()
+""")
+
+
+class Slim(nn.Module):
+    """Pickles its configuration only and rebuilds itself in ``__setstate__`` after its base's."""
+
+    def __init__(self, width=4):
+        super().__init__()
+        self.width = width
+        self.lin = nn.Linear(width, width)
+
+    def __getstate__(self):
+        return {"width": self.width}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__init__(state["width"])
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_unpickling_a_module_that_rebuilds_itself_works(cpu_device):
+    """The switch's ``nn.Module.__setstate__`` looked at the module's parameters before such a
+    class had rebuilt them (``AttributeError``: a review probe's finding)."""
+    import copy
+    import pickle
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    try:
+        m = Slim()
+        m(torch.randn(2, 4))
+        for clone in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+            assert clone.lin.weight.shape == (4, 4)
+            clone(torch.randn(2, 4))
+    finally:
+        vb.disable()
 
 
 def test_a_layer_built_inside_a_forward_is_no_model_of_its_own():

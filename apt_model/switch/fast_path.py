@@ -31,10 +31,13 @@ Policy (:class:`ForwardFastPath`; the transitions are its methods):
     calls too (:meth:`ForwardFastPath.quiet_ok`, from :meth:`~ForwardFastPath.step_aside` and
     :meth:`~ForwardFastPath.at_step`). Such modules are *pending*: those alive when the path first
     could go quiet (one pass over the garbage collector's objects), and every module given a
-    parameter or buffer (PyTorch's global registration hooks) or unpickled (``copy.deepcopy``;
-    ``nn.Module.__setstate__``, patched) from then on, outside any module's call
+    parameter, buffer or submodule (PyTorch's global registration hooks) or unpickled
+    (``copy.deepcopy``; ``nn.Module.__setstate__``, patched) from then on
     (:meth:`~ForwardFastPath.new_module`). A new pending module puts the hook back at once, so it
-    is adopted at its first call; it leaves the set when seen or freed.
+    is adopted at its first call; one made inside a module's call (a layer a forward builds) when
+    that call ends (a root's) or at the next optimizer step. It leaves the set when seen or freed.
+    Parameters written straight into ``module._parameters`` fire no hook: such a module is not
+    noted.
 ``off``
     For the rest of the session, from the first ``torch.compile`` / ``Module.compile`` call (the
     script's or the compile ladder's; :meth:`ForwardFastPath.stop`), and from the start of any
@@ -80,10 +83,13 @@ log = get_logger(__name__)
 WARM_CALLS = 2
 
 
-def _holds_state(module: nn.Module) -> bool:
-    """Whether ``module`` has a parameter or buffer of its own (not None)."""
-    return any(v is not None for v in module._parameters.values()) or any(
-        v is not None for v in module._buffers.values())
+def _may_be_a_model(module: nn.Module) -> bool:
+    """Whether ``module`` has a parameter, a buffer or a submodule of its own (a wrapper of adopted
+    models is a model too). Read from its ``__dict__``: a module being built or unpickled may not
+    have these dictionaries yet (``Module.__getattr__`` raised for one whose ``__setstate__``
+    rebuilt it after its base's: a review probe's finding)."""
+    d = module.__dict__
+    return any(v is not None for name in ("_parameters", "_buffers", "_modules") for v in (d.get(name) or {}).values())
 
 
 def _module_types() -> set[type]:
@@ -257,6 +263,7 @@ class ForwardFastPath:
             roots.pop()
         if not self.on:
             return None
+        self._wake_if_pending()
         away = self._away_for
         if away is not None:
             if away() is module:
@@ -274,8 +281,8 @@ class ForwardFastPath:
     # ------------------------------------------------------------------ new modules, quiet
     def watch_new_modules(self, patches: PatchSet) -> None:
         """Note every module with state that the switch has not seen: from now on each one given a
-        parameter or a buffer (PyTorch's global registration hooks: a model being built, a layer put
-        into one) or unpickled (``copy.deepcopy``, ``torch.load`` of a whole model:
+        parameter, a buffer or a submodule (PyTorch's global registration hooks: a model being
+        built, a layer put into one, a wrapper around models) or unpickled (``copy.deepcopy``, ``torch.load`` of a whole model:
         ``nn.Module.__setstate__``, patched), and those alive before, found by one pass over the
         garbage collector's objects the first time the hook could go out (:meth:`quiet_ok`: tens of
         milliseconds in a large process, paid once, and only by a session that calls a model).
@@ -287,37 +294,50 @@ class ForwardFastPath:
                            "forward fast path: parameter registration hook")
         patches.add_handle(module_mod.register_module_buffer_registration_hook(self._registered),
                            "forward fast path: buffer registration hook")
+        patches.add_handle(module_mod.register_module_module_registration_hook(self._registered),
+                           "forward fast path: submodule registration hook")
         original = nn.Module.__setstate__
 
         def setstate(module: nn.Module, state: dict) -> None:
             original(module, state)
-            if _holds_state(module):
-                self.new_module(module)
+            try:
+                if _may_be_a_model(module):
+                    self.new_module(module)
+            except Exception as err:  # noqa: BLE001 - unpickling must not fail for a note
+                log.debug("forward fast path: noting %s: %s", type(module).__name__, err)
 
         setstate.__doc__ = original.__doc__
         patches.set_attr(nn.Module, "__setstate__", setstate, label="nn.Module.__setstate__ (forward fast path)")
 
     def _registered(self, module: nn.Module, name: str, value) -> None:
+        # runs inside the script's module construction, on a module half built (its own
+        # __getattr__ may raise anything): nothing here may break it
         if value is not None:
-            self.new_module(module)
+            try:
+                self.new_module(module)
+            except Exception as err:  # noqa: BLE001 - a missed note costs speed, never correctness
+                log.debug("forward fast path: noting %s: %s", type(module).__name__, err)
         return None
 
     def new_module(self, module: nn.Module) -> None:
-        """``module`` holds state and may be unseen: until the switch has seen it (or it is freed),
-        the hook is in place between calls; put back now if ``quiet``. Not for a module made inside
-        a module's call (a layer built in a forward, at every call: each would be adopted as a model
-        of its own; the fast path leaves such modules to their first call elsewhere, as before)."""
-        if self.on and self._is_seen is not None and not _inside_module_call():
-            self._note(module)
+        """``module`` holds state (or submodules) and may be unseen: until the switch has seen it
+        (or it is freed), the hook is in place between calls; put back now if ``quiet``. A module
+        made inside a module's call (a layer built in a forward, at every call: each would be
+        adopted as a model of its own inside that call) puts it back only when that call (a root's)
+        ends, or at the next optimizer step: so a copy made in a forward and called by the script
+        afterwards is adopted at that call."""
+        if self.on and self._is_seen is not None:
+            self._note(module, now=not _inside_module_call())
 
-    def _note(self, module: nn.Module) -> None:
-        if self._is_seen(module) or getattr(module, "_vb_internal", False):
+    def _note(self, module: nn.Module, now: bool = True) -> None:
+        # no getattr on the module: a half-built one's __getattr__ raises KeyError (OptimizedModule)
+        if self._is_seen(module) or module.__dict__.get("_vb_internal") or getattr(type(module), "_vb_internal", False):
             return
         with self._lock:
             self._pending.add(module)
             self._pending_len = -1
-        if self._quiet:
-            self.restore()
+            if now and self._quiet:
+                self.restore()
 
     def note_seen(self) -> None:
         """The switch has seen a module (adopted, or decided it is no model): prune the pending ones
@@ -332,7 +352,7 @@ class ForwardFastPath:
         if not self._scanned:
             self._scan()
         n = len(self._pending)
-        if n and n != self._pending_len:
+        if n != self._pending_len:
             with self._lock:  # another thread may be building a model
                 for m in list(self._pending):
                     if self._is_seen(m):
@@ -344,13 +364,21 @@ class ForwardFastPath:
         self._scanned = True
         types = _module_types()
         for obj in gc.get_objects():  # a module in an unreachable cycle stays pending until collected
-            if type(obj) in types and _holds_state(obj):  # type(): no lazy proxy is asked its class
+            if type(obj) in types and _may_be_a_model(obj):  # type(): no lazy proxy is asked its class
                 self._note(obj)
 
     def _go_quiet(self) -> None:
         with self._lock:
+            if self._pending_len != 0:  # a module noted (another thread) since quiet_ok() looked
+                return
             if self._away_for is None and not self._quiet and self.on and self._hooks.pop(self._id, None) is not None:
                 self._quiet = True
+
+    def _wake_if_pending(self) -> None:
+        """Quiet, and a module was noted without putting the hook back (made inside a call): put
+        it back now if that module is still unseen."""
+        if self._quiet and self._pending_len == -1 and not self.quiet_ok():
+            self.restore()
 
     # ------------------------------------------------------------------ the hook
     @property
@@ -418,6 +446,7 @@ class ForwardFastPath:
         if getattr(self._tls, "roots", None):
             self._tls.roots = []
         self.rewatch()
+        self._wake_if_pending()
         if not self._quiet and self.quiet_ok():
             self._go_quiet()
 

@@ -568,6 +568,64 @@ assert not hook_in()
 """)
 
 
+def test_a_network_a_loss_module_builds_lazily_is_adopted_at_its_first_call():
+    """A module that is no model (no parameters) builds a network inside its call, after the hook
+    went out: put back at once, so the network is adopted at that first call, as before (a review
+    probe's finding: it was left for the end of a root's call, and none came)."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+
+class PerceptualLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.nets = []
+
+    def forward(self, a, b):
+        if not self.nets:
+            self.nets.append(nn.Sequential(nn.Linear(4, 8), nn.Tanh()).requires_grad_(False))
+        return (self.nets[0](a) - self.nets[0](b)).pow(2).mean()
+
+m = Holder()
+loss_fn = PerceptualLoss()
+for _ in range(3):
+    with torch.no_grad():
+        m(x)
+assert not hook_in()
+loss_fn(m(x), x).backward()
+assert [r["name"] for r in vb.get_report()["models"]] == ["Holder", "Sequential"]
+assert [r["trigger"] for r in vb.get_report()["models"]][1] == "first forward"
+""")
+
+
+def test_pending_modules_are_not_looked_at_again_at_every_step():
+    """A copy kept and never called (pending for good) beside a loop that makes its loss module at
+    every step: each step's new module must not make the switch look at every pending module again
+    (a review probe: 1.5x the step with 450 pending, 10x with 9000)."""
+    run_quiet("""
+import sys
+vb.enable("balanced", mixed_precision="off", banner=False)
+kept = nn.ModuleList(nn.Linear(4, 4) for _ in range(300))
+m = Holder()
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+looks = []
+
+def profile(frame, event, arg):
+    if event == "call" and frame.f_code.co_name == "<lambda>" and frame.f_code.co_filename.endswith("controller.py"):
+        looks.append(1)
+
+for step in range(6):
+    if step == 2:
+        sys.setprofile(profile)
+    loss = nn.MSELoss(reduction="sum")(m(x), x)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+sys.setprofile(None)
+assert fast_path()["pending"] == 301, fast_path()
+assert len(looks) < 100, len(looks)  # 4 steps: a few looks each, not 300
+""")
+
+
 class Slim(nn.Module):
     """Pickles its configuration only and rebuilds itself in ``__setstate__`` after its base's."""
 

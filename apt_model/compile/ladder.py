@@ -108,12 +108,13 @@ def _isolation() -> dict:
     count against its own limit and leave the script's untouched (Dynamo's global
     ``accumulated_recompile_limit``, 256, still caps them all)."""
     try:
-        return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(_TORCH_COMPILE).parameters else {}
+        params = inspect.signature(torch.compile).parameters
+        return {"isolate_recompiles": True} if "isolate_recompiles" in params else {}
     except (TypeError, ValueError):
         return {}
 
 
-_TORCH_COMPILE = torch.compile  # torch's own (the switch patches torch.compile while it is on)
+_ISOLATED = _isolation()  # looked up once (the switch's torch.compile wrapper keeps the signature)
 
 
 def compile_rung(compile_fn: Callable, backend: Any, label: str) -> Rung:
@@ -122,7 +123,7 @@ def compile_rung(compile_fn: Callable, backend: Any, label: str) -> Rung:
 
     def build(eager, dynamic):
         counter = CountingBackend(backend)
-        return compile_fn(eager, backend=counter, dynamic=True if dynamic else None, **_isolation()), counter
+        return compile_fn(eager, backend=counter, dynamic=True if dynamic else None, **_ISOLATED), counter
 
     return Rung("compile", label, build)
 
@@ -133,7 +134,7 @@ def override_rung(overrides: dict[str, Callable]) -> Rung:
 
     def build(eager, dynamic):
         counter = CountingBackend(OverrideBackend(overrides))
-        return torch.compile(eager, backend=counter, dynamic=True if dynamic else None, **_isolation()), counter
+        return torch.compile(eager, backend=counter, dynamic=True if dynamic else None, **_ISOLATED), counter
 
     return Rung("override", f"registered rewrites ({', '.join(overrides)}), run eagerly", build)
 

@@ -863,73 +863,78 @@ def _maybe_adopt(module: nn.Module, trigger: str, moved_note: str = ""):
         return None
     try:
         with st.lock:
-            if module in st.seen:
-                return None
-            if isinstance(module, ParametrizationList) or type(module).__module__ == "torch.nn.utils.parametrizations":
-                # torch's holder of a parametrized tensor, called whenever the tensor is read, and its
-                # parametrizations (spectral_norm's, called while the layer is built): part of their
-                # module's model, never models of their own
-                for m in module.modules():
-                    st.seen.add(m)
-                return None
-            dev = model_device(module)
-            if skip_adoption(module, st.seen):  # a DataParallel replica, or a DDP wrapper of an adopted model
-                return None
-            inner = getattr(module, "_orig_mod", None)  # torch.compile(model)'s OptimizedModule
-            if isinstance(inner, nn.Module) and inner in st.seen:
-                # the script compiled a model already adopted: the same parameters, not a second model
-                # (it was reported twice, its parameters counted twice, until 2026-11-26)
-                st.seen.add(module)
-                return None
-            if getattr(module, "_vb_internal", False) or isinstance(module, torch.jit.ScriptModule):
-                # one of our probes; or TorchScript (torch.jit.load, torch.jit.script), which refuses
-                # Python hooks ("register_forward_hook is not supported on ScriptModules" at its first
-                # call, until 2026-11-28: a probe's finding). Never adopted, nor anything inside them
-                for m in module.modules():
-                    st.seen.add(m)
-                return None
-            if dev is None:  # parameterless (a loss, an activation): nothing to adopt
-                st.seen.add(module)
-                return None
-            if dev.type == "meta":  # not materialized yet; adopt when it is moved
-                return None
-            if module in st.lazy_parts:  # part of a lazy model adopted once its parameters exist
-                return None
-            owner = _view_of_adopted(module)
-            if owner is not None:
-                # a new container of modules of one adopted model, made as it runs (``self.layers[:k](x)``
-                # slices an nn.Sequential at every call): part of that model, not a model of its own.
-                # Until 2026-11-28 every slice was adopted, so each step adopted new models and the step
-                # time grew without bound (0.5 ms plain, 7.3 ms after 1600 steps: a probe's finding)
-                st.seen.add(module)
-                st.model_of[module] = weakref.ref(owner)
-                return None
-            if _has_lazy_tensors(module):
-                # nn.LazyLinear & co. get their parameters in their first forward: adopt at a later call
-                # or move (until 2026-11-28 adoption counted their parameters and raised "Attempted to
-                # use an uninitialized parameter", in every mode)
-                for m in module.modules():
-                    if m is not module:
-                        st.lazy_parts.add(m)
-                return None
-            for m in module.modules():
-                st.seen.add(m)
-            st.patches.prune()  # undo entries of models the script dropped (a sweep adopts model after model)
-            st.suspended += 1
-            try:
-                _, ctx = st.adopter.adopt(module, trigger, moved_note)
-                st.counters["adoptions"] += 1
-                if st.fast_path is not None:
-                    st.fast_path.attach(module, st.patches)
-            finally:
-                st.suspended -= 1
-                for m in module.modules():  # modules the steps put in (FP4Linear, ...) belong to this model
-                    st.seen.add(m)
-                    st.model_of[m] = weakref.ref(module)
-            return ctx.take_first_call_hooks()
+            return _adopt_unseen(st, module, trigger, moved_note)
     finally:
         if st.fast_path is not None:
             st.fast_path.note_seen(module)  # whatever was decided, the modules it had pending may be seen now
+
+
+def _adopt_unseen(st: _State, module: nn.Module, trigger: str, moved_note: str):
+    """:func:`_maybe_adopt`'s decision for a module not seen yet (under ``st.lock``)."""
+    if module in st.seen:
+        return None
+    if isinstance(module, ParametrizationList) or type(module).__module__ == "torch.nn.utils.parametrizations":
+        # torch's holder of a parametrized tensor, called whenever the tensor is read, and its
+        # parametrizations (spectral_norm's, called while the layer is built): part of their
+        # module's model, never models of their own
+        for m in module.modules():
+            st.seen.add(m)
+        return None
+    dev = model_device(module)
+    if skip_adoption(module, st.seen):  # a DataParallel replica, or a DDP wrapper of an adopted model
+        return None
+    inner = getattr(module, "_orig_mod", None)  # torch.compile(model)'s OptimizedModule
+    if isinstance(inner, nn.Module) and inner in st.seen:
+        # the script compiled a model already adopted: the same parameters, not a second model
+        # (it was reported twice, its parameters counted twice, until 2026-11-26)
+        st.seen.add(module)
+        return None
+    if getattr(module, "_vb_internal", False) or isinstance(module, torch.jit.ScriptModule):
+        # one of our probes; or TorchScript (torch.jit.load, torch.jit.script), which refuses
+        # Python hooks ("register_forward_hook is not supported on ScriptModules" at its first
+        # call, until 2026-11-28: a probe's finding). Never adopted, nor anything inside them
+        for m in module.modules():
+            st.seen.add(m)
+        return None
+    if dev is None:  # parameterless (a loss, an activation): nothing to adopt
+        st.seen.add(module)
+        return None
+    if dev.type == "meta":  # not materialized yet; adopt when it is moved
+        return None
+    if module in st.lazy_parts:  # part of a lazy model adopted once its parameters exist
+        return None
+    owner = _view_of_adopted(module)
+    if owner is not None:
+        # a new container of modules of one adopted model, made as it runs (``self.layers[:k](x)``
+        # slices an nn.Sequential at every call): part of that model, not a model of its own.
+        # Until 2026-11-28 every slice was adopted, so each step adopted new models and the step
+        # time grew without bound (0.5 ms plain, 7.3 ms after 1600 steps: a probe's finding)
+        st.seen.add(module)
+        st.model_of[module] = weakref.ref(owner)
+        return None
+    if _has_lazy_tensors(module):
+        # nn.LazyLinear & co. get their parameters in their first forward: adopt at a later call
+        # or move (until 2026-11-28 adoption counted their parameters and raised "Attempted to
+        # use an uninitialized parameter", in every mode)
+        for m in module.modules():
+            if m is not module:
+                st.lazy_parts.add(m)
+        return None
+    for m in module.modules():
+        st.seen.add(m)
+    st.patches.prune()  # undo entries of models the script dropped (a sweep adopts model after model)
+    st.suspended += 1
+    try:
+        _, ctx = st.adopter.adopt(module, trigger, moved_note)
+        st.counters["adoptions"] += 1
+        if st.fast_path is not None:
+            st.fast_path.attach(module, st.patches)
+    finally:
+        st.suspended -= 1
+        for m in module.modules():  # modules the steps put in (FP4Linear, ...) belong to this model
+            st.seen.add(m)
+            st.model_of[m] = weakref.ref(module)
+    return ctx.take_first_call_hooks()
 
 
 def _view_of_adopted(module: nn.Module) -> nn.Module | None:

@@ -352,11 +352,11 @@ class ForwardFastPath:
             return
         try:
             with self._lock:
-                in_step = self._pending_len == len(self._pending)
+                in_sync = self._pending_len == len(self._pending)
                 for m in module.modules():
                     if m in self._pending and self._is_seen(m):
                         self._pending.discard(m)
-                if in_step:
+                if in_sync:
                     self._pending_len = len(self._pending)
         except Exception as err:  # noqa: BLE001 - a module whose modules() raises: the next look prunes
             log.debug("forward fast path: note_seen %s: %s", type(module).__name__, err)

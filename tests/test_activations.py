@@ -76,7 +76,7 @@ def test_gradients_and_losses_are_bitwise_identical(reference, features, tmp_pat
 
 
 @pytest.mark.parametrize("how", ["no backward", "retain_graph"])
-def test_a_graph_never_backpropagated_is_freed_with_offload_on(tmp_path, how):
+def test_a_graph_never_backpropagated_is_freed_with_offload_on(tmp_path, cpu_device, how):
     """A validation loss computed without ``no_grad``, or ``backward(retain_graph=True)`` then
     dropped: the graph and, once the script drops it, the model are freed, as in plain PyTorch.
     Activations offloaded (over 4 KiB) and kept (smaller) both: until 2026-11-28 a handle held a

@@ -168,7 +168,8 @@ class _SoftmaxModel(nn.Module):
     ("memory", lambda: GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=2)),
      lambda m: "forward" in vars(m.blocks[0]), None),  # checkpointed blocks
 ])
-def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make, patched, precision, capsys):
+def test_a_model_the_script_drops_is_freed_while_the_switch_stays_on(mode, make, patched, precision, capsys,
+                                                                    cpu_device):
     """A sweep (k-fold, a grid) trains model after model with the switch on: each one the script
     drops is freed, though the switch patched it (the undo stack, the compile ladder and the
     global optimizer hook hold it weakly). Until 2026-11-28 the adoption context kept the steps'

@@ -618,3 +618,87 @@ def test_slices_of_an_adopted_models_sequential_are_not_models_of_their_own(move
 
     Pair()(torch.randn(2, 8))
     assert [r["name"] for r in vb.get_report()["models"]][-3:] == ["Linear", "Linear", "Pair"]
+
+
+class _ConfigLookup(nn.Module):
+    """A model whose ``__getattr__`` looks missing names up in a dictionary and raises KeyError,
+    as some configurable model classes do: plain PyTorch never asks it for a name it lacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.settings = {"scale": 1.0}
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_"):
+                raise
+        return self.settings[name]  # KeyError for anything else
+
+    def forward(self, x):
+        return self.net(x) * self.scale
+
+
+@pytest.mark.parametrize("mode", ["balanced", "memory", "full"])
+def test_a_model_whose_getattr_raises_key_error_trains_and_gets_every_feature(mode, cpu_device):
+    """Until 2026-11-28 adoption read optional attributes (``module``, ``config``,
+    ``running_mean``...) with getattr, and the model's KeyError crashed its first call."""
+    def run():
+        torch.manual_seed(0)
+        model = _ConfigLookup()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            loss = F.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return model
+
+    ref = run()
+    vb.enable(mode, mixed_precision="off", banner=False)
+    try:
+        got = run()
+    finally:
+        torch._dynamo.reset()  # full mode's compile ladder: a later session's fast path starts off otherwise
+    (rec,) = vb.get_report()["models"]
+    assert rec["name"] == "_ConfigLookup"
+    assert not [name for name, f in rec["features"].items() if "error" in f], rec["features"]
+    for a, b in zip(ref.parameters(), got.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_feature_step_that_fails_is_undone_and_turned_off_for_that_model(monkeypatch, caplog, cpu_device):
+    """A step raising something unforeseen must not reach the script: what it did so far is
+    undone, the feature is off for that model with the error as its reason, the other features
+    apply, and the log says so with the traceback."""
+    from apt_model.quantization.step import FP4Step
+
+    def failing_apply(self, model, ctx, patches, decision):
+        patches.set_attr(model, "touched_by_fp4", True, label="test: a change before the failure")
+        ctx.on_first_call(lambda *a: pytest.fail("a failed step's first-call hook ran"))
+        raise RuntimeError("boom in the fp4 step")
+
+    monkeypatch.setattr(FP4Step, "apply", failing_apply)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    model[0].requires_grad_(False)  # a frozen layer, big enough: FP4 storage acts on it in memory mode
+    ref = copy.deepcopy(model)
+    vb.enable("memory", mixed_precision="off", paging="off", banner=False)
+    x = torch.randn(8, 256)
+    with caplog.at_level("WARNING", logger="apt_model"):
+        out = model(x)
+    assert torch.equal(out, ref(x))
+    assert "touched_by_fp4" not in model.__dict__
+    assert type(model[0]) is nn.Linear
+    fp4 = vb.get_report()["models"][0]["features"]["fp4"]
+    assert fp4["chosen"] == "off" and fp4["error"] == "RuntimeError: boom in the fp4 step"
+    assert "failed" in fp4["reason"]
+    assert vb.get_report()["models"][0]["features"]["activation_offload"]["chosen"] != "off"
+    warned = [r for r in caplog.records if "the fp4 step failed" in r.getMessage()]
+    assert warned and warned[0].exc_info is not None
+    vb.disable()
+    assert "touched_by_fp4" not in model.__dict__

@@ -1064,6 +1064,26 @@ def test_a_critical_undo_failure_is_raised_after_everything_else_is_undone():
     assert info.value.undo_failures == ["minor: ValueError: minor"]
 
 
+def test_restore_since_undoes_only_what_came_after_the_mark():
+    from apt_model.base.patches import PatchSet
+
+    class Box:
+        pass
+
+    box, done = Box(), []
+    ps = PatchSet()
+    ps.add_undo(lambda: done.append("older"), "older")
+    mark = len(ps)
+    ps.set_attr(box, "flag", 1, label="flag")
+    ps.add_undo(lambda: done.append("newer"), "newer")
+    assert ps.restore_since(mark) == []
+    assert done == ["newer"] and not hasattr(box, "flag") and ps.labels() == ["older"]
+    with pytest.raises(ValueError, match="mark 5 is not between 0 and the stack's length 1"):
+        ps.restore_since(5)
+    ps.restore_all()
+    assert done == ["newer", "older"]
+
+
 # ---------------------------------------------------------------- interrupts (KeyboardInterrupt from a signal)
 # Python raises a signal handler's exception between any two bytecodes of the main thread. These
 # tests put a KeyboardInterrupt exactly where a probe's random SIGALRMs landed and did harm.

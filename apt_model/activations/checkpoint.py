@@ -57,6 +57,7 @@ from apt_model.base import functional_call
 from apt_model.base.errors import ConfigError
 from apt_model.base.forward_scope import in_enclosing_checkpoint
 from apt_model.base.log import get_logger
+from apt_model.base.module_attrs import has_module_attr, module_attr
 from apt_model.base.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, script_hooks
 
 log = get_logger(__name__)
@@ -125,8 +126,8 @@ def shared_layer_list(model: nn.Module) -> str | None:
 def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
     """The Hugging Face model that can switch checkpointing itself, or None."""
     for mod in model.modules():
-        if getattr(mod, "supports_gradient_checkpointing", False) and (
-            hasattr(mod, "activation_checkpointing_enable") or hasattr(mod, "gradient_checkpointing_enable")):
+        if module_attr(mod, "supports_gradient_checkpointing", False) and (
+            has_module_attr(mod, "activation_checkpointing_enable") or has_module_attr(mod, "gradient_checkpointing_enable")):
             return mod
     return None
 
@@ -147,7 +148,7 @@ def running_stats_layers(module: nn.Module) -> list[nn.Module]:
     ``running_var`` / ``num_batches_tracked``, by name, so third-party layers that follow the
     convention count too)."""
     return [m for m in module.modules()
-            if getattr(m, "running_mean", None) is not None and getattr(m, "num_batches_tracked", None) is not None]
+            if module_attr(m, "running_mean") is not None and module_attr(m, "num_batches_tracked") is not None]
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[object, torch.Tensor]]:
@@ -423,7 +424,7 @@ def checkpointed_by_script(blocks: Blocks) -> list[int]:
     """Indices of the blocks a Hugging Face model checkpoints already, by the script's own
     ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` (their
     ``gradient_checkpointing`` flag is set); empty for any other model."""
-    return [i for i, layer in enumerate(blocks.modules) if getattr(layer, "gradient_checkpointing", False) is True]
+    return [i for i, layer in enumerate(blocks.modules) if module_attr(layer, "gradient_checkpointing", False) is True]
 
 
 class _RecordingCall:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from apt_model.base.module_attrs import has_module_attr, module_attr
 from apt_model.base.patches import PatchSet
 
 
@@ -72,14 +73,14 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
                  if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
                  for attr in ("self_attn", "multihead_attn") if isinstance(getattr(mod, attr, None), nn.Module)}
     for name, mod in model.named_modules():
-        hf_impl = getattr(getattr(mod, "config", None), "_attn_implementation", None)
-        if hf_impl is not None and hasattr(mod, "set_attn_implementation"):
+        hf_impl = module_attr(module_attr(mod, "config"), "_attn_implementation")
+        if hf_impl is not None and has_module_attr(mod, "set_attn_implementation"):
             if any(name == r or name.startswith(r + ".") or r == "" for r in hf_roots):
                 continue  # set_attn_implementation on the outer model covers its sub-models
             hf_roots.append(name)
             state = str(hf_impl)
             if hf_impl == "eager":
-                state = "eager, chosen by the script" if getattr(mod, "_supports_sdpa", False) else "eager-only"
+                state = "eager, chosen by the script" if module_attr(mod, "_supports_sdpa", False) else "eager-only"
             targets.append(AttentionTarget(name, "hf", mod, state))
         elif isinstance(mod, nn.MultiheadAttention):
             routed = mod in _ROUTED
@@ -92,7 +93,7 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
             else:
                 state = "sdpa" if routed else "eager"
             targets.append(AttentionTarget(name, "mha", mod, state))
-        elif "sdpa" in getattr(mod, "supported_attn_implementations", ()) and hasattr(mod, "attn_implementation"):
+        elif "sdpa" in (module_attr(mod, "supported_attn_implementations") or ()) and has_module_attr(mod, "attn_implementation"):
             targets.append(AttentionTarget(name, "protocol", mod, "sdpa" if mod.attn_implementation == "sdpa" else "eager"))
     return targets
 

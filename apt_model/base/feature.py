@@ -193,6 +193,15 @@ class AdoptionContext:
         hooks, self._first_call = self._first_call, []
         return hooks
 
+    def first_call_mark(self) -> int:
+        """How many first-call functions were given so far (for :meth:`drop_first_call_hooks`)."""
+        return len(self._first_call)
+
+    def drop_first_call_hooks(self, mark: int) -> None:
+        """Forget the first-call functions given since :meth:`first_call_mark` returned ``mark``
+        (a step that failed halfway: its hooks must not run)."""
+        del self._first_call[mark:]
+
 
 class FeatureStep:
     """One feature of the switch, decided and applied per adopted model.

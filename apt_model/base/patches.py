@@ -131,13 +131,29 @@ class PatchSet:
                 action and the older ones stay on the stack, and the next call goes on from there
                 (an action cut short must be safe to run again).
         """
+        failures = self.restore_since(0)
+        self._gone.clear()
+        self._critical.clear()
+        return failures
+
+    def restore_since(self, mark: int) -> list[str]:
+        """Undo, newest first, the actions added since the stack had ``mark`` entries (``len()``
+        taken before a feature was applied: the feature failed halfway, and what it had done is
+        taken back while the older entries stay). Returns, raises and keeps entries on an
+        interrupt as :meth:`restore_all` does.
+
+        Raises:
+            ValueError: ``mark`` is negative or above the stack's length (more entries went since).
+        """
+        if not 0 <= mark <= len(self._undo):
+            raise ValueError(f"restore_since: mark {mark} is not between 0 and the stack's length {len(self._undo)}")
         failures = []
         critical: list[BaseException] = []
-        self._gone.clear()
-        while self._undo:
+        while len(self._undo) > mark:
             label, fn = self._undo.pop()
             is_critical = id(fn) in self._critical
             self._critical.discard(id(fn))
+            self._gone.pop(id(fn), None)
             try:
                 fn()
             except Exception as err:  # noqa: BLE001 - keep undoing the rest
@@ -150,7 +166,6 @@ class PatchSet:
                 if is_critical:
                     self._critical.add(id(fn))
                 raise
-        self._critical.clear()
         if critical:
             err = critical[0]
             err.undo_failures = failures + [f"{type(e).__name__}: {e}" for e in critical[1:]]

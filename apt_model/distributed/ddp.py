@@ -160,7 +160,7 @@ class DistributedModelHook:
         self.record = record  # record(rec, chosen, reason): the model's "distributed" decision
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict):
-        if getattr(module, "_is_replica", False):
+        if module.__dict__.get("_is_replica", False):
             return None
         if self.state == "undecided" or (self.state == "ddp" and torch.is_grad_enabled()
                                            and trainable_ids(module) != self.ddp.trainable):
@@ -172,7 +172,7 @@ class DistributedModelHook:
         return None
 
     def post(self, module: nn.Module, args: tuple, output: Any):
-        if self.state == "ddp" and not getattr(module, "_is_replica", False):
+        if self.state == "ddp" and not module.__dict__.get("_is_replica", False):
             return self.ddp.post(module, args, output)
         return None
 

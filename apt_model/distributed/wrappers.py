@@ -24,6 +24,7 @@ import sys
 import torch.nn as nn
 
 from apt_model.base.log import get_logger
+from apt_model.base.module_attrs import module_attr
 from apt_model.base.post_import import when_imported
 
 log = get_logger(__name__)
@@ -80,11 +81,11 @@ def skip_adoption(module: nn.Module, seen) -> bool:
     """Whether the switch must not adopt ``module`` as a model of its own: a replica
     ``nn.DataParallel`` builds at every forward, or a DDP / DataParallel wrapper around a model
     that is already adopted (``seen`` holds the adopted modules; the wrapper is added to it)."""
-    if getattr(module, "_is_replica", False):
+    if module.__dict__.get("_is_replica", False):  # not getattr: the script's __getattr__ may raise anything
         return True
     ddp = _ddp_class()
     wrappers = (nn.DataParallel,) if ddp is None else (nn.DataParallel, ddp)
-    if isinstance(module, wrappers) and getattr(module, "module", None) in seen:
+    if isinstance(module, wrappers) and module_attr(module, "module") in seen:
         seen.add(module)
         return True
     return False

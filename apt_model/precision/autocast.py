@@ -80,7 +80,7 @@ def _framework_autocast(module: nn.Module) -> bool:
     ``prepare`` (with mixed precision) keeps the forward it wrapped as ``_original_forward``. That
     autocast starts inside the call, after the pre-hook looked, so the trial compared bf16 with
     bf16 and reported on it (a probe's finding, 2026-11-28)."""
-    return "forward" in module.__dict__ and getattr(module, "_original_forward", None) is not None
+    return "forward" in module.__dict__ and module.__dict__.get("_original_forward") is not None
 
 
 #: Words in an error's message (lower-cased) that name an autocast dtype: a forward that raised

@@ -40,6 +40,7 @@ import torch.nn as nn
 
 from apt_model.base.errors import ConfigError
 from apt_model.base.log import get_logger
+from apt_model.base.module_attrs import module_attr
 from apt_model.memory.host import release_free_memory
 from apt_model.quantization.linear import FP4Linear, FP4QATLinear
 from apt_model.quantization.footprint import release_parameter
@@ -126,7 +127,7 @@ def raw_weight(m: nn.Module):
 
     if parametrize.is_parametrized(m, "weight"):
         return getattr(m.parametrizations.weight, "original", None)  # weight_norm keeps original0/1: None
-    return getattr(m, "weight", None)
+    return module_attr(m, "weight")
 
 
 @dataclass

@@ -22,8 +22,10 @@ import torch.nn as nn
 from apt_model.activations.step import CheckpointStep, OffloadStep
 from apt_model.attention.step import AttentionStep
 from apt_model.compile.step import CompileStep
-from apt_model.base.errors import USER_ERRORS
+from apt_model.base.errors import USER_ERRORS, VBError
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, ModelRecord, StepSession
+from apt_model.base.log import get_logger
+from apt_model.base.module_attrs import module_attr
 from apt_model.devices.capabilities import Speed, Support, get_speed, get_support
 from apt_model.distributed.step import DistributedStep
 from apt_model.memory.paging.step import PagingStep
@@ -41,6 +43,8 @@ FEATURE_STEPS: tuple[type[FeatureStep], ...] = (
     PlacementStep, AttentionStep, PrecisionStep, TF32Step, CheckpointStep, OffloadStep, FP4Step, DistributedStep, PagingStep,
     CompileStep,
 )
+
+log = get_logger(__name__)
 
 __all__ = ["Adopter", "FEATURE_STEPS", "builtin_overrides", "ModelRecord", "ProbeBook", "infer_width", "model_device"]
 
@@ -82,10 +86,10 @@ def _model_name(model: nn.Module) -> str:
     """The report's name of ``model``: its class, seen through ``torch.compile(model)``'s wrapper
     (``OptimizedModule(TinyLM)``: the name the script knows is ``TinyLM``) and through
     ``DistributedDataParallel`` / ``DataParallel`` (``GPT (DistributedDataParallel)``)."""
-    inner = getattr(model, "_orig_mod", None)
+    inner = module_attr(model, "_orig_mod")  # not getattr: the script's __getattr__ may raise anything
     if isinstance(inner, nn.Module):
         return f"{type(inner).__name__} (compiled)"
-    inner = getattr(model, "module", None)
+    inner = module_attr(model, "module")
     if isinstance(model, (nn.DataParallel, nn.parallel.DistributedDataParallel)) and isinstance(inner, nn.Module):
         return f"{type(inner).__name__} ({type(model).__name__})"  # the script's DDP(model): GPT, not the wrapper
     return type(model).__name__
@@ -167,6 +171,7 @@ class Adopter:
         ctx = AdoptionContext(self.session, rec, dev, trigger, self.record, self.probes, moved_note)
         ctx.support(), ctx.speed()  # probed up front (not at a step's first need): adoption's cost stays in one place
         for step in self.steps:
+            mark, hooks = len(self.session.patches), ctx.first_call_mark()
             try:
                 decision = step.decide(model, ctx)
                 if decision.act:
@@ -175,10 +180,37 @@ class Adopter:
                 self.record(rec, Decision(step.name, getattr(ctx.config, step.name, None), "refused",
                                           f"{type(err).__name__}: {err}"))
                 raise
+            except VBError:  # the switch's own refusals (paging under DDP, swap errors) reach the script
+                raise
+            except Exception as err:  # noqa: BLE001 - a defect, or a model the step did not foresee
+                decision = self._contain(step, model, rec, ctx, err, mark, hooks)
             self.record(rec, decision)
             ctx.facts.update(decision.facts)
         self._not_built(rec)
         return rec, ctx
+
+    def _contain(self, step: FeatureStep, model: nn.Module, rec: ModelRecord, ctx: AdoptionContext,
+                 err: Exception, mark: int, hooks: int) -> Decision:
+        """A step raised something unforeseen (a bug of the switch, or a model it did not foresee:
+        a ``__getattr__`` that raises ``KeyError``): what it did to ``model`` so far is undone (the
+        undo stack back to ``mark`` entries, its first-call hooks dropped), the feature is off for
+        this model with the error as the reason, and a warning with the traceback is logged. Until
+        2026-11-28 the error reached the script, so enabling the switch made a working script crash
+        in its model's first call (a probe's finding).
+
+        Raises:
+            Exception: a critical undo action (bringing paged tensors back) failed.
+        """
+        what = f"{type(err).__name__}: {err}"
+        log.warning("%s: the %s step failed on %s (%s); the feature is off for this model. This is a "
+                    "defect of the switch: please report it with this traceback",
+                    rec.scope, step.name, rec.name, what, exc_info=err)
+        failures = self.session.patches.restore_since(mark)
+        ctx.drop_first_call_hooks(hooks)
+        reason = f"failed, so off for this model: {what} (the log has the traceback)"
+        if failures:
+            reason += f"; undoing what it had done failed too: {'; '.join(failures)}"
+        return Decision(step.name, getattr(ctx.config, step.name, None), "off", reason, details={"error": what})
 
     def record(self, rec: ModelRecord, decision: Decision) -> None:
         """Put ``decision`` in the model's record and the timeline."""

@@ -45,6 +45,7 @@ from apt_model.switch.fast_path import ForwardFastPath
 from apt_model.switch.modes import FEATURES
 from apt_model.base.patches import PatchSet
 from apt_model.base.post_import import when_imported
+from apt_model.base.module_attrs import module_attr
 from apt_model.switch.report import DecisionLog
 
 log = get_logger(__name__)
@@ -883,13 +884,16 @@ def _adopt_unseen(st: _State, module: nn.Module, trigger: str, moved_note: str):
     dev = model_device(module)
     if skip_adoption(module, st.seen):  # a DataParallel replica, or a DDP wrapper of an adopted model
         return None
-    inner = getattr(module, "_orig_mod", None)  # torch.compile(model)'s OptimizedModule
+    # module_attr: a script's __getattr__ may raise something other than AttributeError (a config
+    # lookup's KeyError), which crashed the model's first call until 2026-11-28
+    inner = module_attr(module, "_orig_mod")  # torch.compile(model)'s OptimizedModule
     if isinstance(inner, nn.Module) and inner in st.seen:
         # the script compiled a model already adopted: the same parameters, not a second model
         # (it was reported twice, its parameters counted twice, until 2026-11-26)
         st.seen.add(module)
         return None
-    if getattr(module, "_vb_internal", False) or isinstance(module, torch.jit.ScriptModule):
+    if (module.__dict__.get("_vb_internal") or getattr(type(module), "_vb_internal", False)
+            or isinstance(module, torch.jit.ScriptModule)):
         # one of our probes; or TorchScript (torch.jit.load, torch.jit.script), which refuses
         # Python hooks ("register_forward_hook is not supported on ScriptModules" at its first
         # call, until 2026-11-28: a probe's finding). Never adopted, nor anything inside them

@@ -223,6 +223,38 @@ def test_cuda_calls_go_to_the_selected_device_and_stop_after_disable():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")
+def test_the_redirect_of_tensor_to_costs_a_plain_call_one_function(cpu_device):
+    """``.to()`` of a plain tensor to a dtype, a non-CUDA device or a tensor makes no further call
+    into apt_model (a step of a small model calls it for every batch tensor); ``"cuda"`` in any
+    spelling is still redirected, and so is a lazy parameter's call."""
+    import sys
+
+    vb.enable("balanced", banner=False)
+    x, calls = torch.ones(3), []
+
+    def profile(frame, event, arg):
+        if event == "call" and "apt_model" in frame.f_code.co_filename:
+            calls.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        outs = [x.to("cpu"), x.to(torch.device("cpu")), x.to(torch.float64), x.to(x), x.to("cpu", torch.float16),
+                x.to(torch.float16, non_blocking=True)]
+    finally:
+        sys.setprofile(None)
+    assert calls == ["tensor_to"] * 6, calls
+    assert [o.dtype for o in outs] == [torch.float32] * 2 + [torch.float64, torch.float32] + [torch.float16] * 2
+    before = vb.get_stats()["cuda_redirects"]
+    for target in ("cuda", "cuda:0", torch.device("cuda")):
+        assert x.to(target).device.type == "cpu"
+    assert x.to(device="cuda").device.type == "cpu" and x.to("cuda", torch.float64).dtype == torch.float64
+    assert vb.get_stats()["cuda_redirects"] == before + 5
+    lazy = nn.LazyLinear(2)
+    lazy.to("cuda")  # an uninitialized parameter's .to() is handed the original Tensor.to
+    assert lazy(torch.ones(1, 3)).shape == (1, 2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")
 def test_a_checkpoint_loaded_to_cuda_and_a_meta_model_made_on_cuda_go_to_the_selected_device(tmp_path):
     """A script written for CUDA loads its checkpoint with ``map_location="cuda"`` and builds a
     model on meta then ``to_empty(device="cuda")``: both failed under the switch with torch's own

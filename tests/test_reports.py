@@ -1,6 +1,7 @@
 """Run reports: the per-step recorder, the report's JSON schema, and the PNG."""
 import json
 import sys
+import time
 
 import pytest
 import torch
@@ -136,11 +137,9 @@ def test_recorder_reads_memory_at_most_once_per_interval(monkeypatch, interval, 
     assert [r["memory"]["process_rss"] for r in d["records"]] == expected
 
 
-def test_a_step_between_memory_readings_costs_the_hook_only_a_note():
-    """On a model whose step takes a few hundred microseconds every microsecond of the recorder's
-    counts: between two memory readings the post-hook only notes the step (no call into the
-    recording code); the figures still count every step, each recorded as at its own step."""
-    rec = StepRecorder("cpu", max_records=8, sample_interval=3600.0)
+def _calls_of_steps(rec: StepRecorder, steps: int, unprofiled: int = 0) -> list[str]:
+    """Install ``rec``, take ``unprofiled`` SGD steps and then ``steps`` more under a profiler;
+    returns the names of the apt_model functions the profiled steps called (this thread only)."""
     rec.install()
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([p], lr=0.1)
@@ -152,18 +151,63 @@ def test_a_step_between_memory_readings_costs_the_hook_only_a_note():
 
     try:
         p.grad = torch.ones(1)
-        opt.step()  # the first step reads the memory
+        for _ in range(unprofiled):
+            opt.step()
         sys.setprofile(profile)
-        for _ in range(5):
+        for _ in range(steps):
             opt.step()
         sys.setprofile(None)
     finally:
         sys.setprofile(None)
         rec.remove()
+    return calls
+
+
+def test_a_step_between_memory_readings_costs_the_hook_only_a_note():
+    """On a model whose step takes a few hundred microseconds every microsecond of the recorder's
+    counts: between two memory readings the post-hook only notes the step (no call into the
+    recording code); the figures still count every step, each recorded as at its own step."""
+    rec = StepRecorder("cpu", max_records=8, sample_interval=3600.0)
+    calls = _calls_of_steps(rec, 5, unprofiled=1)  # the first step reads the memory
     assert set(calls) == {"_pre", "_post"}, calls
     d = rec.to_dict()
     assert d["count"] == 6 and [r["step"] for r in d["records"]] == [1, 2, 3, 4, 5, 6]
     assert d["step_time"]["n"] == 5 and all(r["step_s"] > 0 for r in d["records"][1:])
+
+
+def test_a_memory_reading_does_not_make_the_hook_record_the_waiting_steps(monkeypatch):
+    """A memory reading is due every ``sample_interval`` (5 ms: every dozen steps of a small
+    model); the hook takes it and notes it with the step, and the steps are recorded only in
+    batches of DRAIN_AT or when the figures are asked for, each with the reading of its own step
+    (until 2026-11-28 each reading recorded the batch: ~9 us a step in a cold cache)."""
+    import apt_model.switch.steps as steps
+
+    n = []
+    monkeypatch.setattr(steps, "rss_now", lambda: n.append(1) or 1000 + len(n))
+    rec = StepRecorder("cpu", max_records=8, sample_interval=1e-9)
+    calls = _calls_of_steps(rec, 5)
+    assert "_drain" not in calls and "_record" not in calls, calls
+    d = rec.to_dict()
+    rss = [r["memory"]["process_rss"] for r in d["records"]]  # the sampler thread reads too: not 1001, 1002...
+    assert d["count"] == 5 and len(rss) == 5 and rss == sorted(set(rss)), rss  # each step its own reading
+
+
+def test_the_peak_sampler_thread_wakes_at_most_twenty_times_a_second(monkeypatch):
+    """Each wake of the RSS sampler takes the interpreter lock from the training thread; at 200 a
+    second (until 2026-11-28) that cost a 0.3 ms step ~3%."""
+    import apt_model.switch.steps as steps
+
+    n = []
+    monkeypatch.setattr(steps, "rss_now", lambda: n.append(1) or 1000)
+    rec = StepRecorder("cpu")
+    rec.install()
+    try:
+        start = len(n)
+        time.sleep(0.5)
+        woke = len(n) - start
+    finally:
+        rec.remove()
+    assert 3 <= woke <= 12, woke  # 10 at 50 ms (a slow machine may miss a few); 100 at 5 ms
 
 
 def test_two_optimizers_are_told_apart():

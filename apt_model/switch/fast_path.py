@@ -166,6 +166,7 @@ class ForwardFastPath:
         self._lock = threading.RLock()  # re-entered by a root's weakref callback run by a collection
         self._on_stop = on_stop
         self._handler = None  # torch._dynamo.callback_handler, once watched
+        self._started = self._compile_started  # bound once: at_step looks it up in Dynamo's list
         self._owner_of = owner_of
         self._parts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # part -> calls (-1: never a root)
         self._patches: PatchSet | None = None  # the session's, from attach()
@@ -448,8 +449,8 @@ class ForwardFastPath:
 
         def uninstall() -> None:
             handler, self._handler = self._handler, None
-            if handler is not None and self._compile_started in handler.start_callbacks:
-                handler.remove_start_callback(self._compile_started)
+            if handler is not None and self._started in handler.start_callbacks:
+                handler.remove_start_callback(self._started)
 
         patches.add_undo(uninstall, "forward fast path: Dynamo start callback")
         stop_watching = when_imported("torch._dynamo", install)
@@ -472,8 +473,8 @@ class ForwardFastPath:
         """Register the start callback again where ``torch._dynamo.reset()`` cleared it (called at
         each optimizer step; a list look-up)."""
         handler = self._handler
-        if handler is not None and self.on and self._compile_started not in handler.start_callbacks:
-            handler.register_start_callback(self._compile_started)
+        if handler is not None and self.on and self._started not in handler.start_callbacks:
+            handler.register_start_callback(self._started)
 
     def _compile_started(self, args=None) -> None:
         if self.on:

@@ -95,6 +95,21 @@ def test_malformed_files_name_path_line_and_column(project, monkeypatch, name, t
     assert str(exc.value).startswith(f"{f}:{line}:{col}: {what}")
 
 
+@pytest.mark.parametrize("text, line, what", [
+    ('{\n  "mode": "balanced",\n  "host_budget": "1GB",\n  "mode": "memory"\n}\n', 4,
+     "the key 'mode' is given twice (lines 2, 4): give each key once"),
+    ('{"mode": "memory",\n "fp4_policy": {"min_weights": 1,\n  "min_weights": 2}}\n', 3,
+     "the key 'min_weights' is given twice (lines 2, 3)"),
+])
+def test_a_json_file_that_names_a_key_twice_is_an_error_at_the_second(project, text, line, what):
+    """Python's JSON reader keeps the last of two values silently (the first was ignored, and an
+    error about the second named the first one's line); TOML refuses duplicates itself."""
+    f = write(project / ".vbrc", text)
+    with pytest.raises(ConfigFileError) as exc:
+        build_config(None)
+    assert exc.value.line == line and str(exc.value).startswith(f"{f}:{line}: {what}")
+
+
 def test_unknown_keys_and_bad_values_reuse_the_switch_validation(project):
     f = write(project / ".vbrc", '{\n  "mode": "balanced",\n  "atention": "off"\n}\n')
     with pytest.raises(ConfigFileError, match=rf"^{f}:3: unknown key 'atention' \(did you mean 'attention'\?\); valid keys: mode, attention"):

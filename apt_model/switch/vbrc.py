@@ -172,12 +172,35 @@ def _key_line(text: str, key: str, fmt: str) -> int | None:
     return text.count("\n", 0, m.start()) + 1 if m else None
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list) -> dict:
+    """``json.loads``'s object hook: an object that names a key twice is an error (Python's JSON
+    reader keeps the last silently, so a file's first value was ignored and an error about the
+    second named the first one's line; TOML refuses duplicates itself)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
 def _parse(path: Path, text: str, fmt: str) -> dict:
     if not text.strip():
         return {}
     if fmt == "json":
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_pairs)
+        except _DuplicateKey as dup:
+            lines = [text.count("\n", 0, m.start()) + 1 for m in re.finditer(rf'"{re.escape(dup.key)}"\s*:', text)]
+            where = f" (lines {', '.join(map(str, lines))})" if len(lines) > 1 else ""
+            raise ConfigFileError(path, lines[-1] if lines else None, None,
+                                  f"the key {dup.key!r} is given twice{where}: give each key once") from None
         except json.JSONDecodeError as err:
             hint = ""
             if err.msg.startswith("Expecting property name") and text[: err.pos].rstrip().endswith(","):

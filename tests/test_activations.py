@@ -998,6 +998,34 @@ def test_a_layer_instance_shared_across_depth_is_reported_as_such(tmp_path):
     assert feature["chosen"] == "off" and "1 repeats one layer instance" in feature["reason"], feature
 
 
+def test_repeated_blocks_that_are_single_linear_layers_are_not_checkpointed(cpu_device):
+    """A linear layer keeps only its input for backward, which a checkpoint keeps too: recomputing
+    saves nothing. Until 2026-11-28 such blocks were checkpointed, and where FP4 storage then
+    replaced the frozen ones the report still counted them ("6/6 blocks", 2 really wrapped)."""
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(256, 256) for _ in range(6)])
+            self.head = torch.nn.Linear(256, 4)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = torch.relu(layer(x))
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Stack()
+    for layer in model.layers[:4]:
+        layer.requires_grad_(False)
+    vb.enable("memory", activation_checkpointing=True, **PLAIN)
+    model(torch.randn(2, 256)).sum().backward()
+    features = vb.get_report()["models"][0]["features"]
+    ckpt = features["activation_checkpointing"]
+    assert ckpt["chosen"] == "off" and "single Linear layers" in ckpt["reason"], ckpt
+    assert features["fp4"]["chosen"] == "storage"
+    assert not any("forward" in m.__dict__ for m in model.modules())  # no block wrapped
+
+
 def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
     """``print_stats`` had no offload line (the report had the figures: a probe's observation)."""
     m = gpt(layers=2)

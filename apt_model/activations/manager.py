@@ -171,6 +171,13 @@ class ActivationManager:
                                 "not checkpointed in this version (blocks are distinct layers of one class)")
             return Decision(feature, req, "off",
                             "no repeated blocks found (an nn.ModuleList/Sequential of >= 2 layers of one class)")
+        if all(isinstance(m, nn.Linear) and next(m.children(), None) is None for m in blocks.modules):
+            # a linear layer keeps only its input for backward (and not even that when its weight is
+            # frozen), and a checkpoint keeps its block's input: recomputing it saves nothing.
+            # Until 2026-11-28 such blocks were checkpointed (and counted in the report even where
+            # FP4 storage then replaced a frozen one, leaving its checkpoint on the layer it removed)
+            return Decision(feature, req, "off", f"the repeated blocks in {blocks.name or 'the model'} are single "
+                            f"{blocks.kind} layers, which keep no activation a checkpoint would not keep: nothing to save")
         policy, k = parse_policy(self.config.checkpoint_policy)
         n = len(blocks.modules)
         note = ""

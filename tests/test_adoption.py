@@ -734,3 +734,90 @@ def test_a_feature_step_that_fails_is_undone_and_turned_off_for_that_model(monke
     assert warned and warned[0].exc_info is not None
     vb.disable()
     assert "touched_by_fp4" not in model.__dict__
+
+
+def _fail_once_after(cls, name, monkeypatch):
+    """Make ``cls.name`` run as before and then raise RuntimeError, the first time only."""
+    original, armed = getattr(cls, name), [True]
+
+    def failing(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        if armed[0]:
+            armed[0] = False
+            raise RuntimeError(f"injected after {cls.__name__}.{name}")
+        return out
+
+    monkeypatch.setattr(cls, name, failing)
+
+
+def _train_small(model, steps=2, dim=64):
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        loss = model(torch.randn(4, dim, generator=gen)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+def test_a_feature_whose_apply_failed_is_off_for_the_rest_of_the_session(monkeypatch, caplog, tmp_path, cpu_device):
+    """The undo closes what the failed apply made for the session (here the activation
+    offloader); a later model must not be handed it (its first forward raised "cannot schedule new
+    futures after shutdown": a review probe's finding). The feature is off for the session."""
+    from apt_model.activations.step import OffloadStep
+
+    _fail_once_after(OffloadStep, "apply", monkeypatch)
+    vb.enable("memory", activation_offload=True, activation_budget="1KB", offload_min_bytes="1KB",
+              swap_dir=str(tmp_path), paging="off", fp4="off", banner=False, mixed_precision="off")
+    first = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    second = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    with caplog.at_level("WARNING", logger="apt_model"):
+        _train_small(first)
+        _train_small(second)
+    a, b = (m["features"]["activation_offload"] for m in vb.get_report()["models"])
+    assert a["chosen"] == "off" and "rest of the session" in a["reason"] and "injected" in a["error"]
+    assert b["chosen"] == "off" and b["reason"].startswith("off for the rest of the session: applying it to Sequential")
+    assert any("while applying it" in r.getMessage() for r in caplog.records)
+
+
+def test_a_paging_apply_failure_reaches_the_script(monkeypatch, tmp_path, cpu_device):
+    """Paging's session tables are not all on the undo stack: a failure halfway is not contained."""
+    from apt_model.memory.paging.step import PagingStep
+
+    _fail_once_after(PagingStep, "apply", monkeypatch)
+    vb.enable("memory", paging="always", swap_dir=str(tmp_path), mixed_precision="off", banner=False)
+    with pytest.raises(RuntimeError, match="injected after PagingStep.apply"):
+        _train_small(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)))
+
+
+def test_an_fp4_apply_that_fails_halfway_gives_every_weight_back_untouched(monkeypatch, cpu_device):
+    """A failure after the first layer was converted: each weight was released as its layer was
+    converted, so the rolled-back layer came back with FP4-rounded weights (a review probe's
+    finding)."""
+    from apt_model.quantization.linear import FP4Linear
+
+    calls = []
+    original = FP4Linear.register_state_dict_post_hook
+
+    def failing(self, hook):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected at the second layer")
+        return original(self, hook)
+
+    monkeypatch.setattr(FP4Linear, "register_state_dict_post_hook", failing)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 4))
+    model[0].requires_grad_(False)
+    model[2].requires_grad_(False)
+    x = torch.randn(8, 256)
+    with torch.no_grad():
+        expected = model(x)
+    weights = [p.detach().clone() for p in model.parameters()]
+    vb.enable("memory", paging="off", mixed_precision="off", activation_checkpointing=False, banner=False)
+    assert torch.equal(model(x), expected)
+    assert vb.get_report()["models"][0]["features"]["fp4"]["chosen"] == "off"
+    assert all(type(m) in (nn.Linear, nn.ReLU) for m in model)
+    for a, b in zip(model.parameters(), weights):
+        assert torch.equal(a, b)

@@ -1070,16 +1070,19 @@ def test_restore_since_undoes_only_what_came_after_the_mark():
     class Box:
         pass
 
-    box, done = Box(), []
+    box, done, gone = Box(), [], Box()
     ps = PatchSet()
     ps.add_undo(lambda: done.append("older"), "older")
-    mark = len(ps)
+    ps.add_undo(lambda: done.append("pruned"), "of a dropped object", owner=gone)
+    mark = ps.mark()
     ps.set_attr(box, "flag", 1, label="flag")
     ps.add_undo(lambda: done.append("newer"), "newer")
+    del gone
+    assert ps.prune() == 1  # the stack shrank below the mark's length: the mark still holds
     assert ps.restore_since(mark) == []
     assert done == ["newer"] and not hasattr(box, "flag") and ps.labels() == ["older"]
-    with pytest.raises(ValueError, match="mark 5 is not between 0 and the stack's length 1"):
-        ps.restore_since(5)
+    with pytest.raises(ValueError, match="mark 9 is not between 0 and the last mark 4"):
+        ps.restore_since(9)
     ps.restore_all()
     assert done == ["newer", "older"]
 

@@ -213,6 +213,11 @@ class FeatureStep:
     """
 
     name: str = ""
+    #: Whether the adopter may contain an unforeseen error of :meth:`apply` (roll the undo stack
+    #: back, turn the feature off for the rest of the session, go on). False for a step whose
+    #: session-wide state is not all on the undo stack (paging's session tables): its error
+    #: reaches the script. An error of :meth:`decide` (which changes nothing) is always contained.
+    contain_apply_errors: bool = True
 
     def __init__(self, session: StepSession):
         self.session = session

@@ -29,12 +29,25 @@ class PatchSet:
 
     def __init__(self):
         self._undo: list[tuple[str, Callable[[], None]]] = []
+        self._serials: list[int] = []  # the entries' serial numbers (1, 2, ... in order added), beside _undo
+        self._added = 0  # entries ever added: a mark() that prune() cannot shift
         self._critical: set[int] = set()  # id() of the undo callables whose failure must be raised
         # id() of an undo callable -> a check that says its target is gone (nothing left to undo)
         self._gone: dict[int, Callable[[], bool]] = {}
 
     def __len__(self) -> int:
         return len(self._undo)
+
+    def _push(self, label: str, fn: Callable[[], None]) -> None:
+        self._added += 1
+        self._undo.append((label, fn))
+        self._serials.append(self._added)
+
+    def mark(self) -> int:
+        """A mark for :meth:`restore_since`: the entries added after it are the ones it undoes,
+        whatever :meth:`prune` dropped meanwhile (a length would shift: a feature step that prunes
+        the stack while it works would have had older entries of its own left on it)."""
+        return self._added
 
     def set_attr(self, obj: Any, name: str, value: Any, label: str | None = None) -> None:
         """``setattr(obj, name, value)``, remembering what was there (in ``obj.__dict__``) before.
@@ -67,14 +80,14 @@ class PatchSet:
             else:
                 setattr(obj, name, types.MethodType(previous, obj) if rebind else previous)
 
-        self._undo.append((label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}", undo))
+        self._push(label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}", undo)
         if isinstance(target, weakref.ref):
             self._gone[id(undo)] = lambda: target() is None
 
     def add_handle(self, handle: Any, label: str) -> None:
         """Remember a removable hook handle (anything with ``.remove()``)."""
         remove = handle.remove
-        self._undo.append((label, remove))
+        self._push(label, remove)
         hooks = getattr(handle, "hooks_dict_ref", None)  # torch's RemovableHandle: a weak ref to the hook dict
         if callable(hooks):
             self._gone[id(remove)] = lambda: hooks() is None
@@ -85,16 +98,17 @@ class PatchSet:
         every model's hooks (about 90 KB of Python objects per model). Returns how many went."""
         if not self._gone:
             return 0
-        keep, dropped = [], 0
-        for label, fn in self._undo:
+        keep, serials, dropped = [], [], 0
+        for (label, fn), serial in zip(self._undo, self._serials):
             gone = self._gone.get(id(fn))
             if gone is not None and gone():
                 del self._gone[id(fn)]
                 dropped += 1
             else:
                 keep.append((label, fn))
+                serials.append(serial)
         if dropped:
-            self._undo = keep
+            self._undo, self._serials = keep, serials
         return dropped
 
     def add_undo(self, fn: Callable[[], None], label: str, critical: bool = False, owner: Any = None) -> None:
@@ -111,7 +125,7 @@ class PatchSet:
         if owner is not None:
             ref = weakref.ref(owner)
             gone = lambda: ref() is None  # noqa: E731
-        self._undo.append((label, fn))
+        self._push(label, fn)
         if critical:
             self._critical.add(id(fn))
         if gone is not None:
@@ -137,19 +151,19 @@ class PatchSet:
         return failures
 
     def restore_since(self, mark: int) -> list[str]:
-        """Undo, newest first, the actions added since the stack had ``mark`` entries (``len()``
-        taken before a feature was applied: the feature failed halfway, and what it had done is
-        taken back while the older entries stay). Returns, raises and keeps entries on an
-        interrupt as :meth:`restore_all` does.
+        """Undo, newest first, the actions added after :meth:`mark` returned ``mark`` (a feature
+        failed halfway: what it had done is taken back while the older entries stay). Returns,
+        raises and keeps entries on an interrupt as :meth:`restore_all` does.
 
         Raises:
-            ValueError: ``mark`` is negative or above the stack's length (more entries went since).
+            ValueError: ``mark`` is negative or above every mark given so far.
         """
-        if not 0 <= mark <= len(self._undo):
-            raise ValueError(f"restore_since: mark {mark} is not between 0 and the stack's length {len(self._undo)}")
+        if not 0 <= mark <= self._added:
+            raise ValueError(f"restore_since: mark {mark} is not between 0 and the last mark {self._added}")
         failures = []
         critical: list[BaseException] = []
-        while len(self._undo) > mark:
+        while self._serials and self._serials[-1] > mark:
+            serial = self._serials.pop()
             label, fn = self._undo.pop()
             is_critical = id(fn) in self._critical
             self._critical.discard(id(fn))
@@ -163,6 +177,7 @@ class PatchSet:
                     failures.append(f"{label}: {type(err).__name__}: {err}")
             except BaseException:  # an interrupt (KeyboardInterrupt): this undo and the older ones stay for a retry
                 self._undo.append((label, fn))
+                self._serials.append(serial)
                 if is_critical:
                     self._critical.add(id(fn))
                 raise

@@ -93,22 +93,30 @@ class FP4Step(FeatureStep):
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         policy, convert, skipped, compute, native_why = decision.plan
         layers, before, after, not_freed = [], 0, 0, []
-        for c in convert:
-            old = c.module
-            new = FP4Linear.from_linear(old, policy.format, policy.scale_rule, compute=compute)
-            released = release_parameter(old.weight)
+        # in three passes, so that a failure before the last leaves every original weight as it
+        # was: the undo stack puts the nn.Linear layers back untouched (until 2026-11-28 each weight
+        # was released as its layer was converted: an error later in the loop, contained by the
+        # adopter, left the converted layers with FP4-rounded weights: a review probe's finding)
+        built = [(c, FP4Linear.from_linear(c.module, policy.format, policy.scale_rule, compute=compute))
+                 for c in convert]
+        for c, new in built:
             setattr(c.parent, c.attr, new)
-            patches.add_undo(_undo(c.parent, c.attr, old, new), f"fp4: {c.name} back to nn.Linear", owner=new)
+            patches.add_undo(_undo(c.parent, c.attr, c.module, new), f"fp4: {c.name} back to nn.Linear", owner=new)
             # checkpoints saved meanwhile load into the model's own class without the switch
             patches.add_handle(new.register_state_dict_post_hook(state_dict_as_linear),
                                f"fp4: {c.name} state_dict as nn.Linear")
+        for c, new in built:
+            released = release_parameter(c.module.weight)
             before += released["bytes"]
             after += new.weight_nbytes()
             if released["freed"] is False:
                 not_freed.append(c.name)
             layers.append({**c.summary(), "format": policy.format, "bytes_before": released["bytes"],
                            "bytes_after": new.weight_nbytes(), "freed": released["freed"]})
-        release_free_memory()
+        try:
+            release_free_memory()
+        except Exception as err:  # noqa: BLE001 - giving freed memory back to the system is best effort
+            log.debug("fp4: release_free_memory: %s", err)
         fmt = policy.format.upper() + (f" ({policy.scale_rule.upper()})" if policy.format == "mxfp4" else "")
         path = ("native FP4 matmul where the layer's sizes fit the kernel" if compute == "auto"
                 else "emulated: dequantized to the compute dtype on every call")

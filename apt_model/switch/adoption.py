@@ -153,6 +153,8 @@ class Adopter:
         self.probes = ProbeBook(session.config)
         self.steps: list[FeatureStep] = [cls(session) for cls in (FEATURE_STEPS if steps is None else steps)]
         self.records: list[ModelRecord] = []
+        #: feature -> "<model> (<error>)": a step whose apply failed, off for the rest of the session
+        self.failed: dict[str, str] = {}
 
     def step(self, name: str) -> FeatureStep | None:
         """The step for feature ``name``, or None."""
@@ -171,10 +173,17 @@ class Adopter:
         ctx = AdoptionContext(self.session, rec, dev, trigger, self.record, self.probes, moved_note)
         ctx.support(), ctx.speed()  # probed up front (not at a step's first need): adoption's cost stays in one place
         for step in self.steps:
-            mark, hooks = len(self.session.patches), ctx.first_call_mark()
+            failed = self.failed.get(step.name)
+            if failed is not None:  # its apply failed on an earlier model: off for the session
+                self.record(rec, Decision(step.name, getattr(ctx.config, step.name, None), "off",
+                                          f"off for the rest of the session: applying it to {failed} failed",
+                                          details={"error": failed}))
+                continue
+            mark, hooks, applying = self.session.patches.mark(), ctx.first_call_mark(), False
             try:
                 decision = step.decide(model, ctx)
                 if decision.act:
+                    applying = True
                     decision = step.apply(model, ctx, self.session.patches, decision)
             except USER_ERRORS as err:  # refused (a budget too small for the plan): the record says so too
                 self.record(rec, Decision(step.name, getattr(ctx.config, step.name, None), "refused",
@@ -183,31 +192,40 @@ class Adopter:
             except VBError:  # the switch's own refusals (paging under DDP, swap errors) reach the script
                 raise
             except Exception as err:  # noqa: BLE001 - a defect, or a model the step did not foresee
-                decision = self._contain(step, model, rec, ctx, err, mark, hooks)
+                if applying and not step.contain_apply_errors:
+                    raise
+                decision = self._contain(step, rec, ctx, err, mark, hooks, applying)
             self.record(rec, decision)
             ctx.facts.update(decision.facts)
         self._not_built(rec)
         return rec, ctx
 
-    def _contain(self, step: FeatureStep, model: nn.Module, rec: ModelRecord, ctx: AdoptionContext,
-                 err: Exception, mark: int, hooks: int) -> Decision:
+    def _contain(self, step: FeatureStep, rec: ModelRecord, ctx: AdoptionContext, err: Exception, mark: int,
+                 hooks: int, applying: bool) -> Decision:
         """A step raised something unforeseen (a bug of the switch, or a model it did not foresee:
-        a ``__getattr__`` that raises ``KeyError``): what it did to ``model`` so far is undone (the
-        undo stack back to ``mark`` entries, its first-call hooks dropped), the feature is off for
-        this model with the error as the reason, and a warning with the traceback is logged. Until
-        2026-11-28 the error reached the script, so enabling the switch made a working script crash
-        in its model's first call (a probe's finding).
+        a ``__getattr__`` that raises ``KeyError``): what it did so far is undone (the undo stack
+        back to ``mark``, its first-call hooks dropped), the feature is off for this model with the
+        error as the reason, and a warning with the traceback is logged. An error of ``apply``
+        also turns the feature off for the rest of the session: session-wide objects the step made
+        for it (an activation offloader, the compile step's hook watch) were closed by the undo and
+        would be handed to the next model (a review probe's finding). Until 2026-11-28 the error
+        reached the script, so enabling the switch made a working script crash in its model's
+        first call (a probe's finding).
 
         Raises:
-            Exception: a critical undo action (bringing paged tensors back) failed.
+            Exception: a critical undo action failed (it names what it could not bring back).
         """
         what = f"{type(err).__name__}: {err}"
-        log.warning("%s: the %s step failed on %s (%s); the feature is off for this model. This is a "
-                    "defect of the switch: please report it with this traceback",
-                    rec.scope, step.name, rec.name, what, exc_info=err)
-        failures = self.session.patches.restore_since(mark)
+        scope = "the rest of the session" if applying else "this model"
+        log.warning("%s: the %s step failed on %s (%s) while %s it; the feature is off for %s. A model built "
+                    "in a way the switch did not foresee, or a defect of the switch: please report it with "
+                    "this traceback", rec.scope, step.name, rec.name, what, "applying" if applying else "deciding",
+                    scope, exc_info=err)
         ctx.drop_first_call_hooks(hooks)
-        reason = f"failed, so off for this model: {what} (the log has the traceback)"
+        failures = self.session.patches.restore_since(mark)
+        if applying:
+            self.failed[step.name] = f"{rec.name} ({what})"
+        reason = f"failed, so off for {scope}: {what} (the log has the traceback)"
         if failures:
             reason += f"; undoing what it had done failed too: {'; '.join(failures)}"
         return Decision(step.name, getattr(ctx.config, step.name, None), "off", reason, details={"error": what})

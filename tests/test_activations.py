@@ -1,6 +1,7 @@
 """Activation checkpointing and offload: exact gradients, policies, faults, memory."""
 import contextlib
 import copy
+import functools
 import io
 
 import pytest
@@ -1024,6 +1025,79 @@ def test_repeated_blocks_that_are_single_linear_layers_are_not_checkpointed(cpu_
     assert ckpt["chosen"] == "off" and "single Linear layers" in ckpt["reason"], ckpt
     assert features["fp4"]["chosen"] == "storage"
     assert not any("forward" in m.__dict__ for m in model.modules())  # no block wrapped
+
+
+class _Scaled(torch.nn.Module):
+    def __init__(self, kind):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        if kind == "instance":  # a wrapper set on the instance, as accelerate's add_hook_to_module does
+            self.forward = functools.partial(_scaled_forward, self)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _scaled_forward(block, x):
+    return type(block).forward(block, x) * 0.5
+
+
+class _StaticForward(torch.nn.Module):
+    """A block with a parameter whose class forward is a staticmethod (checkpointing called it
+    with the block as its first argument: TypeError)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(16))
+
+    @staticmethod
+    def forward(x):
+        return torch.tanh(x) + x
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.inp, self.blocks, self.head = torch.nn.Linear(8, 16), torch.nn.ModuleList(blocks), torch.nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x) * block.scale if hasattr(block, "scale") else block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("kind", ["instance", "staticmethod"])
+def test_a_checkpointed_block_runs_the_forward_its_instance_has(kind, cpu_device):
+    """Checkpointing wrapped the class's forward always: a block whose forward was set on the
+    instance (accelerate's hooks) trained without it and a copy lost it, and a class forward that
+    is a staticmethod raised TypeError (a probe's findings)."""
+    def build():
+        torch.manual_seed(0)
+        return _Chain([(_Scaled("instance") if kind == "instance" else _StaticForward()) for _ in range(3)])
+
+    def train(model):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            loss = model(torch.randn(4, 8, generator=gen)).square().sum()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return loss.item()
+
+    ref_model = build()
+    ref = train(ref_model)
+    vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+    model = build()
+    assert train(model) == ref
+    assert vb.get_report()["models"][0]["features"]["activation_checkpointing"]["chosen"] == "3/3 blocks"
+    for a, b in zip(model.parameters(), ref_model.parameters()):
+        assert torch.equal(a, b)
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        assert torch.equal(twin(x), ref_model(x))
 
 
 def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):

@@ -821,3 +821,25 @@ def test_an_fp4_apply_that_fails_halfway_gives_every_weight_back_untouched(monke
     assert all(type(m) in (nn.Linear, nn.ReLU) for m in model)
     for a, b in zip(model.parameters(), weights):
         assert torch.equal(a, b)
+
+
+class _BareLinear(nn.Linear):
+    """An nn.Linear subclass that skips nn.Linear.__init__ (no in_features / out_features)."""
+
+    def __init__(self, n_in, n_out):
+        nn.Module.__init__(self)
+        self.weight = nn.Parameter(torch.randn(n_out, n_in) * 0.1)
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+
+@pytest.mark.parametrize("mode", ["balanced", "memory"])
+def test_a_linear_subclass_without_in_features_is_adopted(mode, cpu_device):
+    """Adoption read ``in_features`` of every nn.Linear for the model's width: AttributeError at
+    the first forward of a model plain PyTorch trains (a probe's finding)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_BareLinear(8, 16), nn.ReLU(), _BareLinear(16, 2))
+    x = torch.randn(4, 8)
+    expected = model(x)
+    vb.enable(mode, mixed_precision="off", banner=False)
+    assert torch.equal(model(x), expected)
+    assert vb.get_report()["models"][0]["name"] == "Sequential"

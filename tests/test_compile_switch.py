@@ -581,6 +581,31 @@ def test_the_forward_the_ladder_puts_on_a_model_has_the_models_signature():
     assert str(inspect.signature(model.forward)) == "(x, mask=None)"
 
 
+def _halved(module, x, mask=None):
+    return type(module).forward(module, x, mask) * 0.5
+
+
+def test_a_copy_of_a_model_with_its_own_instance_forward_runs_that_forward():
+    """A copy (``copy.deepcopy``) of a model the ladder climbs gets an eager forward: it was the
+    class's, so a model whose forward the script set on the instance (a wrapper, accelerate's
+    hook) ran another function in its copy (a probe's finding, full mode)."""
+    import copy
+    import functools
+
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    torch.manual_seed(0)
+    model = _SoftmaxAttention()
+    model.forward = functools.partial(_halved, model)
+    model.to("cpu")
+    assert type(model.forward).__name__ == "LadderForward"
+    x = torch.randn(2, 4, 16)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        assert torch.equal(twin(x), _halved(model, x)) and torch.equal(model(x), _halved(model, x))
+    vb.disable()
+    assert isinstance(model.forward, functools.partial)  # the script's own, back
+
+
 def test_a_model_with_the_scripts_hooks_inside_gets_no_rung_and_its_hooks_all_run():
     """A probe's script (a forward hook recording an activation, a full backward hook, and at step
     30 a new forward hook and a pre-hook halving an input) trained differently once balanced mode

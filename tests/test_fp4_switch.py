@@ -42,6 +42,8 @@ def test_policy_overrides_and_structural_skips():
             self.lm_head = nn.Linear(128, 512)
             self.hooked = nn.Linear(128, 512)
             self.hooked.register_forward_hook(lambda *a: None)
+            self.wrapped = nn.Linear(128, 512)  # a forward set on the instance (accelerate's hooks)
+            self.wrapped.forward = lambda x, layer=self.wrapped: nn.Linear.forward(layer, x) * 0.1
             self.a = nn.Linear(128, 512)
             self.b = nn.Linear(128, 512)
 
@@ -50,6 +52,7 @@ def test_policy_overrides_and_structural_skips():
     assert v["mha.out_proj"][0] is False  # a subclass of nn.Linear that MHA reads directly
     assert v["lm_head"] == (False, "output head: its FP4 error goes straight into the logits")
     assert v["hooked"][0] is False and v["hooked"][1].startswith("hooks")
+    assert v["wrapped"][0] is False and v["wrapped"][1].startswith("its own forward")  # it ran unwrapped in FP4
     assert v["a"][0] and v["b"][0]
     v = verdicts(m, {"include": ["lm_head", "hooked"], "skip": ["b"]})
     assert v["lm_head"] == (True, "included: policy pattern 'lm_head'")

@@ -42,8 +42,8 @@ import functools
 import random
 import re
 import inspect
+import operator
 import sys
-import types
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -275,16 +275,23 @@ def _generators(module: nn.Module) -> list:
 class CheckpointedForward:
     """A block's forward run through ``torch.utils.checkpoint`` (non-reentrant) while training.
 
-    Pickling it (``torch.save(model)``, ``copy.deepcopy``) yields the plain bound forward, looked
-    up again on the restored module (``getattr(module, "forward")`` runs before the module's
-    attributes are set, so it finds the class's): a saved or copied model is a plain model, and
-    loading it needs no apt_model. (Reducing to ``types.MethodType`` failed: pickle cannot name
-    that class, "Can't pickle <class 'method'>".)
+    It wraps the forward the block has (``module.forward``, as ``nn.Module.__call__`` looks it
+    up): the class's, or one the script or a library set on the instance (accelerate's
+    ``add_hook_to_module`` puts a ``functools.partial`` there). Until 2026-11-28 it wrapped the
+    class's always, so such a block ran without its wrapper and trained wrongly, and a class
+    whose ``forward`` is a ``staticmethod`` or a callable object raised (a probe's finding).
+
+    Pickling it (``torch.save(model)``, ``copy.deepcopy``) yields the plain forward: the class's,
+    looked up again on the restored module (``getattr(module, "forward")`` runs before the
+    module's attributes are set, so it finds the class's), or the instance's own object: a saved
+    or copied model is a plain model, and loading it needs no apt_model. (Reducing to
+    ``types.MethodType`` failed: pickle cannot name that class, "Can't pickle <class 'method'>".)
     """
 
     def __init__(self, module: nn.Module):
         self.module = module
-        self.forward = types.MethodType(type(module).forward, module)
+        self._own = "forward" in vars(module)  # the instance's own forward (else the class's)
+        self.forward = module.forward
         self.calls = 0
         self.generators = _generators(module)
         self.mutates_input: bool | None = None  # learned at the first checkpointed call
@@ -392,6 +399,8 @@ class CheckpointedForward:
         return out
 
     def __reduce__(self):
+        if self._own:
+            return (operator.getitem, ((self.forward,), 0))  # that object itself, by the standard library
         return (getattr, (self.module, "forward"))
 
 

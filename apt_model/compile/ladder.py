@@ -187,11 +187,16 @@ def raised_by_compiled_code(err: BaseException) -> bool:
 
 class LadderForward:
     """The adopted model's ``forward`` while its ladder climbs: the ladder's dispatcher. A copy of
-    the model (``copy.deepcopy``, pickling) gets a plain eager forward instead: compiled callables
-    and the trial's state do not travel."""
+    the model (``copy.deepcopy``, pickling) gets a plain eager forward instead: the model's own
+    (``previous``: the instance forward the script set, else the class's), not the compiled
+    callables and the trial's state (until 2026-11-28 always the class's: a copy of a model with
+    an instance forward ran another function: a probe's finding)."""
 
-    def __init__(self, ladder: "CompileLadder | None", model: nn.Module):
-        self.ladder, self.model = ladder, model
+    def __init__(self, ladder: "CompileLadder | None", model: nn.Module, previous=None):
+        self.ladder, self.model, self.previous = ladder, model, previous
+
+    def _eager(self):
+        return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -199,16 +204,18 @@ class LadderForward:
         ``(*args, **kwargs)`` (Hugging Face's Trainer then passed ``num_items_in_batch`` to a model
         whose forward does not take it, or dropped every input column as unused: a probe's
         finding, 2026-11-28)."""
-        eager = self.ladder.eager if self.ladder is not None else type(self.model).forward.__get__(self.model)
-        return inspect.signature(eager)
+        return inspect.signature(self.ladder.eager if self.ladder is not None else self._eager())
 
     def __call__(self, *args, **kwargs):
         if self.ladder is not None:
             return self.ladder._dispatch(*args, **kwargs)
-        return type(self.model).forward(self.model, *args, **kwargs)
+        return self._eager()(*args, **kwargs)
 
     def __getstate__(self):
-        return {"ladder": None, "model": self.model}
+        return {"ladder": None, "model": self.model, "previous": self.previous}
+
+    def __setstate__(self, state):
+        self.__dict__.update({"previous": None, **state})
 
 
 class _WeakStepHook:
@@ -308,7 +315,7 @@ class CompileLadder:
         model = self.model_ref
         self._patches = patches
         self._previous_forward = vars(model).get("forward")  # the script's own instance forward, if any
-        self._dispatcher = LadderForward(self, model)
+        self._dispatcher = LadderForward(self, model, self._previous_forward)
         self._set_forwards = [self._dispatcher]  # the instance forwards this ladder put on the model
         model.forward = self._dispatcher
         # the undo stack holds the model and the ladder weakly: a model the script drops is freed

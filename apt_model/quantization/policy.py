@@ -187,6 +187,10 @@ def _judge(name: str, parent, m: nn.Module, policy: FP4Policy, use: str, shared:
         return False, f"tied weight: shared with {', '.join(t for t in tied if not t.startswith(name + '.'))}"
     if _has_hooks(m):
         return False, "hooks: the layer has hooks that a replacement would drop"
+    if "forward" in vars(m):
+        # accelerate's add_hook_to_module (device alignment, offload), a script's monkey-patch:
+        # the FP4 layer would run without it (until 2026-11-28 it did: a probe's finding)
+        return False, "its own forward: the instance's forward was replaced (a library's hook), which a replacement would drop"
     if use == "storage" and policy.format == "nvfp4" and not bool(torch.isfinite(w).all()):
         # NVFP4's tensor scale is taken from the largest magnitude: quantizing raised ValueError at
         # adoption, for a model plain PyTorch runs (NaN out, as the script would see without the switch)

@@ -67,9 +67,15 @@ def infer_width(model: nn.Module) -> int | None:
     weight: Counter = Counter()
     for m in model.modules():
         if isinstance(m, nn.Linear):
-            weight[m.in_features] += m.in_features * m.out_features
+            width, other = module_attr(m, "in_features"), module_attr(m, "out_features")
         elif isinstance(m, nn.Embedding):
-            weight[m.embedding_dim] += m.num_embeddings * m.embedding_dim
+            width, other = module_attr(m, "embedding_dim"), module_attr(m, "num_embeddings")
+        else:
+            continue
+        # a subclass that skipped its base's __init__ lacks them: a model plain PyTorch trains,
+        # which crashed adoption until 2026-11-28 (a probe's finding)
+        if isinstance(width, int) and isinstance(other, int):
+            weight[width] += width * other
     return weight.most_common(1)[0][0] if weight else None
 
 

@@ -156,3 +156,41 @@ def test_containers_accelerate_cannot_rebuild_or_does_not_walk_come_back_fp32():
     dq = to_fp32(collections.deque([a, 1], maxlen=5))
     assert type(dq) is collections.deque and dq[0].dtype == torch.float32 and dq[1] == 1 and dq.maxlen == 5
     assert dd["logits"] is a and KwOut(logits=a)["logits"].dtype == torch.bfloat16  # the originals unchanged
+
+
+class _Tagged(dict):
+    """A dict subclass output with an attribute of its own."""
+
+
+class _ReadOnly(dict):
+    def __setitem__(self, key, value):
+        raise TypeError("read-only")
+
+    def update(self, *args, **kwargs):
+        raise TypeError("read-only")
+
+
+class _Counting(dict):
+    sets = 0
+
+    def __setitem__(self, key, value):
+        type(self).sets += 1
+        super().__setitem__(key, value)
+
+
+def test_dict_subclass_outputs_keep_their_attributes_and_are_copied_without_their_methods():
+    """Under autocast: accelerate's ``type(m)(dict)`` rebuild dropped a dict subclass's own
+    attributes (``out.temperature`` raised AttributeError), and the copy that followed called the
+    class's ``__setitem__`` (a read-only mapping raised; a counting one counted every key twice)."""
+    a = torch.ones(2, dtype=torch.bfloat16)
+    tagged = _Tagged(logits=a)
+    tagged.temperature = 0.7
+    got = to_fp32([tagged, 3])
+    assert type(got[0]) is _Tagged and got[0].temperature == 0.7 and got[0]["logits"].dtype == torch.float32
+    ro = to_fp32(_ReadOnly(logits=a, aux=a))
+    assert type(ro) is _ReadOnly and ro["logits"].dtype == torch.float32 and ro["aux"].dtype == torch.float32
+    counting = _Counting()
+    dict.update(counting, logits=a)
+    out = to_fp32({"out": counting})
+    assert out["out"]["logits"].dtype == torch.float32 and _Counting.sets == 0
+    assert tagged["logits"] is a  # the model's own object is unchanged

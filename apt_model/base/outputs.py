@@ -8,6 +8,7 @@ tensors a backward will reach) and autocast's fp32 outputs missed its fields unt
 """
 from __future__ import annotations
 
+import collections
 import copy
 import dataclasses
 import types
@@ -65,17 +66,43 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
         if isinstance(x, types.SimpleNamespace):
             return types.SimpleNamespace(**{k: to_fp32(v, _depth + 1) for k, v in vars(x).items()})
         if isinstance(x, MutableMapping):  # a mapping type the pytree does not know
-            new = copy.copy(x)
-            for k in list(new.keys()):
-                new[k] = to_fp32(x[k], _depth + 1)
-            return new
+            if not any(_half(t) for t in output_tensors(list(x.values()))):
+                return x  # nothing to convert (accelerate rebuilt it already): its methods are not called again
+            try:
+                if isinstance(x, dict):  # a copy made without the class's methods (a read-only
+                    new = type(x).__new__(type(x))  # __setitem__ raised; a counting one counted twice)
+                    if hasattr(x, "__dict__"):
+                        vars(new).update(vars(x))
+                    dict.update(new, {k: to_fp32(v, _depth + 1) for k, v in dict.items(x)})
+                    return new
+                new = copy.copy(x)
+                for k in list(new.keys()):
+                    new[k] = to_fp32(x[k], _depth + 1)
+                return new
+            except Exception:  # noqa: BLE001 - a mapping that cannot be copied: returned as the model made it
+                return x
         return x
 
-    try:
-        converted = convert_to_fp32(output)
-    except TypeError:
-        converted = output  # a mapping accelerate cannot rebuild: the walk below converts it
+    if any(_attributed_dict(x) for x in tree_leaves(output)):
+        converted = output  # accelerate would rebuild it with type(m)(dict), dropping its attributes
+    else:
+        try:
+            converted = convert_to_fp32(output)
+        except TypeError:
+            converted = output  # a mapping accelerate cannot rebuild: the walk below converts it
     return tree_map(leaf, converted)
+
+
+def _half(t: torch.Tensor) -> bool:
+    return t.dtype in (torch.float16, torch.bfloat16)
+
+
+def _attributed_dict(x: Any) -> bool:
+    """A ``dict`` subclass instance (not a dataclass such as Hugging Face's ``ModelOutput``, whose
+    constructor sets its fields) with attributes of its own: accelerate's ``type(m)(dict)`` rebuild
+    dropped them (``out.temperature`` raised AttributeError under autocast: a probe's finding)."""
+    return (isinstance(x, dict) and type(x) not in (dict, collections.OrderedDict, collections.defaultdict)
+            and not dataclasses.is_dataclass(x) and bool(getattr(x, "__dict__", None)))
 
 
 def gradient_watch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

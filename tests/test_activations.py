@@ -1100,6 +1100,45 @@ def test_a_checkpointed_block_runs_the_forward_its_instance_has(kind, cpu_device
         assert torch.equal(twin(x), ref_model(x))
 
 
+class _Recorded(torch.nn.Module):
+    """A block whose ``__setattr__`` records its plain attributes into a config it saves as JSON,
+    and refuses new ones once built."""
+
+    def __init__(self):
+        super().__init__()
+        self.width = 16
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+        self.built = True
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("built"):
+            raise AttributeError(f"{type(self).__name__} is built: cannot set {name!r}")
+        if not name.startswith("_") and not isinstance(value, (torch.nn.Module, torch.Tensor)):
+            self.__dict__.setdefault("config", {})[name] = value
+        super().__setattr__(name, value)
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def test_the_switch_writes_its_wrappers_without_the_blocks_own_setattr(cpu_device):
+    """A class's ``__setattr__`` saw the switch's ``forward`` (its saved config held a
+    ``CheckpointedForward``: ``json.dumps`` raised), or refused it (the step failed and was
+    turned off): a probe's findings. The wrappers are written as nn.Module.__setattr__ would."""
+    import json
+
+    torch.manual_seed(0)
+    model = _Chain([_Recorded() for _ in range(3)])
+    vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+    model(torch.randn(4, 8)).sum().backward()
+    feature = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+    assert feature["chosen"] == "3/3 blocks" and "error" not in feature, feature
+    assert all(type(vars(b).get("forward")).__name__ == "CheckpointedForward" for b in model.blocks)
+    assert json.dumps([b.config for b in model.blocks]) == json.dumps([{"width": 16, "built": True}] * 3)
+    vb.disable()
+    assert not any("forward" in vars(b) for b in model.blocks)
+
+
 def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
     """``print_stats`` had no offload line (the report had the figures: a probe's observation)."""
     m = gpt(layers=2)

@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch.nn as nn
 
+from apt_model.base.module_attrs import write_attr
+
 #: The attribute a wrapper carries: the call it wraps (None: the module's own ``_call_impl``).
 WRAPS = "_apt_model_wraps"
 
@@ -59,7 +61,7 @@ def wrap_call(module: nn.Module, make: Callable[[Callable], Callable], patches, 
 
     wrapper = make(inner)
     setattr(wrapper, WRAPS, wrapped)
-    module._compiled_call_impl = wrapper
+    write_attr(module, "_compiled_call_impl", wrapper)  # not through the class's own __setattr__
     # the undo stack must not keep a model the script dropped alive (the wrapper holds it)
     ref, wrapper_ref = weakref.ref(module), weakref.ref(wrapper)
 
@@ -70,7 +72,7 @@ def wrap_call(module: nn.Module, make: Callable[[Callable], Callable], patches, 
         if previous is _ABSENT:
             del m.__dict__["_compiled_call_impl"]
         else:
-            m._compiled_call_impl = previous
+            write_attr(m, "_compiled_call_impl", previous)
 
     patches.add_undo(undo, label)
     return wrapper

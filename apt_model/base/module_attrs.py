@@ -1,5 +1,12 @@
 """Reading optional attributes of the script's modules without trusting their ``__getattr__``.
 
+Writing, the other way round: the switch puts its own callables on the script's modules (a
+checkpointed block's ``forward``, the compile ladder's dispatcher, a call wrapper). A class may
+override ``__setattr__`` to record plain attributes (into a config it saves as JSON) or to
+refuse new ones; plain PyTorch never writes these names, so :func:`write_attr` writes them the
+way ``nn.Module.__setattr__`` ends up writing a plain value (``object.__setattr__``), without the
+class's own (found 2026-11-28: a model's saved config held the switch's ``CheckpointedForward``).
+
 The switch looks at a model for optional marks (a Hugging Face ``config``, a
 ``gradient_checkpointing_enable`` method, ``supports_gradient_checkpointing``). ``getattr(m, name,
 default)`` catches only ``AttributeError``, but a module's class may define ``__getattr__`` to look
@@ -11,7 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["module_attr", "has_module_attr"]
+import torch
+import torch.nn as nn
+
+__all__ = ["module_attr", "has_module_attr", "write_attr", "delete_attr"]
 
 
 def module_attr(obj: Any, name: str, default: Any = None) -> Any:
@@ -28,3 +38,26 @@ def has_module_attr(obj: Any, name: str) -> bool:
     """``hasattr(obj, name)``, where any exception of the lookup means False. Never raises."""
     marker = object()
     return module_attr(obj, name, marker) is not marker
+
+
+def write_attr(obj: Any, name: str, value: Any) -> None:
+    """``setattr(obj, name, value)``; on an ``nn.Module`` instance, a value that is no tensor or
+    module is written with ``object.__setattr__`` (what ``nn.Module.__setattr__`` does for such a
+    value), so a class's own ``__setattr__`` is not run."""
+    if isinstance(obj, nn.Module) and not isinstance(value, (nn.Module, torch.Tensor)):
+        object.__setattr__(obj, name, value)
+    else:
+        setattr(obj, name, value)
+
+
+def delete_attr(obj: Any, name: str) -> None:
+    """``delattr(obj, name)``; on an ``nn.Module`` instance whose ``__dict__`` holds ``name``,
+    ``object.__delattr__`` (a class's own ``__delattr__`` is not run).
+
+    Raises:
+        AttributeError: ``obj`` has no such attribute.
+    """
+    if isinstance(obj, nn.Module) and name in vars(obj):
+        object.__delattr__(obj, name)
+    else:
+        delattr(obj, name)

@@ -17,6 +17,8 @@ import types
 import weakref
 from typing import Any, Callable
 
+from apt_model.base.module_attrs import delete_attr, write_attr
+
 _MISSING = object()
 
 
@@ -55,7 +57,7 @@ class PatchSet:
         ``obj`` is held weakly where it can be (a module, a class): patching a model's blocks
         must not keep a model the script dropped alive; once it is gone there is nothing to undo."""
         previous = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
-        setattr(obj, name, value)
+        write_attr(obj, name, value)
         try:
             target = weakref.ref(obj)
         except TypeError:  # no weak references to it: held
@@ -74,11 +76,11 @@ class PatchSet:
                 return
             if previous is _MISSING:
                 try:
-                    delattr(obj, name)
+                    delete_attr(obj, name)
                 except AttributeError:
                     pass
             else:
-                setattr(obj, name, types.MethodType(previous, obj) if rebind else previous)
+                write_attr(obj, name, types.MethodType(previous, obj) if rebind else previous)
 
         self._push(label or f"{getattr(obj, '__name__', type(obj).__name__)}.{name}", undo)
         if isinstance(target, weakref.ref):

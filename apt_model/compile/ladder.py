@@ -53,8 +53,9 @@ import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from apt_model.base.log import get_logger
-from apt_model.base.patches import PatchSet
+from apt_model.base.module_attrs import write_attr
 from apt_model.base.module_hooks import script_hooks
+from apt_model.base.patches import PatchSet
 from apt_model.compile.hooks import hooks_inside_reason
 from apt_model.compile.backends import CountingBackend
 from apt_model.compile.overrides import OverrideBackend
@@ -317,7 +318,7 @@ class CompileLadder:
         self._previous_forward = vars(model).get("forward")  # the script's own instance forward, if any
         self._dispatcher = LadderForward(self, model, self._previous_forward)
         self._set_forwards = [self._dispatcher]  # the instance forwards this ladder put on the model
-        model.forward = self._dispatcher
+        write_attr(model, "forward", self._dispatcher)  # not through the class's own __setattr__
         # the undo stack holds the model and the ladder weakly: a model the script drops is freed
         # (these two undo actions held the ladder, and through it the model, until 2026-11-28: a
         # slow test, which CI does not run, failed at this session's start)
@@ -367,7 +368,7 @@ class CompileLadder:
         elif fn is None:
             self._put_back_forward(model)
         else:
-            model.forward = fn  # the undo registered at attach() removes it again
+            write_attr(model, "forward", fn)  # the undo registered at attach() removes it again
             self._set_forwards.append(fn)
         for h in self._handles:
             h.remove()
@@ -377,7 +378,7 @@ class CompileLadder:
         """The forward the model had before the ladder: the script's own instance forward, or the
         class's (no instance attribute: not a wrapper, not a cost)."""
         if self._previous_forward is not None:
-            model.forward = self._previous_forward
+            write_attr(model, "forward", self._previous_forward)
         else:
             vars(model).pop("forward", None)
 

@@ -1,4 +1,5 @@
 """What enabling does to a model: adoption, parameter identity, routing, autocast, redirection."""
+import collections
 import copy
 import io
 
@@ -249,6 +250,9 @@ def test_the_redirect_of_tensor_to_costs_a_plain_call_one_function(cpu_device):
         assert x.to(target).device.type == "cpu"
     assert x.to(device="cuda").device.type == "cpu" and x.to("cuda", torch.float64).dtype == torch.float64
     assert vb.get_stats()["cuda_redirects"] == before + 5
+    if not torch.accelerator.is_available():  # an index (.to(local_rank)) is torch's accelerator's: absent here
+        assert x.to(0).device.type == "cpu" and nn.Linear(2, 2).to(1).weight.device.type == "cpu"
+        assert vb.get_stats()["cuda_redirects"] == before + 7
     lazy = nn.LazyLinear(2)
     lazy.to("cuda")  # an uninitialized parameter's .to() is handed the original Tensor.to
     assert lazy(torch.ones(1, 3)).shape == (1, 2)
@@ -843,3 +847,26 @@ def test_a_linear_subclass_without_in_features_is_adopted(mode, cpu_device):
     vb.enable(mode, mixed_precision="off", banner=False)
     assert torch.equal(model(x), expected)
     assert vb.get_report()["models"][0]["name"] == "Sequential"
+
+
+class _Permissive(_ConfigLookup):
+    """A block whose ``__getattr__`` answers every public name it lacks with True (a config
+    object's default)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        self.settings = collections.defaultdict(lambda: True, scale=1.0)
+
+
+def test_blocks_that_answer_every_name_get_every_feature(cpu_device):
+    """A permissive ``__getattr__`` made every block look checkpointed by the script already
+    (Hugging Face's flag read as True) and the attention step fail ("argument of type 'bool' is
+    not iterable"): a probe's findings."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), *[_Permissive() for _ in range(3)], nn.Linear(16, 2))
+    vb.enable("memory", mixed_precision="off", activation_checkpointing=True, activation_offload=False, banner=False)
+    model(torch.randn(4, 8)).sum().backward()
+    features = vb.get_report()["models"][0]["features"]
+    assert not [name for name, f in features.items() if "error" in f], features
+    assert features["activation_checkpointing"]["chosen"] == "3/3 blocks", features["activation_checkpointing"]

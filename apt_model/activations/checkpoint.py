@@ -433,7 +433,9 @@ def checkpointed_by_script(blocks: Blocks) -> list[int]:
     """Indices of the blocks a Hugging Face model checkpoints already, by the script's own
     ``gradient_checkpointing_enable()`` / ``activation_checkpointing_enable()`` (their
     ``gradient_checkpointing`` flag is set); empty for any other model."""
-    return [i for i, layer in enumerate(blocks.modules) if module_attr(layer, "gradient_checkpointing", False) is True]
+    # read from the instance (Hugging Face sets it in __init__): a permissive __getattr__ answering
+    # every name with True made every block look checkpointed by the script (a probe's finding)
+    return [i for i, layer in enumerate(blocks.modules) if vars(layer).get("gradient_checkpointing") is True]
 
 
 class _RecordingCall:

@@ -63,6 +63,12 @@ def _mha_default_no_weights(module: nn.MultiheadAttention, args: tuple, kwargs: 
     return None
 
 
+def _declares_sdpa(declared) -> bool:
+    """Whether a module's ``supported_attn_implementations`` names ``"sdpa"``: a collection of
+    strings (a permissive ``__getattr__`` answers any name with a default: a number, True)."""
+    return isinstance(declared, (list, tuple, set, frozenset)) and "sdpa" in declared
+
+
 def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
     """All attention sites in ``model`` (including ``model`` itself)."""
     targets: list[AttentionTarget] = []
@@ -93,7 +99,7 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
             else:
                 state = "sdpa" if routed else "eager"
             targets.append(AttentionTarget(name, "mha", mod, state))
-        elif "sdpa" in (module_attr(mod, "supported_attn_implementations") or ()) and has_module_attr(mod, "attn_implementation"):
+        elif _declares_sdpa(module_attr(mod, "supported_attn_implementations")) and has_module_attr(mod, "attn_implementation"):
             targets.append(AttentionTarget(name, "protocol", mod, "sdpa" if mod.attn_implementation == "sdpa" else "eager"))
     return targets
 

@@ -338,7 +338,7 @@ class DistributedSession:
     def _on_script_ddp(self, module: nn.Module) -> None:
         self._refuse_if_paged(list(module.parameters()), "DistributedDataParallel")
         self._script_ddp.add(module)
-        hook = getattr(module, "_vb_distributed", None)
+        hook = vars(module).get("_vb_distributed")  # set on the instance; not the class's __getattr__
         if isinstance(hook, DistributedModelHook) and hook.state == "ddp":
             hook.remove()
             hook.state = "left"

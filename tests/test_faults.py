@@ -1064,6 +1064,23 @@ def test_a_critical_undo_failure_is_raised_after_everything_else_is_undone():
     assert info.value.undo_failures == ["minor: ValueError: minor"]
 
 
+def test_an_attribute_the_script_replaced_after_a_patch_is_left_by_its_undo():
+    """accelerate's add_hook_to_module after adoption sets the block's forward over the switch's
+    checkpoint wrapper: disable() deleted the script's hook (a review probe's finding)."""
+    from apt_model.base.patches import PatchSet
+
+    class Box:
+        pass
+
+    box, kept = Box(), Box()
+    ps = PatchSet()
+    ps.set_attr(box, "forward", "switch's", label="wrapper")
+    ps.set_attr(kept, "forward", "switch's", label="wrapper")
+    box.forward = "script's"
+    ps.restore_all()
+    assert box.forward == "script's" and not hasattr(kept, "forward")
+
+
 def test_restore_since_undoes_only_what_came_after_the_mark():
     from apt_model.base.patches import PatchSet
 

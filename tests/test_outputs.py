@@ -1,5 +1,6 @@
 """Model outputs the switch walks (apt_model/base/outputs.py): pytree containers and dataclass
 fields, for the trials' backward timing and autocast's fp32 outputs."""
+import collections
 import dataclasses
 
 import torch
@@ -194,3 +195,35 @@ def test_dict_subclass_outputs_keep_their_attributes_and_are_copied_without_thei
     out = to_fp32({"out": counting})
     assert out["out"]["logits"].dtype == torch.float32 and _Counting.sets == 0
     assert tagged["logits"] is a  # the model's own object is unchanged
+
+
+class _OrderedTagged(collections.OrderedDict):
+    pass
+
+
+class _DefaultTagged(collections.defaultdict):
+    pass
+
+
+class _Slotted(dict):
+    __slots__ = ("temperature",)
+
+
+def test_ordered_default_and_slotted_dict_subclasses_come_back_whole():
+    """The copy of a dict subclass: an OrderedDict subclass's keys() came back empty (filled with
+    dict.update), a defaultdict subclass lost its default_factory, a slotted one its slot (a review
+    probe's findings)."""
+    a = torch.ones(2, dtype=torch.bfloat16)
+    od = _OrderedTagged(z=a, loss=a)
+    od.temperature = 0.7
+    got = to_fp32(od)
+    assert type(got) is _OrderedTagged and list(got.keys()) == ["z", "loss"] and got.temperature == 0.7
+    assert [v.dtype for v in got.values()] == [torch.float32] * 2
+    dd = _DefaultTagged(list, z=a)
+    got = to_fp32(dd)
+    assert type(got) is _DefaultTagged and got.default_factory is list and got["z"].dtype == torch.float32
+    assert got["missing"] == []
+    sl = _Slotted(z=a)
+    sl.temperature = 0.7
+    got = to_fp32(sl)
+    assert type(got) is _Slotted and got.temperature == 0.7 and got["z"].dtype == torch.float32

@@ -70,11 +70,7 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
                 return x  # nothing to convert (accelerate rebuilt it already): its methods are not called again
             try:
                 if isinstance(x, dict):  # a copy made without the class's methods (a read-only
-                    new = type(x).__new__(type(x))  # __setitem__ raised; a counting one counted twice)
-                    if hasattr(x, "__dict__"):
-                        vars(new).update(vars(x))
-                    dict.update(new, {k: to_fp32(v, _depth + 1) for k, v in dict.items(x)})
-                    return new
+                    return _dict_copy(x, lambda v: to_fp32(v, _depth + 1))  # __setitem__ raised)
                 new = copy.copy(x)
                 for k in list(new.keys()):
                     new[k] = to_fp32(x[k], _depth + 1)
@@ -93,6 +89,43 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
     return tree_map(leaf, converted)
 
 
+def _slots(cls: type) -> list[str]:
+    names = []
+    for klass in cls.__mro__:
+        slots = vars(klass).get("__slots__", ())
+        for name in ((slots,) if isinstance(slots, str) else slots):
+            if name not in ("__dict__", "__weakref__") and name not in names:
+                names.append(name)
+    return names
+
+
+def _dict_copy(x: dict, convert) -> dict:
+    """A copy of the dict-subclass instance ``x`` with ``convert`` applied to its values, made
+    without running the class's own methods (its ``__init__``, ``__setitem__``, ``__setattr__``):
+    its ``__dict__`` and slot attributes, a ``defaultdict``'s ``default_factory``, and its items
+    through the base container's ``__setitem__`` in their order (an ``OrderedDict``'s keeps its
+    links: ``dict.update`` left its ``keys()`` empty: a review probe's finding).
+
+    Raises:
+        Exception: whatever the class's ``__new__`` raises.
+    """
+    cls = type(x)
+    new = cls.__new__(cls)
+    if isinstance(x, collections.defaultdict):
+        collections.defaultdict.default_factory.__set__(new, x.default_factory)
+    if hasattr(x, "__dict__"):
+        vars(new).update(vars(x))
+    for name in _slots(cls):
+        try:
+            object.__setattr__(new, name, getattr(x, name))
+        except AttributeError:  # an empty slot
+            pass
+    setitem = collections.OrderedDict.__setitem__ if isinstance(x, collections.OrderedDict) else dict.__setitem__
+    for k, v in (collections.OrderedDict.items(x) if isinstance(x, collections.OrderedDict) else dict.items(x)):
+        setitem(new, k, convert(v))
+    return new
+
+
 def _half(t: torch.Tensor) -> bool:
     return t.dtype in (torch.float16, torch.bfloat16)
 
@@ -101,8 +134,10 @@ def _attributed_dict(x: Any) -> bool:
     """A ``dict`` subclass instance (not a dataclass such as Hugging Face's ``ModelOutput``, whose
     constructor sets its fields) with attributes of its own: accelerate's ``type(m)(dict)`` rebuild
     dropped them (``out.temperature`` raised AttributeError under autocast: a probe's finding)."""
-    return (isinstance(x, dict) and type(x) not in (dict, collections.OrderedDict, collections.defaultdict)
-            and not dataclasses.is_dataclass(x) and bool(getattr(x, "__dict__", None)))
+    if not isinstance(x, dict) or type(x) in (dict, collections.OrderedDict, collections.defaultdict) \
+            or dataclasses.is_dataclass(x):
+        return False
+    return bool(getattr(x, "__dict__", None)) or any(hasattr(x, name) for name in _slots(type(x)))
 
 
 def gradient_watch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

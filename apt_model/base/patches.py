@@ -55,7 +55,11 @@ class PatchSet:
         """``setattr(obj, name, value)``, remembering what was there (in ``obj.__dict__``) before.
 
         ``obj`` is held weakly where it can be (a module, a class): patching a model's blocks
-        must not keep a model the script dropped alive; once it is gone there is nothing to undo."""
+        must not keep a model the script dropped alive; once it is gone there is nothing to undo.
+        The undo puts the previous value back only while ``obj`` still holds ``value`` (known by
+        identity, not held): what the script set there since is its own and stays (accelerate's
+        ``add_hook_to_module`` on a checkpointed block after adoption was deleted by ``disable()``
+        until 2026-11-28: a review probe's finding)."""
         previous = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
         write_attr(obj, name, value)
         try:
@@ -70,10 +74,15 @@ class PatchSet:
         if rebind:
             previous = previous.__func__
 
+        value_id, value_type = id(value), type(value)
+
         def undo():
             obj = target()
             if obj is None:
                 return
+            now = obj.__dict__.get(name, _MISSING) if hasattr(obj, "__dict__") else getattr(obj, name, _MISSING)
+            if id(now) != value_id or type(now) is not value_type:
+                return  # replaced since by the script: left as it is
             if previous is _MISSING:
                 try:
                     delete_attr(obj, name)

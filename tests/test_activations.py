@@ -1139,6 +1139,27 @@ def test_the_switch_writes_its_wrappers_without_the_blocks_own_setattr(cpu_devic
     assert not any("forward" in vars(b) for b in model.blocks)
 
 
+class _PropertyForward(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh())
+
+    @property
+    def forward(self):
+        return self.body
+
+
+def test_blocks_whose_forward_is_a_class_property_are_not_checkpointed(cpu_device):
+    """Wrapping them failed (no setter: the step failed and checkpointing went off for the session,
+    asking the user to report a defect) or went through a setter disable() cannot undo."""
+    torch.manual_seed(0)
+    model = _Chain([_PropertyForward() for _ in range(3)])
+    vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+    model(torch.randn(4, 8)).sum().backward()
+    feature = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+    assert feature["chosen"] == "off" and "property" in feature["reason"] and "error" not in feature, feature
+
+
 def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
     """``print_stats`` had no offload line (the report had the figures: a probe's observation)."""
     m = gpt(layers=2)

@@ -16,6 +16,7 @@ stops the offloader's I/O threads.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import torch
@@ -178,6 +179,11 @@ class ActivationManager:
             # FP4 storage then replaced a frozen one, leaving its checkpoint on the layer it removed)
             return Decision(feature, req, "off", f"the repeated blocks in {blocks.name or 'the model'} are single "
                             f"{blocks.kind} layers, which keep no activation a checkpoint would not keep: nothing to save")
+        if isinstance(inspect.getattr_static(type(blocks.modules[0]), "forward", None), property):
+            # the wrapper could not be put in its place (no setter), or a setter would take it
+            # somewhere disable() cannot take it back from (a review probe's finding)
+            return Decision(feature, req, "off", f"the {blocks.kind} blocks' forward is a property of their "
+                            "class: their forward cannot be wrapped")
         policy, k = parse_policy(self.config.checkpoint_policy)
         n = len(blocks.modules)
         note = ""

@@ -192,6 +192,34 @@ def test_hugging_face_layers_use_the_library_checkpointing():
     assert not any(layer.gradient_checkpointing for layer in model.transformer.h)  # restored
 
 
+def test_generate_in_train_mode_keeps_its_cache_with_the_librarys_checkpointing_on(cpu_device):
+    """GPT-2 drops its KV cache whenever ``gradient_checkpointing and training``, even under
+    ``no_grad``: ``generate()`` called before ``model.eval()`` lost its context once the switch had
+    turned the library's checkpointing on (scores off by 0.55: a probe's finding). The flags go
+    off for calls without grad."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=3, n_head=2, resid_pdrop=0,
+                                  embd_pdrop=0, attn_pdrop=0, bos_token_id=0, eos_token_id=0)
+
+    def run(enabled):
+        torch.manual_seed(0)
+        model = transformers.GPT2LMHeadModel(cfg).train()
+        if enabled:
+            vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+        ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+        model(input_ids=ids, labels=ids).loss.backward()
+        out = model.generate(ids[:1, :6], max_new_tokens=8, do_sample=False, output_scores=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+        flags = [layer.gradient_checkpointing for layer in model.transformer.h]
+        return out.sequences, torch.stack(out.scores), flags
+
+    ref_tokens, ref_scores, _ = run(False)
+    tokens, scores, flags = run(True)
+    assert vb.get_report()["models"][0]["features"]["activation_checkpointing"]["chosen"] != "off"
+    assert all(flags)  # still on for training calls
+    assert torch.equal(tokens, ref_tokens) and torch.equal(scores, ref_scores)
+
+
 def test_works_with_paging_and_autocast(tmp_path):
     ref_m = gpt()
     vb.enable("balanced", attention="off", mixed_precision="bf16", compile="off", paging="off", banner=False)

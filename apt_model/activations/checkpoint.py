@@ -59,6 +59,7 @@ from apt_model.base.forward_scope import in_enclosing_checkpoint
 from apt_model.base.log import get_logger
 from apt_model.base.module_attrs import has_module_attr, module_attr
 from apt_model.base.module_hooks import GLOBAL_HOOK_DICTS, HOOK_DICTS, script_hooks
+from apt_model.base.patches import SessionHook
 
 log = get_logger(__name__)
 
@@ -492,6 +493,13 @@ def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patche
         keep = set(indices)
         for i, layer in enumerate(blocks.modules):
             layer.gradient_checkpointing = i in keep
+        # outside grad mode the flags go off for the call: GPT-2 drops its KV cache whenever
+        # gradient_checkpointing and training, even under no_grad, so generate() in train mode
+        # lost its context with the switch on (a probe's finding)
+        flags = _FlagsOffWithoutGrad(asked)
+        patches.add_handle(hf.register_forward_pre_hook(SessionHook(flags.pre)), "hf checkpointing flags: no-grad calls")
+        patches.add_handle(hf.register_forward_hook(SessionHook(flags.post), always_call=True),
+                           "hf checkpointing flags: back after the call")
         return "hf"
     for i in indices:
         block = blocks.modules[i]
@@ -523,6 +531,30 @@ class BlockMeter:
             self.outside += n
         else:
             self.per_block[self.current] += n
+
+
+class _FlagsOffWithoutGrad:
+    """A Hugging Face model's ``gradient_checkpointing`` flags, set by the switch, turned off for a
+    call made without grad (``generate()``, evaluation under ``no_grad``) and back on after it.
+    Left alone once the script asked for checkpointing itself (``asked[0]``): then they are its own."""
+
+    def __init__(self, asked: list):
+        self.asked = asked
+        self.off: list[nn.Module] = []
+
+    def pre(self, module: nn.Module, args: tuple) -> None:
+        if torch.is_grad_enabled() or self.asked[0] or self.off or torch.compiler.is_compiling():
+            return None
+        self.off = [m for m in module.modules() if vars(m).get("gradient_checkpointing") is True]
+        for m in self.off:
+            vars(m)["gradient_checkpointing"] = False
+        return None
+
+    def post(self, module: nn.Module, args: tuple, output) -> None:
+        off, self.off = self.off, []
+        for m in off:
+            vars(m)["gradient_checkpointing"] = True
+        return None
 
 
 def _hf_disable(method: weakref.WeakMethod, asked: list) -> None:

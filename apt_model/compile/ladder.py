@@ -212,6 +212,28 @@ class LadderForward:
             return self.ladder._dispatch(*args, **kwargs)
         return self._eager()(*args, **kwargs)
 
+    def _as_function(self) -> Callable:
+        dispatcher = self
+
+        def forward(model, *args, **kwargs):
+            return dispatcher(*args, **kwargs)
+
+        return forward
+
+    @property
+    def __func__(self) -> Callable:
+        """``forward(model, *args, **kwargs)``: the dispatcher as a function, for libraries that
+        rebuild a model's forward as ``MethodType(model.forward.__func__, model)`` (accelerate's
+        ``prepare`` with mixed precision and ``unwrap_model(keep_fp32_wrapper=False)``: the
+        dispatcher object, bound, was handed the model as its first argument: a probe's finding)."""
+        return self._as_function()
+
+    @property
+    def __wrapped__(self) -> Callable:
+        """The same function, where such a library looks for the function under wrappers
+        (``inspect.signature`` stops at :attr:`__signature__` first)."""
+        return self._as_function()
+
     def __getstate__(self):
         return {"ladder": None, "model": self.model, "previous": self.previous}
 
@@ -356,7 +378,8 @@ class CompileLadder:
         self._timer = None
 
     def _finish(self, chosen: str, fn: Callable | None) -> None:
-        """Enter ``done``: the chosen callable becomes the model's forward, the hooks go."""
+        """Enter ``done``: the dispatcher runs the chosen callable from now on (eager: the model's own
+        forward is put back), the hooks go."""
         self.state, self.chosen = "done", chosen
         model = self.model_ref
         self._final = fn
@@ -367,9 +390,9 @@ class CompileLadder:
             pass
         elif fn is None:
             self._put_back_forward(model)
-        else:
-            write_attr(model, "forward", fn)  # the undo registered at attach() removes it again
-            self._set_forwards.append(fn)
+        # else the dispatcher stays, running the chosen callable: written in its place, a compiled
+        # function (no __func__) was bound to the model a second time by accelerate's
+        # unwrap_model(keep_fp32_wrapper=False) (TypeError: a probe's finding)
         for h in self._handles:
             h.remove()
         self._drop_timer()
@@ -497,7 +520,7 @@ class CompileLadder:
             self._skip_rungs(why)
         elif self.state == "done" and self.chosen not in (None, "eager") and getattr(self, "_final", None) is not None:
             was, model = self.chosen, self.model_ref
-            if vars(model).get("forward") is self._final:
+            if vars(model).get("forward") is self._dispatcher:
                 self._put_back_forward(model)
             self._final, self.chosen = None, "eager"
             self._entry(self.rungs[min(self.index, len(self.rungs) - 1)], "given up", why)

@@ -1188,6 +1188,30 @@ def test_blocks_whose_forward_is_a_class_property_are_not_checkpointed(cpu_devic
     assert feature["chosen"] == "off" and "property" in feature["reason"] and "error" not in feature, feature
 
 
+def _doubled(block, x):
+    return block._old_forward(x) * 2  # accelerate's add_hook_to_module keeps the forward it wraps
+
+
+def test_a_checkpoint_wrapper_the_script_wrapped_after_adoption_stops_checkpointing_at_disable(cpu_device):
+    """A hook the script adds after adoption wraps the switch's wrapper; disable() leaves the
+    script's hook (and so the wrapper inside it), which kept recomputing in backward (a probe's
+    finding): it runs the block as written from then on."""
+    torch.manual_seed(0)
+    model = _Chain([_Scaled("class") for _ in range(3)])
+    vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+    model(torch.randn(4, 8)).sum().backward()
+    wrappers = [vars(b)["forward"] for b in model.blocks]
+    assert all(type(w).__name__ == "CheckpointedForward" for w in wrappers)
+    for block in model.blocks:
+        block._old_forward = block.forward
+        block.forward = functools.partial(_doubled, block)
+    vb.disable()
+    before = [w.calls for w in wrappers]
+    model(torch.randn(4, 8)).sum().backward()
+    assert [w.calls for w in wrappers] == before  # the script's hooks run, nothing is recomputed
+    assert all(isinstance(vars(b)["forward"], functools.partial) for b in model.blocks)
+
+
 def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
     """``print_stats`` had no offload line (the report had the figures: a probe's observation)."""
     m = gpt(layers=2)

@@ -432,6 +432,17 @@ def test_a_hook_on_a_submodule_swapped_in_after_the_rung_was_kept_sends_it_back(
     patches.restore_all()
 
 
+def _decisive_ladder(model, make_fn):
+    """A ladder over ``Net(delay=0.02)`` whose rung (``make_fn()``) skips the delay: clearly faster
+    even on a loaded machine (a kept rung the tests below rely on)."""
+    ladder = CompileLadder(model, [rung("compile", lambda eager, dynamic: make_fn())],
+                           LadderPolicy(trial_calls=4, min_speedup=0.01), torch.device("cpu"),
+                           lambda chosen, reason, d: None, tag="net")
+    patches = PatchSet()
+    ladder.attach(patches)
+    return ladder, patches
+
+
 def test_the_ladders_forward_bound_again_by_a_library_still_runs(monkeypatch):
     """accelerate's ``prepare`` (mixed precision) rebuilds a forward as
     ``MethodType(model.forward.__func__, model)`` and ``unwrap_model(keep_fp32_wrapper=False)``
@@ -440,15 +451,16 @@ def test_the_ladders_forward_bound_again_by_a_library_still_runs(monkeypatch):
     argument: TypeError (a probe's finding, full mode)."""
     import types
 
-    model, records = Net(), []
-    ladder, patches = _kept_ladder(model, records)
+    model = Net(delay=0.02)
+    ladder, patches = _decisive_ladder(model, lambda: model.fast)
     x = torch.randn(4, 16)
     for phase in ("climbing", "done"):
         while phase == "done" and ladder.state != "done":
             train(model, 1)
+        assert phase == "climbing" or ladder.chosen == "compile", ladder.timeline
         forward = vars(model)["forward"]
         with torch.no_grad():
-            expected = type(model).forward(model, x)
+            expected = model.fast(x)
             assert torch.equal(types.MethodType(forward.__func__, model)(x), expected), phase
             inner = forward
             while hasattr(inner, "__wrapped__"):
@@ -457,3 +469,49 @@ def test_the_ladders_forward_bound_again_by_a_library_still_runs(monkeypatch):
     assert ladder.chosen == "compile"
     patches.restore_all()
     assert "forward" not in vars(model)
+
+
+def test_a_dispatcher_the_script_wrapped_runs_the_models_forward_after_the_undo():
+    """A wrapper the script put around the dispatcher (accelerate's hook) stays after disable():
+    it kept running the kept compiled rung (a probe's finding, full mode); it runs eager now."""
+    model, calls = Net(delay=0.02), []
+
+    def kept(x):
+        calls.append(1)
+        return model.fast(x)
+
+    ladder, patches = _decisive_ladder(model, lambda: kept)
+    while ladder.state != "done":
+        train(model, 1)
+    assert ladder.chosen == "compile"
+    dispatcher = vars(model)["forward"]
+    model.forward = lambda x: dispatcher(x)  # the script's wrapper
+    patches.restore_all()
+    n = len(calls)
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), model.fast(x))
+    assert len(calls) == n  # the kept rung no longer runs: the model's own forward does
+
+
+def test_a_model_with_a_kept_rung_exports_and_traces_as_written():
+    """With the dispatcher on the model after the verdict, ``torch.export`` read
+    ``model.forward.__code__`` (AttributeError) and ``torch.jit.trace`` ran the kept compiled
+    callable ("using FX to torch.jit.trace a dynamo-optimized function"): a review probe's
+    findings. Both see the model's own forward."""
+    torch._dynamo.reset()
+    model = Net(delay=0.02)
+    ladder, patches = _decisive_ladder(model, lambda: torch.compile(model.fast, backend="eager"))
+    try:
+        while ladder.state != "done":
+            train(model, 1)
+        assert ladder.chosen == "compile"
+        model.delay = 0.0  # the model's own forward, as traced, without the sleep
+        x = torch.randn(4, 16)
+        with torch.no_grad():
+            expected = type(model).forward(model, x)
+            assert torch.equal(torch.export.export(model, (x,)).module()(x), expected)
+            assert torch.equal(torch.jit.trace(model, x)(x), expected)
+    finally:
+        patches.restore_all()
+        torch._dynamo.reset()

@@ -293,6 +293,9 @@ class CheckpointedForward:
         self.module = module
         self._own = "forward" in vars(module)  # the instance's own forward (else the class's)
         self.forward = module.forward
+        #: set by disable(): a wrapper the script put around this one since (accelerate's
+        #: add_hook_to_module) keeps it, and it then runs the block as written (a probe's finding)
+        self.inert = False
         self.calls = 0
         self.generators = _generators(module)
         self.mutates_input: bool | None = None  # learned at the first checkpointed call
@@ -341,7 +344,7 @@ class CheckpointedForward:
         # in the forward and in its recomputation alike: the enclosing checkpoint frees its
         # activations already, and a recomputation must save what the forward saved - this call's
         # path changes after the first call (found 2026-11-27: CheckpointError at the first backward)
-        if not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
+        if self.inert or not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
                 or functional_call.swapped(self.module) or in_enclosing_checkpoint() or self.hooks_inside():
             return self.forward(*args, **kwargs)
         self.calls += 1
@@ -503,8 +506,17 @@ def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patche
         return "hf"
     for i in indices:
         block = blocks.modules[i]
-        patches.set_attr(block, "forward", CheckpointedForward(block), label=f"checkpoint {blocks.name}.{i}")
+        wrapper = CheckpointedForward(block)
+        patches.add_undo(functools.partial(_make_inert, weakref.ref(wrapper)), f"checkpoint {blocks.name}.{i} inert",
+                         owner=wrapper)
+        patches.set_attr(block, "forward", wrapper, label=f"checkpoint {blocks.name}.{i}")
     return "wrapped"
+
+
+def _make_inert(ref: weakref.ref) -> None:
+    wrapper = ref()
+    if wrapper is not None:
+        wrapper.inert = True
 
 
 class BlockMeter:

@@ -229,6 +229,12 @@ class LadderForward:
         return self._as_function()
 
     @property
+    def __code__(self):
+        """The model's own forward's code object: ``torch.export`` reads ``model.forward.__code__``
+        (``AttributeError`` once the dispatcher stayed after the verdict: a review probe's finding)."""
+        return (self.ladder.eager if self.ladder is not None else self._eager()).__code__
+
+    @property
     def __wrapped__(self) -> Callable:
         """The same function, where such a library looks for the function under wrappers
         (``inspect.signature`` stops at :attr:`__signature__` first)."""
@@ -302,6 +308,7 @@ class CompileLadder:
         self.tag = tag
         self.timeline: list[dict] = []
         self.state = "waiting"
+        self._closed = False  # the switch was disabled: a dispatcher still called runs eager
         self.index = 0  # the rung under way
         self.chosen: str | None = None
         self.eager = model.forward  # the model's own forward (bound), captured before ours replaces it
@@ -329,6 +336,7 @@ class CompileLadder:
 
     def __setstate__(self, state):
         self.__dict__.update(state)
+        self.__dict__.setdefault("_closed", False)
         self._tls = threading.local()
 
     # ------------------------------------------------------------------ attach / detach
@@ -348,6 +356,11 @@ class CompileLadder:
 
         def restore_forward():
             m, ladder = model_ref(), ladder_ref()
+            if ladder is not None:
+                # a wrapper the script put around the dispatcher since (accelerate's hook) keeps
+                # calling it: from now on it runs the model's own forward, not a compiled one (it ran
+                # the kept rung after disable() until 2026-11-28: a probe's finding)
+                ladder._closed = True
             if m is not None and ladder is not None and any(vars(m).get("forward") is f for f in ladder._set_forwards):
                 ladder._put_back_forward(m)  # else the script replaced it since (accelerate's wrapper): left
 
@@ -407,7 +420,10 @@ class CompileLadder:
 
     # ------------------------------------------------------------------ the per-call path
     def _dispatch(self, *args, **kwargs):
-        if torch.compiler.is_compiling():  # traced by the script's own compiled code: the model's forward
+        if torch.compiler.is_compiling() or torch.jit.is_tracing() or self._closed:
+            # traced by the script's own compiled code or export, by torch.jit.trace (or ONNX's
+            # exporter on it: "using FX to torch.jit.trace a dynamo-optimized function" with a rung
+            # kept: a review probe's finding), or the switch was disabled: the model's forward
             return self.eager(*args, **kwargs)
         if self.state == "done":  # still called: a wrapper the script put around the dispatcher
             final = getattr(self, "_final", None)

@@ -220,6 +220,31 @@ def test_generate_in_train_mode_keeps_its_cache_with_the_librarys_checkpointing_
     assert torch.equal(tokens, ref_tokens) and torch.equal(scores, ref_scores)
 
 
+def test_the_librarys_flags_stay_off_until_the_outermost_call_without_grad_ends(cpu_device):
+    """A no-grad call nested in another (a hook of the script calling the model) turned the flags
+    back on when it ended, while the outer call still ran (a review probe's observation)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).train()
+    vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+    ids = torch.randint(0, 64, (2, 8))
+    model(input_ids=ids, labels=ids).loss.backward()  # adopted; the library's flags on
+    seen, nested = [], [True]
+
+    def hook(module, args, output):
+        if nested[0]:
+            nested[0] = False
+            model(input_ids=ids)  # a nested no-grad call
+            seen.append(model.transformer.gradient_checkpointing)
+
+    handle = model.transformer.h[1].register_forward_hook(hook)
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    assert seen == [False] and model.transformer.gradient_checkpointing is True
+
+
 def test_works_with_paging_and_autocast(tmp_path):
     ref_m = gpt()
     vb.enable("balanced", attention="off", mixed_precision="bf16", compile="off", paging="off", banner=False)

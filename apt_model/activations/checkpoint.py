@@ -44,6 +44,7 @@ import re
 import inspect
 import operator
 import sys
+import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -546,26 +547,42 @@ class BlockMeter:
 
 
 class _FlagsOffWithoutGrad:
-    """A Hugging Face model's ``gradient_checkpointing`` flags, set by the switch, turned off for a
-    call made without grad (``generate()``, evaluation under ``no_grad``) and back on after it.
-    Left alone once the script asked for checkpointing itself (``asked[0]``): then they are its own."""
+    """A Hugging Face model's ``gradient_checkpointing`` flags, set by the switch, turned off while
+    a call made without grad (``generate()``, evaluation under ``no_grad``) runs, and back on when
+    the last such call ends (counted across threads and nested calls: each call notes on its own
+    thread whether it turned them off). Left alone once the script asked for checkpointing itself
+    (``asked[0]``): then they are its own."""
 
     def __init__(self, asked: list):
         self.asked = asked
         self.off: list[nn.Module] = []
+        self.depth = 0  # no-grad calls under way
+        self._lock = threading.Lock()
+        self._tls = threading.local()
 
     def pre(self, module: nn.Module, args: tuple) -> None:
-        if torch.is_grad_enabled() or self.asked[0] or self.off or torch.compiler.is_compiling():
-            return None
-        self.off = [m for m in module.modules() if vars(m).get("gradient_checkpointing") is True]
-        for m in self.off:
-            vars(m)["gradient_checkpointing"] = False
+        took = not (torch.is_grad_enabled() or self.asked[0] or torch.compiler.is_compiling())
+        stack = self._tls.__dict__.setdefault("calls", [])
+        stack.append(took)
+        if took:
+            with self._lock:
+                if self.depth == 0:
+                    self.off = [m for m in module.modules() if vars(m).get("gradient_checkpointing") is True]
+                    for m in self.off:
+                        vars(m)["gradient_checkpointing"] = False
+                self.depth += 1
         return None
 
     def post(self, module: nn.Module, args: tuple, output) -> None:
-        off, self.off = self.off, []
-        for m in off:
-            vars(m)["gradient_checkpointing"] = True
+        stack = self._tls.__dict__.get("calls")
+        if not stack or not stack.pop():
+            return None
+        with self._lock:
+            self.depth -= 1
+            if self.depth == 0:
+                off, self.off = self.off, []
+                for m in off:
+                    vars(m)["gradient_checkpointing"] = True
         return None
 
 

@@ -1237,6 +1237,50 @@ def test_a_checkpoint_wrapper_the_script_wrapped_after_adoption_stops_checkpoint
     assert all(isinstance(vars(b)["forward"], functools.partial) for b in model.blocks)
 
 
+def test_quantization_aware_blocks_are_not_recomputed(cpu_device):
+    """Fake-quantize observers update scale and min/max in place without bumping versions: a
+    checkpoint's recomputation updated them twice and trained on the new scale (memory mode's QAT
+    losses 0.96081 vs 0.96094: a probe's finding). Such blocks are not checkpointed."""
+    from torch.ao.quantization import get_default_qat_qconfig, prepare_qat
+
+    def run(enabled):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 32),
+                                    torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        model.qconfig = get_default_qat_qconfig("x86")
+        prepare_qat(model, inplace=True)
+        if enabled:
+            vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(1)
+        losses = []
+        for _ in range(3):
+            loss = model(torch.randn(8, 16, generator=gen)).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    ref = run(False)
+    assert run(True) == ref
+    decisions = [m["features"]["activation_checkpointing"] for m in vb.get_report()["models"]]
+    assert any("quantization-aware" in d["reason"] for d in decisions), decisions
+    assert all(d["chosen"] == "off" for d in decisions)
+
+
+def test_torchs_early_stop_of_a_recomputation_is_not_a_compiler_failure():
+    """torch's non-reentrant checkpoint stops a recomputation by raising through the forward; a
+    compile ladder inside the block took it for its compiled rung's failure and ran the call again
+    eagerly (AssertionError "target_frame.early_stop is set": a probe's finding, full mode)."""
+    from apt_model.compile.ladder import raised_by_compiled_code
+
+    stop = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    if stop is None:
+        pytest.skip("this torch has no early stop")
+    assert raised_by_compiled_code(stop()) is False
+
+
 def test_print_stats_shows_the_activation_offload_figures(tmp_path, capsys):
     """``print_stats`` had no offload line (the report had the figures: a probe's observation)."""
     m = gpt(layers=2)

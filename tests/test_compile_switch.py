@@ -606,6 +606,31 @@ def test_a_copy_of_a_model_with_its_own_instance_forward_runs_that_forward():
     assert isinstance(model.forward, functools.partial)  # the script's own, back
 
 
+def test_a_script_that_compiles_two_models_itself_steps_in_full_mode():
+    """Each model's ladder concluded eager at the first optimizer step and removed its own step
+    hook while torch iterated over the step hooks: "OrderedDict mutated during iteration" when a
+    second ladder's hook followed (a probe's finding)."""
+    import torch.optim.optimizer as optimizer_mod
+
+    vb.enable("full", mixed_precision="off", banner=False)
+    torch.manual_seed(0)
+    enc = nn.Sequential(nn.Linear(32, 64), nn.ReLU()).to("cpu")
+    head = nn.Linear(64, 4).to("cpu")
+    cenc, chead = torch.compile(enc, backend="eager"), torch.compile(head, backend="eager")
+    opt = torch.optim.SGD(list(enc.parameters()) + list(head.parameters()), lr=0.05)
+    x, y = torch.randn(8, 32), torch.randn(8, 4)
+    for _ in range(3):
+        loss = F.mse_loss(chead(cenc(x)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    chosen = [m["features"]["compile"]["chosen"] for m in vb.get_report()["models"]]
+    assert chosen == ["eager", "eager"], chosen
+    hooks = len(optimizer_mod._global_optimizer_post_hooks)
+    enc(x)  # the next call removes the spent step hook
+    assert len(optimizer_mod._global_optimizer_post_hooks) == hooks - 1
+
+
 def test_a_model_with_the_scripts_hooks_inside_gets_no_rung_and_its_hooks_all_run():
     """A probe's script (a forward hook recording an activation, a full backward hook, and at step
     30 a new forward hook and a pre-hook halving an input) trained differently once balanced mode

@@ -217,3 +217,31 @@ def test_a_reconfiguration_refused_for_its_swap_folder_leaves_the_running_sessio
         del model
     finally:
         vb.disable()
+
+
+def test_hooks_a_library_registered_again_do_not_outlive_the_session(tmp_path, cpu_device):
+    """``torch.ao.quantization``'s ``swap_module`` (``prepare_qat`` after adoption) registers a
+    module's hooks again on its replacement under new handles; ``disable()`` removed only its own
+    handles, and paging's copies called a closed session at every forward (a probe's finding).
+    They are taken out at disable(), and any copy kept elsewhere does nothing."""
+    from apt_model.base.patches import SessionHook
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    vb.enable("memory", paging="always", swap_dir=str(tmp_path), mixed_precision="off", fp4="off", banner=False)
+    model(torch.randn(2, 16)).sum().backward()
+    layer = model[0]
+    copies = [h for h in layer._forward_pre_hooks.values() if isinstance(h, SessionHook)]
+    assert copies
+    for hook in copies:  # what swap_module does with a replaced layer's hooks
+        layer.register_forward_pre_hook(hook)
+    vb.disable()
+    assert not [h for m in model.modules() for d in (m._forward_pre_hooks, m._forward_hooks)
+                for h in d.values() if isinstance(h, SessionHook)]
+    calls = []
+    kept = SessionHook(lambda *a: calls.append(1))
+    vb.enable("balanced", banner=False)
+    vb.disable()
+    assert copies[0](layer, (torch.ones(1),)) is None and kept(layer, ()) is None and calls == []
+    x = torch.randn(2, 16)
+    assert model(x).shape == (2, 4)

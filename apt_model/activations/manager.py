@@ -17,6 +17,7 @@ stops the offloader's I/O threads.
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Callable
 
 import torch
@@ -80,6 +81,23 @@ class _SavedTensorHooks:
     def unwind(self) -> int:
         """Leave every saved-tensor hooks context this thread's calls left entered (``disable()``)."""
         return self._scopes.unwind(live_only=False)
+
+
+def _observers_in(modules) -> str | None:
+    """The name of the first quantization observer or fake-quantize module (``torch.ao``) among
+    ``modules`` and their submodules, or None. They update scale, zero point and min/max inside one
+    op (``fused_moving_avg_obs_fake_quant``) without bumping the tensors' versions, so the
+    checkpoint's detection of written buffers misses them: a recomputation updated them twice and
+    the gradients used the new scale (QAT trained wrongly in memory mode: a probe's finding)."""
+    quant = sys.modules.get("torch.ao.quantization")
+    kinds = tuple(k for k in (getattr(quant, "FakeQuantizeBase", None), getattr(quant, "ObserverBase", None)) if k)
+    if not kinds:
+        return None
+    for block in modules:
+        for m in block.modules():
+            if isinstance(m, kinds):
+                return type(m).__name__
+    return None
 
 
 class ActivationManager:
@@ -179,6 +197,11 @@ class ActivationManager:
             # FP4 storage then replaced a frozen one, leaving its checkpoint on the layer it removed)
             return Decision(feature, req, "off", f"the repeated blocks in {blocks.name or 'the model'} are single "
                             f"{blocks.kind} layers, which keep no activation a checkpoint would not keep: nothing to save")
+        observed = _observers_in(blocks.modules)
+        if observed:
+            return Decision(feature, req, "off", f"{observed} inside the {blocks.kind} blocks (quantization-aware "
+                            "training) updates its statistics in place where version counters do not see it: a "
+                            "recomputation in backward would update them a second time")
         if isinstance(inspect.getattr_static(type(blocks.modules[0]), "forward", None), property):
             # the wrapper could not be put in its place (no setter), or a setter would take it
             # somewhere disable() cannot take it back from (a review probe's finding)

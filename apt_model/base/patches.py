@@ -207,17 +207,57 @@ def _inert_hook():
     return _inert
 
 
+#: The switch session hooks made now belong to (:func:`end_session_hooks` moves it on).
+_SESSION = [1]
+
+
+#: The hook dictionaries of a module a :class:`SessionHook` can sit in.
+MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
+                     "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+                     "_load_state_dict_post_hooks")
+
+
+def end_session_hooks(modules=()) -> int:
+    """The switch session ended (``disable()``, after its undo stack ran): the session's
+    :class:`SessionHook` objects still in the hook dictionaries of ``modules`` (copies a library
+    registered again under handles of its own) are taken out, and every one made before does
+    nothing from now on. Returns how many were taken out."""
+    removed = 0
+    try:
+        for module in modules:
+            for name in MODULE_HOOK_DICTS:
+                hooks = module.__dict__.get(name)
+                if not hooks:
+                    continue
+                for hook_id in [k for k, h in hooks.items() if isinstance(h, SessionHook) and h.session == _SESSION[0]]:
+                    del hooks[hook_id]
+                    for extra in ("_forward_hooks_always_called", "_forward_hooks_with_kwargs",
+                                  "_forward_pre_hooks_with_kwargs"):
+                        module.__dict__.get(extra, {}).pop(hook_id, None)
+                    removed += 1
+    finally:
+        _SESSION[0] += 1
+    return removed
+
+
 class SessionHook:
-    """A hook bound to this process's switch session. Pickling it (``torch.save(model)``,
-    ``copy.deepcopy``) yields a no-op hook: a saved or copied model runs as a plain model. The
-    no-op is a function of apt_model (a hook must be a picklable callable that returns None, and
-    the standard library offers none that takes a hook's arguments), so loading a whole model
-    pickled while the switch was on needs apt_model importable; a ``state_dict`` needs nothing."""
+    """A hook bound to this process's switch session: it does nothing once that session ended.
+    ``disable()`` removes the session's hooks by their handles; copies that a library registered
+    again under handles of its own (``torch.ao.quantization``'s ``swap_module``, eager-mode
+    ``fuse_modules``: ``prepare_qat`` after adoption) stayed, and paging's called a closed session
+    at every forward (a probe's finding). Pickling it (``torch.save(model)``, ``copy.deepcopy``)
+    yields a no-op hook: a saved or copied model runs as a plain model. The no-op is a function of
+    apt_model (a hook must be a picklable callable that returns None, and the standard library
+    offers none that takes a hook's arguments), so loading a whole model pickled while the switch
+    was on needs apt_model importable; a ``state_dict`` needs nothing."""
 
     def __init__(self, fn: Callable):
         self.fn = fn
+        self.session = _SESSION[0]
 
     def __call__(self, *args, **kwargs):
+        if self.session != _SESSION[0]:
+            return None
         return self.fn(*args, **kwargs)
 
     def __reduce__(self):

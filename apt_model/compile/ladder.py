@@ -168,6 +168,12 @@ def raised_by_compiled_code(err: BaseException) -> bool:
     frame), or from an eager torch op its code called with nothing but :data:`_EAGER_OP_FILES`
     (and apt_model's hooks) between — a bad target in ``F.cross_entropy``. Until 2026-11-26 only
     the innermost frame counted, so that one was taken for the compiler's and re-run eagerly."""
+    stop = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    if stop is not None and isinstance(err, stop):
+        # torch's non-reentrant checkpoint ends a recomputation early by raising this through the
+        # forward: not a failure (re-run eagerly, torch asserted "Unexpected state:
+        # target_frame.early_stop is set": a probe's finding, a model inside a checkpointed block)
+        return False
     exc_mod = getattr(getattr(torch, "_dynamo", None), "exc", None)
     base = getattr(exc_mod, "TorchDynamoException", None)
     if base is not None and isinstance(err, base):
@@ -271,7 +277,8 @@ def _remove_dead_step_hooks() -> None:
     global _step_hooks
     alive = []
     for hook, handle in _step_hooks:
-        if hook.ref() is None:
+        ladder = hook.ref()
+        if ladder is None or ladder._step_hook_spent:
             handle.remove()
         elif handle.id in (handle.hooks_dict_ref() or {}):
             alive.append((hook, handle))
@@ -309,6 +316,7 @@ class CompileLadder:
         self.timeline: list[dict] = []
         self.state = "waiting"
         self._closed = False  # the switch was disabled: a dispatcher still called runs eager
+        self._step_hook_spent = False  # its optimizer-step hook has done its job (removed later)
         self.index = 0  # the rung under way
         self.chosen: str | None = None
         self.eager = model.forward  # the model's own forward (bound), captured before ours replaces it
@@ -337,6 +345,8 @@ class CompileLadder:
     def __setstate__(self, state):
         self.__dict__.update(state)
         self.__dict__.setdefault("_closed", False)
+        self.__dict__.setdefault("_step_hook_spent", False)
+        self.__dict__.setdefault("_step_hook", None)
         self._tls = threading.local()
 
     # ------------------------------------------------------------------ attach / detach
@@ -443,6 +453,8 @@ class CompileLadder:
         if torch.compiler.is_compiling():  # see "Calls inside compiled code" in the module docstring
             return None
         self._tls.use, self._tls.sample = False, None
+        if self._step_hook_spent and self._step_hook is not None:
+            self._drop_step_hook()
         if self.state == "done":
             return None
         training = torch.is_grad_enabled() and module.training
@@ -505,7 +517,11 @@ class CompileLadder:
         # Concluded, but the dispatcher and hooks stay (inert now): removing them would change what
         # the script's compiled code guards on and recompile it.
         self.state, self.chosen = "done", "eager"
-        self._drop_step_hook()
+        # not removed here: torch is iterating over the step hooks (with another ladder's hook
+        # after this one: "OrderedDict mutated during iteration" at the first step of a script
+        # that compiles two models itself, full mode: a probe's finding); removed at this model's
+        # next call or when the next ladder is made (it does nothing meanwhile)
+        self._step_hook_spent = True
         self.record("eager", "the model is trained only inside code the script compiles itself (no training call "
                     f"ran outside it before {type(opt).__name__}.step()): the compiled code is left as it is, with no "
                     "rung beneath it", self._details())

@@ -43,7 +43,7 @@ from apt_model.switch.adoption import Adopter, builtin_overrides, model_device
 from apt_model.switch.config import VBConfig, build_config
 from apt_model.switch.fast_path import ForwardFastPath
 from apt_model.switch.modes import FEATURES
-from apt_model.base.patches import PatchSet
+from apt_model.base.patches import PatchSet, end_session_hooks
 from apt_model.base.post_import import when_imported
 from apt_model.base.module_attrs import module_attr
 from apt_model.switch.report import DecisionLog
@@ -254,6 +254,11 @@ def _disable(forget_banner: bool) -> None:
             failures = _state.patches.restore_all()
         except Exception as err:  # a critical undo failed (paging: PagingRecoveryError); the rest is undone
             failures, raised = list(getattr(err, "undo_failures", [])), err
+        try:  # copies of its hooks a library registered again: out, and inert wherever they are
+            end_session_hooks(m for rec in (_state.adopter.records if _state.adopter is not None else ())
+                              if rec.ref is not None and (model := rec.ref()) is not None for m in model.modules())
+        except Exception as err:  # noqa: BLE001 - a sweep for strays must not stop disable()
+            log.debug("disable: stray session hooks: %s", err)
         _state.enabled = False
         _state.disabled_at = time.time()
         _state.redirect_target = None

@@ -116,6 +116,9 @@ def test_recorder_stays_bounded_and_evenly_spaced():
     assert d["step_time"]["n"] == 9 and d["step_time"]["window"] == 3
     with pytest.raises(ValueError, match="max_records=1"):
         StepRecorder("cpu", max_records=1)
+    for name in ("sample_interval", "peak_interval"):
+        with pytest.raises(ValueError, match=f"{name}=0 must be > 0 seconds"):
+            StepRecorder("cpu", **{name: 0})
 
 
 @pytest.mark.parametrize("interval, reads", [(3600.0, 1), (1e-9, 20)])

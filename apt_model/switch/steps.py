@@ -146,8 +146,9 @@ class StepRecorder:
                  peak_interval: float = PEAK_INTERVAL):
         if max_records < 2 or window < 1:
             raise ValueError(f"max_records={max_records!r} must be >= 2 and window={window!r} >= 1")
-        if not sample_interval > 0:
-            raise ValueError(f"sample_interval={sample_interval!r} must be > 0 seconds")
+        for name, value in (("sample_interval", sample_interval), ("peak_interval", peak_interval)):
+            if not value > 0:
+                raise ValueError(f"{name}={value!r} must be > 0 seconds")
         self.sample_interval = sample_interval
         self.device = torch.device(device)
         self._levels = levels

@@ -458,18 +458,28 @@ def checkpointed_and_plain(build, train):
     return ref, m, calls, feat
 
 
+def _sgd_losses(model, shape, steps=3, total=False):
+    """``steps`` SGD steps (lr 0.1) of ``model`` on seeded random inputs of ``shape``, the loss the
+    mean (``total``: the sum) of its squared outputs; returns the losses."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        loss = model(torch.randn(*shape, generator=gen)).square()
+        loss = loss.sum() if total else loss.mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def test_checkpointed_batch_norm_updates_its_running_statistics_once(cpu_device):
     """The recomputation in backward re-runs the block's batch norm in training mode: its running
     statistics were updated twice per step (``num_batches_tracked`` 6 for 3 steps). They are put
     back after the recomputation, so the model evaluates exactly as after plain training."""
     def train(m):
-        opt = torch.optim.SGD(m.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            loss = m(torch.randn(8, 16, generator=gen)).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _sgd_losses(m, (8, 16))
         return m
 
     ref, m, calls, feat = checkpointed_and_plain(bn_blocks, train)
@@ -1130,14 +1140,7 @@ def test_a_checkpointed_block_runs_the_forward_its_instance_has(kind, cpu_device
         return _Chain([(_Scaled("instance") if kind == "instance" else _StaticForward()) for _ in range(3)])
 
     def train(model):
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(1)
-        for _ in range(3):
-            loss = model(torch.randn(4, 8, generator=gen)).square().sum()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-        return loss.item()
+        return _sgd_losses(model, (4, 8), total=True)[-1]
 
     ref_model = build()
     ref = train(ref_model)
@@ -1251,16 +1254,7 @@ def test_quantization_aware_blocks_are_not_recomputed(cpu_device):
         prepare_qat(model, inplace=True)
         if enabled:
             vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        gen = torch.Generator().manual_seed(1)
-        losses = []
-        for _ in range(3):
-            loss = model(torch.randn(8, 16, generator=gen)).square().mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        return losses
+        return _sgd_losses(model, (8, 16))
 
     ref = run(False)
     assert run(True) == ref

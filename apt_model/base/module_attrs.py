@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["module_attr", "has_module_attr", "write_attr", "delete_attr"]
+__all__ = ["module_attr", "has_module_attr", "write_attr", "delete_attr", "is_internal"]
 
 
 def module_attr(obj: Any, name: str, default: Any = None) -> Any:
@@ -38,6 +38,13 @@ def has_module_attr(obj: Any, name: str) -> bool:
     """``hasattr(obj, name)``, where any exception of the lookup means False. Never raises."""
     marker = object()
     return module_attr(obj, name, marker) is not marker
+
+
+def is_internal(module: nn.Module) -> bool:
+    """Whether ``module`` is one of the switch's own (a probe's block, the switch's DDP wrapper):
+    ``_vb_internal`` set on the instance or its class, read without the class's ``__getattr__``
+    (a half-built module's raises ``KeyError``; a script's may raise anything)."""
+    return bool(module.__dict__.get("_vb_internal") or getattr(type(module), "_vb_internal", False))
 
 
 def write_attr(obj: Any, name: str, value: Any) -> None:

@@ -54,7 +54,7 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
 
     def leaf(x):
         if isinstance(x, torch.Tensor):
-            return x.float() if x.is_floating_point() and x.dtype in (torch.float16, torch.bfloat16) else x
+            return x.float() if _half(x) else x
         if _depth >= MAX_DEPTH:
             return x
         if _plain_dataclass(x):
@@ -120,9 +120,9 @@ def _dict_copy(x: dict, convert) -> dict:
             object.__setattr__(new, name, getattr(x, name))
         except AttributeError:  # an empty slot
             pass
-    setitem = collections.OrderedDict.__setitem__ if isinstance(x, collections.OrderedDict) else dict.__setitem__
-    for k, v in (collections.OrderedDict.items(x) if isinstance(x, collections.OrderedDict) else dict.items(x)):
-        setitem(new, k, convert(v))
+    base = collections.OrderedDict if isinstance(x, collections.OrderedDict) else dict
+    for k, v in base.items(x):
+        base.__setitem__(new, k, convert(v))
     return new
 
 

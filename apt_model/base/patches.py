@@ -18,6 +18,7 @@ import weakref
 from typing import Any, Callable
 
 from apt_model.base.module_attrs import delete_attr, write_attr
+from apt_model.base.module_hooks import HOOK_DICTS
 
 _MISSING = object()
 
@@ -211,9 +212,9 @@ def _inert_hook():
 _SESSION = [1]
 
 
-#: The hook dictionaries of a module a :class:`SessionHook` can sit in.
-MODULE_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks",
-                     "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
+#: The hook dictionaries of a module a :class:`SessionHook` can sit in: the call hooks
+#: (:data:`~apt_model.base.module_hooks.HOOK_DICTS`) and the state-dict ones.
+MODULE_HOOK_DICTS = (*HOOK_DICTS, "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",
                      "_load_state_dict_post_hooks")
 
 

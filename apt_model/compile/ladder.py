@@ -203,6 +203,9 @@ class LadderForward:
         self.ladder, self.model, self.previous = ladder, model, previous
 
     def _eager(self):
+        """The model's own forward: the ladder's, or (a copy's) the previous instance forward or the class's."""
+        if self.ladder is not None:
+            return self.ladder.eager
         return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
 
     @property
@@ -211,7 +214,7 @@ class LadderForward:
         ``(*args, **kwargs)`` (Hugging Face's Trainer then passed ``num_items_in_batch`` to a model
         whose forward does not take it, or dropped every input column as unused: a probe's
         finding, 2026-11-28)."""
-        return inspect.signature(self.ladder.eager if self.ladder is not None else self._eager())
+        return inspect.signature(self._eager())
 
     def __call__(self, *args, **kwargs):
         if self.ladder is not None:
@@ -238,7 +241,7 @@ class LadderForward:
     def __code__(self):
         """The model's own forward's code object: ``torch.export`` reads ``model.forward.__code__``
         (``AttributeError`` once the dispatcher stayed after the verdict: a review probe's finding)."""
-        return (self.ladder.eager if self.ladder is not None else self._eager()).__code__
+        return self._eager().__code__
 
     @property
     def __wrapped__(self) -> Callable:
@@ -357,7 +360,6 @@ class CompileLadder:
         self._patches = patches
         self._previous_forward = vars(model).get("forward")  # the script's own instance forward, if any
         self._dispatcher = LadderForward(self, model, self._previous_forward)
-        self._set_forwards = [self._dispatcher]  # the instance forwards this ladder put on the model
         write_attr(model, "forward", self._dispatcher)  # not through the class's own __setattr__
         # the undo stack holds the model and the ladder weakly: a model the script drops is freed
         # (these two undo actions held the ladder, and through it the model, until 2026-11-28: a
@@ -371,7 +373,7 @@ class CompileLadder:
                 # calling it: from now on it runs the model's own forward, not a compiled one (it ran
                 # the kept rung after disable() until 2026-11-28: a probe's finding)
                 ladder._closed = True
-            if m is not None and ladder is not None and any(vars(m).get("forward") is f for f in ladder._set_forwards):
+            if m is not None and ladder is not None and vars(m).get("forward") is ladder._dispatcher:
                 ladder._put_back_forward(m)  # else the script replaced it since (accelerate's wrapper): left
 
         def drop_timer():

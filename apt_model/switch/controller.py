@@ -45,7 +45,7 @@ from apt_model.switch.fast_path import ForwardFastPath
 from apt_model.switch.modes import FEATURES
 from apt_model.base.patches import PatchSet, end_session_hooks
 from apt_model.base.post_import import when_imported
-from apt_model.base.module_attrs import module_attr
+from apt_model.base.module_attrs import is_internal, module_attr
 from apt_model.switch.report import DecisionLog
 
 log = get_logger(__name__)
@@ -919,8 +919,7 @@ def _adopt_unseen(st: _State, module: nn.Module, trigger: str, moved_note: str):
         # (it was reported twice, its parameters counted twice, until 2026-11-26)
         st.seen.add(module)
         return None
-    if (module.__dict__.get("_vb_internal") or getattr(type(module), "_vb_internal", False)
-            or isinstance(module, torch.jit.ScriptModule)):
+    if is_internal(module) or isinstance(module, torch.jit.ScriptModule):
         # one of our probes; or TorchScript (torch.jit.load, torch.jit.script), which refuses
         # Python hooks ("register_forward_hook is not supported on ScriptModules" at its first
         # call, until 2026-11-28: a probe's finding). Never adopted, nor anything inside them

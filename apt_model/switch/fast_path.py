@@ -73,6 +73,7 @@ import torch.nn as nn
 import torch.nn.modules.module as module_mod
 
 from apt_model.base.log import get_logger
+from apt_model.base.module_attrs import is_internal
 from apt_model.base.patches import PatchSet, SessionHook
 from apt_model.base.post_import import when_imported
 
@@ -335,8 +336,7 @@ class ForwardFastPath:
             self._note(module, now=not (self._quiet and _inside_call_of(self._ready, self._warming)))
 
     def _note(self, module: nn.Module, now: bool = True) -> None:
-        # no getattr on the module: a half-built one's __getattr__ raises KeyError (OptimizedModule)
-        if self._is_seen(module) or module.__dict__.get("_vb_internal") or getattr(type(module), "_vb_internal", False):
+        if self._is_seen(module) or is_internal(module):  # never getattr: a half-built module's may raise
             return
         with self._lock:
             self._pending.add(module)

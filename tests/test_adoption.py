@@ -3,6 +3,7 @@ import collections
 import copy
 import io
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -252,7 +253,8 @@ def test_the_redirect_of_tensor_to_costs_a_plain_call_one_function(cpu_device):
     assert vb.get_stats()["cuda_redirects"] == before + 5
     if not torch.accelerator.is_available():  # an index (.to(local_rank)) is torch's accelerator's: absent here
         assert x.to(0).device.type == "cpu" and nn.Linear(2, 2).to(1).weight.device.type == "cpu"
-        assert vb.get_stats()["cuda_redirects"] == before + 7
+        assert x.to(np.int64(0)).device.type == "cpu"  # a NumPy index, which torch takes as one
+        assert vb.get_stats()["cuda_redirects"] == before + 8
     lazy = nn.LazyLinear(2)
     lazy.to("cuda")  # an uninitialized parameter's .to() is handed the original Tensor.to
     assert lazy(torch.ones(1, 3)).shape == (1, 2)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import numbers
 import threading
 import time
 import weakref
@@ -528,11 +529,12 @@ def _redirect_device(value: Any) -> Any:
         return value
     if isinstance(value, str) and value.split(":", 1)[0].strip() == "cuda":
         value = torch.device(value)
-    elif type(value) is int and not torch.accelerator.is_available():
-        # .to(local_rank) / .to(0) of a script written for CUDA: an index of the accelerator,
-        # which torch refuses where there is none ("Cannot access accelerator device"); where
-        # there is one (an NPU, an XPU) torch maps it itself (a review probe's observation)
-        value = torch.device("cuda", value)
+    elif isinstance(value, numbers.Integral) and not isinstance(value, bool) and not torch.accelerator.is_available():
+        # .to(local_rank) / .to(0) of a script written for CUDA (NumPy integers too: torch takes
+        # them as indices): an index of the accelerator, which torch refuses where there is none
+        # ("Cannot access accelerator device"); where there is one (an NPU, an XPU) torch maps it
+        # itself (a review probe's observation)
+        value = torch.device("cuda", int(value))
     if isinstance(value, torch.device) and value.type == "cuda":
         index = value.index or 0
         cand = _state.selection.candidate

@@ -227,3 +227,20 @@ def test_ordered_default_and_slotted_dict_subclasses_come_back_whole():
     sl.temperature = 0.7
     got = to_fp32(sl)
     assert type(got) is _Slotted and got.temperature == 0.7 and got["z"].dtype == torch.float32
+
+
+def test_a_hugging_face_output_keeps_an_attribute_the_model_set_and_its_fields_agree():
+    """A ``ModelOutput`` (a dataclass and an OrderedDict, a pytree node of its own) with an
+    attribute that is not a field lost it under autocast: accelerate and the pytree rebuild it
+    from its fields. Its copy converts each field once: ``out.logits is out["logits"]``."""
+    from transformers.modeling_outputs import CausalLMOutput
+
+    a = torch.ones(2, dtype=torch.bfloat16)
+    out = CausalLMOutput(logits=a)
+    out.extra = 0.5
+    for got in (to_fp32(out), to_fp32((out, 1))[0]):
+        assert type(got) is CausalLMOutput and got.extra == 0.5 and list(got.keys()) == ["logits"]
+        assert got.logits.dtype == torch.float32 and got.logits is got["logits"] and got.to_tuple()[0] is got.logits
+    assert out.logits is a and out["logits"] is a  # the model's own object is unchanged
+    plain = to_fp32(CausalLMOutput(logits=a))  # no attribute of its own: rebuilt as before
+    assert plain.logits.dtype == torch.float32 and plain.logits is plain["logits"] and not hasattr(plain, "extra")

@@ -79,14 +79,14 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
                 return x
         return x
 
-    if any(_attributed_dict(x) for x in tree_leaves(output)):
+    if any(_attributed_dict(x) for x in tree_leaves(output, is_leaf=_attributed_dict)):
         converted = output  # accelerate would rebuild it with type(m)(dict), dropping its attributes
     else:
         try:
             converted = convert_to_fp32(output)
         except TypeError:
             converted = output  # a mapping accelerate cannot rebuild: the walk below converts it
-    return tree_map(leaf, converted)
+    return tree_map(leaf, converted, is_leaf=_attributed_dict)  # the leaf copies those itself
 
 
 def _slots(cls: type) -> list[str]:
@@ -104,17 +104,26 @@ def _dict_copy(x: dict, convert) -> dict:
     without running the class's own methods (its ``__init__``, ``__setitem__``, ``__setattr__``):
     its ``__dict__`` and slot attributes, a ``defaultdict``'s ``default_factory``, and its items
     through the base container's ``__setitem__`` in their order (an ``OrderedDict``'s keeps its
-    links: ``dict.update`` left its ``keys()`` empty: a review probe's finding).
+    links: ``dict.update`` left its ``keys()`` empty: a review probe's finding). ``convert`` is
+    applied to the values of ``__dict__`` too (a ``ModelOutput``'s fields are attributes and
+    items), once per object: a value held as an attribute and an item stays one object.
 
     Raises:
         Exception: whatever the class's ``__new__`` raises.
     """
+    done: dict[int, Any] = {}
+
+    def once(v):
+        if id(v) not in done:
+            done[id(v)] = convert(v)
+        return done[id(v)]
+
     cls = type(x)
     new = cls.__new__(cls)
     if isinstance(x, collections.defaultdict):
         collections.defaultdict.default_factory.__set__(new, x.default_factory)
     if hasattr(x, "__dict__"):
-        vars(new).update(vars(x))
+        vars(new).update({k: once(v) for k, v in vars(x).items()})
     for name in _slots(cls):
         try:
             object.__setattr__(new, name, getattr(x, name))
@@ -122,7 +131,7 @@ def _dict_copy(x: dict, convert) -> dict:
             pass
     base = collections.OrderedDict if isinstance(x, collections.OrderedDict) else dict
     for k, v in base.items(x):
-        base.__setitem__(new, k, convert(v))
+        base.__setitem__(new, k, once(v))
     return new
 
 
@@ -131,13 +140,18 @@ def _half(t: torch.Tensor) -> bool:
 
 
 def _attributed_dict(x: Any) -> bool:
-    """A ``dict`` subclass instance (not a dataclass such as Hugging Face's ``ModelOutput``, whose
-    constructor sets its fields) with attributes of its own: accelerate's ``type(m)(dict)`` rebuild
-    dropped them (``out.temperature`` raised AttributeError under autocast: a probe's finding)."""
-    if not isinstance(x, dict) or type(x) in (dict, collections.OrderedDict, collections.defaultdict) \
-            or dataclasses.is_dataclass(x):
+    """A ``dict`` subclass instance with attributes of its own: accelerate's ``type(m)(dict)``
+    rebuild, and the pytree's for a registered class such as Hugging Face's ``ModelOutput``, drop
+    them (``out.temperature`` raised AttributeError under autocast: a probe's finding). For a
+    dataclass (``ModelOutput``, whose constructor sets its fields as attributes) only attributes
+    that are not fields count (an ``out.extra`` the model set: lost until 2026-11-28)."""
+    if not isinstance(x, dict) or type(x) in (dict, collections.OrderedDict, collections.defaultdict):
         return False
-    return bool(getattr(x, "__dict__", None)) or any(hasattr(x, name) for name in _slots(type(x)))
+    own = getattr(x, "__dict__", None)
+    if dataclasses.is_dataclass(x):
+        fields = {f.name for f in dataclasses.fields(x)}
+        return any(name not in fields for name in (own or ()))
+    return bool(own) or any(hasattr(x, name) for name in _slots(type(x)))
 
 
 def gradient_watch(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

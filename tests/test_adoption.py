@@ -280,6 +280,34 @@ def test_a_checkpoint_loaded_to_cuda_and_a_meta_model_made_on_cuda_go_to_the_sel
         torch.load(path, map_location="cuda")
 
 
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="redirection applies only where CUDA is absent")
+def test_cuda_default_device_contexts_go_to_the_selected_device_and_factories_keep_their_identity():
+    """A script written for CUDA builds its model in ``with torch.device("cuda"):`` or after
+    ``torch.set_default_device("cuda")``: the first tensor made raised torch's CUDA error under the
+    switch while every ``.to("cuda")`` was redirected. Factory functions themselves are left as
+    torch's own (PyTorch's compilers look them up by identity), and disable() ends the redirect."""
+    originals = (torch.zeros, torch.arange, torch.empty, torch.tensor)
+    vb.enable("balanced", banner=False)
+    where = vb.device().type
+    before = vb.get_stats()["cuda_redirects"]
+    with torch.device("cuda"):
+        made = [torch.ones(2), nn.Linear(2, 2).weight, torch.arange(3)]
+    assert [t.device.type for t in made] == [where] * 3
+    torch.set_default_device("cuda")
+    try:
+        assert torch.get_default_device().type == where and torch.zeros(1).device.type == where
+    finally:
+        torch.set_default_device(None)
+    assert vb.get_stats()["cuda_redirects"] == before + 2
+    with torch.device("meta"):  # other devices pass through
+        assert torch.zeros(1).is_meta
+    assert (torch.zeros, torch.arange, torch.empty, torch.tensor) == originals
+    vb.disable()
+    with pytest.raises((RuntimeError, AssertionError)):  # torch's "Torch not compiled with CUDA enabled"
+        with torch.device("cuda"):
+            torch.zeros(1)
+
 def test_a_model_that_is_never_moved_is_adopted_at_its_first_call():
     model = tiny_gpt().eval()
     x = torch.randint(0, 256, (2, 32))

@@ -42,6 +42,7 @@ from apt_model.base.log import get_logger
 from apt_model.base.feature import StepSession
 from apt_model.switch.adoption import Adopter, builtin_overrides, model_device
 from apt_model.switch.config import VBConfig, build_config
+from apt_model.switch import cuda_contexts
 from apt_model.switch.fast_path import ForwardFastPath
 from apt_model.switch.modes import FEATURES
 from apt_model.base.patches import PatchSet, end_session_hooks
@@ -524,6 +525,12 @@ def enabled(mode: str | None = None, **overrides: Any):
 
 
 def _redirect_device(value: Any) -> Any:
+    """``value`` (a device argument: str, ``torch.device`` or index) with CUDA replaced by the
+    redirect target, counted in ``cuda_redirects`` (and noted for the adoption's reason).
+    Unchanged when nothing is redirected.
+
+    Raises:
+        DeviceSelectionError: a CUDA index beyond the target kind's device count."""
     target = _state.redirect_target
     if target is None:
         return value
@@ -655,6 +662,7 @@ def _install_patches(st: _State) -> None:
         st.patches.set_attr(nn.Module, "to_empty", module_to_empty, label="nn.Module.to_empty")
         st.patches.set_attr(torch, "load", load, label="torch.load (map_location)")
         st.patches.set_attr(torch.Tensor, "cuda", tensor_cuda, label="torch.Tensor.cuda")
+        cuda_contexts.install(st.patches, _redirect_device)  # with torch.device("cuda"), set_default_device
         # Dynamo knows the original Tensor.to by the identity torch.Tensor.to had when Dynamo was
         # imported: after this patch it found neither (an unknown builtin called by a Python
         # function), so every .to() in a script's compiled code was a graph break: 2.3x the step
@@ -663,7 +671,8 @@ def _install_patches(st: _State) -> None:
         if stop is not None:
             st.patches.add_undo(stop, "watch for torch._dynamo (redirected Tensor.to as a graph node)")
         st.log.record("device", "redirect_cuda", cfg.redirect_cuda, str(sel.device),
-                      f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors go to {sel.device}")
+                      f"CUDA is absent: .cuda() and .to('cuda') on modules and tensors, and torch.device('cuda') "
+                      f"contexts go to {sel.device}")
     functional_call.install(st.patches)  # its swaps are no model to adopt, no surgery to follow
     if cfg.adopt == "auto":
         handle = register_module_forward_pre_hook(_global_pre_hook)

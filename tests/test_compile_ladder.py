@@ -466,6 +466,7 @@ def test_the_ladders_forward_bound_again_by_a_library_still_runs(monkeypatch):
             while hasattr(inner, "__wrapped__"):
                 inner = inner.__wrapped__
             assert torch.equal(types.MethodType(inner, model)(x), expected), phase
+            assert forward.__func__ is forward.__func__ is forward.__wrapped__  # made once, as a method's
     assert ladder.chosen == "compile"
     patches.restore_all()
     assert "forward" not in vars(model)

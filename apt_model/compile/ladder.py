@@ -222,12 +222,17 @@ class LadderForward:
         return self._eager()(*args, **kwargs)
 
     def _as_function(self) -> Callable:
-        dispatcher = self
+        """The dispatcher as a function of the model, made once (``forward.__func__ is
+        forward.__func__``, as for a bound method)."""
+        made = self.__dict__.get("_function")
+        if made is None:
+            dispatcher = self
 
-        def forward(model, *args, **kwargs):
-            return dispatcher(*args, **kwargs)
+            def forward(model, *args, **kwargs):
+                return dispatcher(*args, **kwargs)
 
-        return forward
+            made = self.__dict__["_function"] = forward
+        return made
 
     @property
     def __func__(self) -> Callable:

@@ -308,6 +308,30 @@ def test_cuda_default_device_contexts_go_to_the_selected_device_and_factories_ke
         with torch.device("cuda"):
             torch.zeros(1)
 
+def test_a_module_put_into_an_adopted_model_is_that_models_own(cpu_device):
+    """A head swapped in after the model's first call was adopted as a model of its own at its
+    first call (inside the model's): a second entry in the report, and features run nested in the
+    model's (its own mixed-precision trial). It is the model's part now, and the model's recorded
+    parameter count follows; one moved with ``.to()`` before it was put in stays a model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    vb.enable("balanced", mixed_precision="bf16", banner=False)
+    model(x)
+    model[2] = nn.Linear(16, 3)
+    model.append(nn.Sequential(nn.Tanh(), nn.Linear(3, 2)))
+    for _ in range(3):
+        model(x).sum().backward()
+    records = vb.get_report()["models"]
+    assert [r["name"] for r in records] == ["Sequential"], records
+    assert records[0]["parameters"] == sum(p.numel() for p in model.parameters()) == 8 * 16 + 16 + 16 * 3 + 3 + 3 * 2 + 2
+    assert not hasattr(model[2], "_vb_autocast") and hasattr(model, "_vb_autocast")
+    moved = nn.Linear(2, 2).to("cpu")  # adopted by .to(), before it is put in
+    model.append(moved)
+    model(x)
+    assert [r["name"] for r in vb.get_report()["models"]] == ["Sequential", "Linear"]
+
+
 def test_a_model_that_is_never_moved_is_adopted_at_its_first_call():
     model = tiny_gpt().eval()
     x = torch.randint(0, 256, (2, 32))

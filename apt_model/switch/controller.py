@@ -677,6 +677,8 @@ def _install_patches(st: _State) -> None:
     if cfg.adopt == "auto":
         handle = register_module_forward_pre_hook(_global_pre_hook)
         st.patches.add_handle(handle, "global forward pre-hook")
+        st.patches.add_handle(module_mod.register_module_module_registration_hook(_module_put_in),
+                              "submodules put into adopted models")
         # an adopted model's submodules skip the global hook (switch/fast_path.py); undone before the handle
         st.fast_path = ForwardFastPath(module_mod._global_forward_pre_hooks, handle.id, _global_pre_hook,
                                        (module_mod._global_forward_hooks, module_mod._global_backward_hooks,
@@ -739,6 +741,41 @@ def _stop_fast_path(st: _State, what: str) -> None:
     fp = st.fast_path
     if fp is not None and fp.on and st.enabled:
         fp.stop(f"{what} was called: compiled code is traced with the global hook in place, and stays so")
+
+
+def _module_put_in(parent: nn.Module, name: str, child) -> None:
+    """PyTorch's global submodule-registration hook: ``child`` is being put into ``parent`` under
+    ``name`` (``model.head = nn.Linear(...)``, a block appended). Where ``parent`` belongs to an
+    adopted model and ``child`` was never seen, ``child`` and its modules become that model's own:
+    never adopted as a model of their own (whose features would run nested inside the model's:
+    a second mixed-precision trial, compile trial and activation offload for a new head, and a
+    second entry in the report, until 2026-11-28: a probe's finding). The model's recorded
+    parameter count follows. A ``child`` already adopted (moved with ``.to()`` before it was put
+    in) stays a model of its own. Runs inside the script's assignment: never raises."""
+    st = _state
+    try:
+        if not isinstance(child, nn.Module) or not st.enabled or child in st.seen:
+            return None
+        owner = _owner_of(parent)
+        if owner is None:
+            return None
+        with st.lock:
+            for m in child.modules():
+                st.seen.add(m)
+                st.model_of[m] = weakref.ref(owner)
+            old = parent._modules.get(name)
+            had = {id(p) for p in owner.parameters()}  # a parameter tied to one the model has counts once
+            change = sum(p.numel() for p in child.parameters() if id(p) not in had)
+            if isinstance(old, nn.Module):
+                change -= sum(p.numel() for p in old.parameters())
+            for rec in (st.adopter.records if st.adopter is not None else ()):
+                if rec.ref is not None and rec.ref() is owner:
+                    rec.parameters += change
+        if st.fast_path is not None:
+            st.fast_path.note_seen(child)
+    except Exception as err:  # noqa: BLE001 - a missed note adopts the module as before, never breaks the script
+        log.debug("module put into an adopted model: %s.%s: %s", type(parent).__name__, name, err)
+    return None
 
 
 def _global_pre_hook(module: nn.Module, args: tuple):

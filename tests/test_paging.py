@@ -2709,3 +2709,22 @@ def test_a_paged_out_parameter_whose_empty_storage_was_shared_loads_into_a_priva
     assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
     lines = proc.stdout.split()
     assert int(lines[lines.index("SHARED") + 1]) > 0 and proc.stdout.strip().endswith("SAME"), proc.stdout
+
+
+def test_print_stats_says_why_level_0_holds_more_than_its_capacity(tmp_path, cpu_device, capsys):
+    """A state dict the script keeps holds its paged parameters resident (aliases, as in plain
+    PyTorch): the table showed level 0 above its capacity with no word why (a probe's finding)."""
+    m = model()
+    opt = make_opt(m, "adamw")
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    m.to("cpu")
+    train(m, opt, 2)
+    vb.print_stats()
+    assert "above its capacity" not in capsys.readouterr().out
+    kept = m.state_dict()
+    vb.print_stats()
+    out = capsys.readouterr().out
+    level0 = vb.get_stats()["levels"][0]
+    assert level0["resident_bytes"] > level0["capacity"]
+    assert "level 0 holds" in out and "above its capacity now" in out and "state_dict()" in out
+    del kept

@@ -202,6 +202,13 @@ def format_stats(report: dict) -> str:
                 lines.append(f"  swap files: {_fmt_bytes(lv.get('resident_bytes'))} in use and "
                              f"{_fmt_bytes(lv['stale_bytes'])} stale on disk (removed pages' files, reused by the "
                              "next writes; counted against swap_budget)")
+        top = levels[0]
+        over = (top.get("resident_bytes") or 0) - (top.get("capacity") or 0)
+        if top.get("capacity") and over > 0:  # a probe's finding: the table showed it with no word why
+            lines.append(f"  level 0 holds {_fmt_bytes(over)} above its capacity now: pages that tensors the script "
+                         "keeps still use (a model.state_dict() it holds is aliases of the parameters: on a CPU "
+                         "run they stay resident, as without the switch) or pinned during an op; docs/tiers.md, "
+                         "'Checkpoints' and 'Stats'")
         phases = (levels[0].get("stall_s_by_phase") or {}) if levels else {}
         if any(phases.values()):
             lines.append("  level 0 stalled in: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()))

@@ -2728,3 +2728,15 @@ def test_print_stats_says_why_level_0_holds_more_than_its_capacity(tmp_path, cpu
     assert level0["resident_bytes"] > level0["capacity"]
     assert "level 0 holds" in out and "above its capacity now" in out and "state_dict()" in out
     del kept
+
+
+def test_the_plan_of_a_frozen_model_counts_its_forward_reads_only():
+    """A frozen teacher paged beside a trained student was planned as if it trained: its
+    parameters read three times a step (forward, backward, optimizer step), not once."""
+    from apt_model.memory.placement import plan_placement
+
+    trained, frozen = model(), model().requires_grad_(False)
+    p_bytes = sum(p.numel() * p.element_size() for p in frozen.parameters())
+    a, b = plan_placement(trained, 4096, None, force=True), plan_placement(frozen, 4096, None, force=True)
+    assert a.read_bytes_per_step >= 3 * p_bytes and "forward only" not in a.reason
+    assert (b.read_bytes_per_step, b.write_bytes_per_step) == (p_bytes, 0) and "forward only" in b.reason

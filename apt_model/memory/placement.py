@@ -274,7 +274,9 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
     plan.over_budget_expected = ws - plan.page_budget if ws > plan.page_budget + largest else 0
     read = write = 0
     if plan.page_params:
-        read += 3 * p_bytes  # forward, backward, optimizer step
+        # forward, backward, optimizer step; a model with nothing to train (a frozen teacher) is
+        # only run forward (its estimate was 3x until 2026-11-28: a probe's finding)
+        read += 3 * p_bytes if t_bytes else p_bytes
         write += t_bytes  # updated parameters
     if plan.page_grads:
         write += t_bytes
@@ -289,6 +291,7 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
     plan.reason = (f"{why}; kept resident: {', '.join(kept) or 'nothing'}; paged to the level below: "
                    f"{', '.join(paged)} (parameters are kept first: 4 bytes of traffic per byte paged, vs 2 for "
                    f"gradients and states); about {format_size(read)} read + {format_size(write)} written per step"
+                   + ("" if t_bytes else " (forward only: nothing in it trains)")
                    + where)
     if given_back:
         plan.reason += (f"; {', '.join(given_back)} paged too, to leave room for the working set ({what}, "

@@ -379,7 +379,7 @@ def test_no_rung_where_the_scripts_hooks_sit_inside_the_model():
 @pytest.mark.parametrize("when", ["trial", "kept", "global"])
 def test_a_hook_the_script_adds_later_sends_the_model_back_to_eager_and_runs(when):
     originals = (vars(nn.Module)["register_forward_hook"], torch.nn.modules.module.register_module_forward_hook)
-    model, records = Net(), []
+    model, records = Net(delay=0.02 if when == "kept" else 0.0), []  # the delay: a rung kept even under load
     ladder, patches = _kept_ladder(model, records)
     steps = 0
     while ladder.state != ("trial" if when != "kept" else "done"):
@@ -409,7 +409,7 @@ def test_a_hook_on_a_submodule_swapped_in_after_the_rung_was_kept_sends_it_back(
     """A fine-tuning head swap after the rung was kept (``model.b = nn.Linear(...)``), then a hook
     on the new head, or a head that already carries a hook: the watch knew only the submodules of
     attach time, so the hook never ran (a probe: loss 0.050 vs plain 0.261)."""
-    model, records = Net(), []
+    model, records = Net(delay=0.02), []  # the rung skips the delay: kept even on a loaded machine
     ladder, patches = _kept_ladder(model, records)
     steps = 0
     while ladder.state != "done":

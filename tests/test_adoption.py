@@ -326,6 +326,10 @@ def test_a_module_put_into_an_adopted_model_is_that_models_own(cpu_device):
     assert [r["name"] for r in records] == ["Sequential"], records
     assert records[0]["parameters"] == sum(p.numel() for p in model.parameters()) == 8 * 16 + 16 + 16 * 3 + 3 + 3 * 2 + 2
     assert not hasattr(model[2], "_vb_autocast") and hasattr(model, "_vb_autocast")
+    model._modules["2"] = nn.Linear(16, 3)  # no registration hook sees this (torch.ao's swaps, HF's replacements)
+    for _ in range(3):
+        model(x).sum().backward()
+    assert [r["name"] for r in vb.get_report()["models"]] == ["Sequential"]
     moved = nn.Linear(2, 2).to("cpu")  # adopted by .to(), before it is put in
     model.append(moved)
     model(x)

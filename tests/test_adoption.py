@@ -109,6 +109,13 @@ def test_auto_decision_is_consistent_with_the_measured_ratio():
     assert att == ("sdpa" if speed["attention"]["speedup"] >= 1.0 else "as written")
 
 
+def _backward_calls(n: int) -> None:
+    """``n`` backward calls of nothing in particular: the script's first backward calls, after
+    which training calls of routed attention take SDPA (apt_model/base/graph_reuse.py)."""
+    for _ in range(n):
+        torch.ones(1, requires_grad=True).sum().backward()
+
+
 def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(32, 4, batch_first=True)
@@ -117,6 +124,10 @@ def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
     assert ref_w is not None
     vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
     mha.to("cpu")
+    with torch.no_grad():
+        assert mha(q, q, q)[1] is None  # no backward can follow: routed at once
+    assert mha(q, q, q)[1] is not None  # a training call before the script's first backward calls
+    _backward_calls(4)
     out, w = mha(q, q, q)
     assert w is None  # need_weights defaulted to False: the fused path
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
@@ -197,6 +208,7 @@ def test_copies_of_a_routed_multihead_attention_act_as_plain_pytorch():
     q = torch.randn(2, 10, 32)
     vb.enable("balanced", attention="sdpa", mixed_precision="off", banner=False)
     mha.to("cpu")
+    _backward_calls(4)
     assert mha(q, q, q)[1] is None
     twin = copy.deepcopy(mha)
     buf = io.BytesIO()

@@ -31,6 +31,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 from apt_model.base.module_attrs import has_module_attr, module_attr
@@ -52,15 +53,33 @@ class AttentionTarget:
 _ROUTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 
-def _mha_default_no_weights(module: nn.MultiheadAttention, args: tuple, kwargs: dict):
-    """Forward pre-hook: ``need_weights=False`` unless the caller passed it (5th positional or keyword)."""
-    if module not in _ROUTED:  # a copy, or after disable(): as plain PyTorch
-        return None
-    if len(args) < 5 and "need_weights" not in kwargs:
+class _NoWeights:
+    """Forward pre-hook of a routed ``nn.MultiheadAttention``: ``need_weights=False`` (SDPA) unless
+    the caller passed it (5th positional or keyword). With grad enabled only once ``reuse`` (the
+    session's :class:`~apt_model.base.graph_reuse.GraphReuseWatch`, None: always) is ready without
+    ``create_graph``: SDPA's fused kernels have no second derivative, and the math path torch takes
+    with ``need_weights=True`` does (a WGAN-GP critic with attention crashed in balanced mode until
+    2026-11-28: a probe's finding)."""
+
+    def __init__(self, reuse=None):
+        self.reuse = reuse
+
+    def __reduce__(self):
+        # a copy (torch.save(model), copy.deepcopy) is not routed: it needs no watch, and the
+        # watch (a lock, weak references) cannot be pickled
+        return (_NoWeights, ())
+
+    def __call__(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict):
+        if module not in _ROUTED:  # a copy, or after disable(): as plain PyTorch
+            return None
+        if len(args) >= 5 or "need_weights" in kwargs:
+            return None
+        reuse = self.reuse
+        if reuse is not None and torch.is_grad_enabled() and not reuse.ready_without(("create_graph",)):
+            return None
         kwargs = dict(kwargs)
         kwargs["need_weights"] = False
         return args, kwargs
-    return None
 
 
 def _declares_sdpa(declared) -> bool:
@@ -104,8 +123,9 @@ def find_attention_targets(model: nn.Module) -> list[AttentionTarget]:
     return targets
 
 
-def route_to_sdpa(targets: list[AttentionTarget], patches: PatchSet) -> list[str]:
-    """Switch every ``eager`` target to SDPA, recording undo actions in ``patches``.
+def route_to_sdpa(targets: list[AttentionTarget], patches: PatchSet, reuse=None) -> list[str]:
+    """Switch every ``eager`` target to SDPA, recording undo actions in ``patches``; an
+    ``nn.MultiheadAttention`` in a training call only while ``reuse`` allows (see :class:`_NoWeights`).
 
     Returns:
         Descriptions of what was routed (``"mha:encoder.layers.0.self_attn"``...).
@@ -115,7 +135,7 @@ def route_to_sdpa(targets: list[AttentionTarget], patches: PatchSet) -> list[str
         if t.state != "eager":
             continue
         if t.kind == "mha":
-            handle = t.module.register_forward_pre_hook(_mha_default_no_weights, with_kwargs=True)
+            handle = t.module.register_forward_pre_hook(_NoWeights(reuse), with_kwargs=True)
             _mark_routed(t.module, patches, t.name)
             patches.add_handle(handle, f"mha need_weights hook {t.name}")
         else:

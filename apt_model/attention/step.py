@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from apt_model.attention.routing import find_attention_targets, route_to_sdpa
+from apt_model.base import graph_reuse
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
 from apt_model.base.patches import PatchSet
 
@@ -31,6 +32,7 @@ class AttentionStep(FeatureStep):
         targets = find_attention_targets(model)
         if req == "off":
             return Decision(self.name, req, "as written", "attention=off")
+        graph_reuse.watch_for(self.session.services, self.session.patches)  # counts backward calls from now on
         if ctx.trigger == "first forward" and any(t.name == "" and t.kind == "mha" for t in targets):
             # a bare nn.MultiheadAttention adopted inside its first call: that call returns weights
             # (the hook cannot change its arguments), so routing the later calls would change what
@@ -72,5 +74,6 @@ class AttentionStep(FeatureStep):
         return Decision(self.name, req, "sdpa", why, tried, act=True, plan=eager)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
-        routed = route_to_sdpa(decision.plan, patches)
+        reuse = graph_reuse.watch_for(self.session.services, self.session.patches)
+        routed = route_to_sdpa(decision.plan, patches, reuse)
         return decision.amend(reason=f"{decision.reason}; routed {len(routed)} site(s): {', '.join(routed)}")

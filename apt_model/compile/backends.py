@@ -71,9 +71,31 @@ class CountingBackend:
         start = time.perf_counter()
         self.compiles += 1
         try:
-            return self._inner(gm, example_inputs)
+            with keep_saved_buffers():
+                return self._inner(gm, example_inputs)
         finally:
             self.seconds += time.perf_counter() - start
+
+
+def keep_saved_buffers():
+    """A context in which AOTAutograd compiles a backward that does not reuse ("donate") the
+    buffers its forward saved (``torch._functorch.config.donated_buffer=False``; a no-op where this
+    torch has no such setting). A backward with donated buffers refuses a graph kept for a second
+    backward ("compiled with non-empty donated buffers which requires create_graph=False and
+    retain_graph=False"): a script's ``loss.backward(retain_graph=True)`` or
+    ``torch.autograd.functional.jacobian`` over a model on a compile rung raised, where plain
+    PyTorch runs (until 2026-11-28: a probe's finding). The setting is read while the graph
+    compiles, so only the switch's rungs are compiled so; the script's own ``torch.compile`` is not
+    changed. The cost: the backward allocates those buffers anew."""
+    import contextlib
+
+    try:
+        import torch._functorch.config as functorch_config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(functorch_config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return functorch_config.patch(donated_buffer=False)
 
 
 def ladder_rungs(kind, builtin_overrides: dict) -> list[dict]:

@@ -548,11 +548,25 @@ class CompileLadder:
 
     def script_hook_added(self, description: str) -> None:
         """The script registered a hook compiled code would trace (:mod:`apt_model.compile.hooks`):
-        a rung warming up or on trial is given up, a kept rung's compiled forward is dropped, and
-        the model runs as written from then on. Nothing changes for a ladder still waiting (its
-        rung's start looks at the hooks) or already eager."""
-        why = (f"the script registered {description} inside the model, which compiled code would not run "
-               "as eager does (torch.compile traces hooks once and does not see hooks added later)")
+        :meth:`give_up`."""
+        self.give_up(f"the script registered {description} inside the model, which compiled code would not run "
+                     "as eager does (torch.compile traces hooks once and does not see hooks added later)")
+
+    def graph_reused(self, kind: str, where: str) -> None:
+        """The script called a backward with ``kind=True`` (``create_graph`` / ``retain_graph``,
+        :mod:`apt_model.base.graph_reuse`), which a compiled graph (or the override rung's SDPA)
+        cannot take: as :meth:`give_up`."""
+        why = (f"the script calls a backward with {kind}=True ({where}), which a compiled graph cannot take "
+               "(AOTAutograd does not differentiate its backward again; fused attention has no second derivative)")
+        if self.state == "waiting":
+            self._skip_rungs(why)
+        else:
+            self.give_up(why)
+
+    def give_up(self, why: str) -> None:
+        """A rung warming up or on trial is given up, a kept rung's compiled forward is dropped, and
+        the model runs as written from then on (``why`` recorded). Nothing changes for a ladder
+        still waiting (its rung's start looks again) or already eager."""
         if self.state in ("warmup", "trial"):
             self._drop_timer()
             self._fn = None

@@ -30,6 +30,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.call_wrapper import script_call
+from apt_model.base import graph_reuse
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
 from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import compiler_for
@@ -99,6 +100,13 @@ class CompileStep(FeatureStep):
             return Decision(self.name, req, "eager", "a multi-rank job: the model is wrapped in DDP at its first "
                             "training forward (by the switch, or by the script's own DistributedDataParallel); the "
                             "ladder does not compile a model under DDP in this version")
+        # watched from the first adoption that may climb a ladder, so that the gate counts the
+        # script's backward calls from its first (apt_model/base/graph_reuse.py)
+        reuse = graph_reuse.watch_for(self.session.services, self.session.patches)
+        if reuse.seen:
+            kind, where = next(iter(reuse.seen.items()))
+            return Decision(self.name, req, "eager", f"the script calls a backward with {kind}=True ({where}), which a "
+                            "compiled graph cannot take (AOTAutograd does not differentiate its backward again)")
         if torch.are_deterministic_algorithms_enabled():
             return Decision(self.name, req, "eager", "torch.use_deterministic_algorithms(True) is on: a rung is kept "
                             "by a timed trial, so runs of the script could compute differently (compiled or eager)")
@@ -146,8 +154,12 @@ class CompileStep(FeatureStep):
                               cfg.compile_recompile_limit)
         autocast_trial = ctx.facts.get("autocast_trial")
 
+        reuse = graph_reuse.watch_for(self.session.services, self.session.patches)
+
         def gate() -> bool:
-            return autocast_trial is None or not autocast_trial.running
+            # after the autocast trial, and once the script's first backward calls showed no graph
+            # differentiated twice (apt_model/base/graph_reuse.py)
+            return (autocast_trial is None or not autocast_trial.running) and reuse.ready
 
         def record(chosen: str, reason: str, details: dict) -> None:
             ctx.record_later(Decision(self.name, decision.requested, chosen, reason, details=details))
@@ -159,6 +171,7 @@ class CompileStep(FeatureStep):
         ladder = CompileLadder(model, decision.plan, policy, ctx.device, record, gate, tag=ctx.record.scope,
                                channel_for=channel_for)
         ladder.attach(patches)
+        reuse.subscribe(ladder.graph_reused)
         if self.hook_watch is None:  # a hook the script registers later sends the model back to eager
             self.hook_watch = HookWatch(patches)
         self.hook_watch.watch(ladder)

@@ -1375,3 +1375,69 @@ def test_a_block_holding_the_scripts_hooks_runs_uncheckpointed_while_it_does(tmp
     assert [w.calls for w in wrapped] == [0, 0, 2]  # the hooked blocks ran as written; the third was checkpointed
     model(torch.ones(4, 16)).sum().backward()  # the hook on block 1 is gone: checkpointed again
     assert [w.calls for w in wrapped] == [0, 1, 3]
+
+
+class _SameTwice(nn.Module):
+    """A block called ``blk(x, x)``: its forward takes one path when both arguments are one tensor
+    (as ``nn.MultiheadAttention`` projects ``q is k is v`` packed), and may scale one in place."""
+
+    def __init__(self, kind: str, d: int = 32):
+        super().__init__()
+        self.kind = kind
+        self.f, self.g = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, a, b):
+        if self.kind == "mut":
+            b.mul_(2.0)
+        h = self.f(a)
+        return torch.tanh(h) if a is b else torch.sigmoid(h) + self.g(b)
+
+
+class _SameTwiceNet(nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        if kind == "mha":
+            self.blocks = nn.ModuleList([nn.MultiheadAttention(32, 4, batch_first=True) for _ in range(2)])
+        else:
+            self.blocks = nn.ModuleList([_SameTwice(kind) for _ in range(2)])
+        self.kind, self.head = kind, nn.Linear(32, 1)
+
+    def forward(self, x):
+        x = x * 1.0
+        for blk in self.blocks:
+            x = x + (blk(x, x, x)[0] if self.kind == "mha" else blk(x, x))
+        return self.head(x).mean()
+
+
+def _same_twice_grads(kind: str, steps: int = 3) -> list:
+    torch.manual_seed(0)
+    m = _SameTwiceNet(kind)
+    if vb.is_enabled():
+        m.to("cpu")
+    out = []
+    for step in range(steps):
+        torch.manual_seed(step)
+        inp = torch.randn(8, 16, 32) if kind == "mha" else torch.randn(8, 32)
+        m.zero_grad()
+        loss = m(inp)
+        loss.backward()
+        out.append((loss.detach(), [None if p.grad is None else p.grad.clone() for p in m.parameters()]))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["mha", "ident", "mut"])
+def test_a_block_given_one_tensor_twice_is_recomputed_with_one_tensor(kind, cpu_device):
+    """``blk(x, x)``: the checkpoint saved each argument on its own, and under activation offload's
+    saved-tensor hooks each came back a new object, so the recomputation ran ``blk(x1, x2)``:
+    ``nn.MultiheadAttention(x, x, x)`` raised a CheckpointError at the second step, and a forward
+    that tests ``a is b`` gave other gradients without a word; a block that scales its input in
+    place was recomputed from two copies, wrong from the first step (a probe's findings)."""
+    ref = _same_twice_grads(kind)
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    got = _same_twice_grads(kind)
+    rec = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+    assert rec["chosen"] == "2/2 blocks", rec  # both blocks recompute: the path under test
+    for (l0, g0), (l1, g1) in zip(ref, got):
+        assert torch.equal(l0, l1)
+        assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                   for a, b in zip(g0, g1))

@@ -48,6 +48,7 @@ import threading
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -151,6 +152,37 @@ def running_stats_layers(module: nn.Module) -> list[nn.Module]:
     convention count too)."""
     return [m for m in module.modules()
             if module_attr(m, "running_mean") is not None and module_attr(m, "num_batches_tracked") is not None]
+
+
+def _shared_inputs(fn: Callable, args: tuple, kwargs: dict) -> tuple[Callable, list[torch.Tensor]]:
+    """``(run, unique)``: ``run(*unique)`` calls ``fn(*args, **kwargs)`` with each tensor passed
+    directly replaced by its entry in ``unique``, which holds each distinct tensor once.
+
+    ``torch.utils.checkpoint`` saves its inputs one by one, and under saved-tensor hooks (activation
+    offload) each comes back from the hook as a new object: ``mha(x, x, x)`` was recomputed as
+    ``mha(x1, x2, x3)``, which takes another path (``nn.MultiheadAttention`` projects ``q is k is
+    v`` packed: a ``CheckpointError``), or, for a block whose forward tests ``a is b``, gave other
+    gradients without a word (until 2026-11-28: a probe's finding). Passed once, the tensor comes
+    back as one object in every slot it filled."""
+    unique: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    slots = []
+    for key, t in _tensor_args(args, kwargs):
+        i = index.setdefault(id(t), len(unique))
+        if i == len(unique):
+            unique.append(t)
+        slots.append((key, i))
+
+    def run(*tensors):
+        a, kw = list(args), dict(kwargs)
+        for key, i in slots:
+            if isinstance(key, int):
+                a[key] = tensors[i]
+            else:
+                kw[key] = tensors[i]
+        return fn(*a, **kw)
+
+    return run, unique
 
 
 def _tensor_args(args: tuple, kwargs: dict) -> list[tuple[object, torch.Tensor]]:
@@ -356,7 +388,8 @@ class CheckpointedForward:
         contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
                     if replay.track_rng or buffers else {})
         if self.mutates_input is False:
-            out = checkpoint(self.forward, *args, use_reentrant=False, preserve_rng_state=True, **contexts, **kwargs)
+            run, inputs = _shared_inputs(self.forward, args, kwargs)
+            out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, **contexts)
         else:
             out = self._from_copies(args, kwargs, contexts)
         if self.draws_rng is None:
@@ -378,17 +411,21 @@ class CheckpointedForward:
         itself runs on the inputs as given, so the caller sees what it would without the switch."""
         tensors = _tensor_args(args, kwargs)
         versions = [t._version for _, t in tensors]
-        with torch.no_grad():
-            copies = [(key, t.detach().clone(), t.requires_grad) for key, t in tensors]
+        with torch.no_grad():  # one copy per distinct tensor: blk(x, x) gets one object in both slots
+            by_id: dict[int, torch.Tensor] = {}
+            copies = [(key, by_id[id(t)] if id(t) in by_id else by_id.setdefault(id(t), t.detach().clone()),
+                       t.requires_grad) for key, t in tensors]
         calls = [0]
 
         def run():
             calls[0] += 1
             if calls[0] == 1 or not copies:
                 return self.forward(*args, **kwargs)
-            a, kw = list(args), dict(kwargs)
+            a, kw, made = list(args), dict(kwargs), {}
             for key, copy, grad in copies:  # a fresh copy each time: a second recomputation starts clean
-                fresh = copy.detach().requires_grad_().clone() if grad else copy.clone()
+                if id(copy) not in made:
+                    made[id(copy)] = copy.detach().requires_grad_().clone() if grad else copy.clone()
+                fresh = made[id(copy)]
                 if isinstance(key, int):
                     a[key] = fresh
                 else:

@@ -126,6 +126,7 @@ def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
     mha.to("cpu")
     with torch.no_grad():
         assert mha(q, q, q)[1] is None  # no backward can follow: routed at once
+    assert mha.eval()(q, q, q)[1] is None and mha.train() is mha  # nor in evaluation (eval mode)
     assert mha(q, q, q)[1] is not None  # a training call before the script's first backward calls
     _backward_calls(4)
     out, w = mha(q, q, q)

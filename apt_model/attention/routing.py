@@ -55,11 +55,11 @@ _ROUTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 class _NoWeights:
     """Forward pre-hook of a routed ``nn.MultiheadAttention``: ``need_weights=False`` (SDPA) unless
-    the caller passed it (5th positional or keyword). With grad enabled only once ``reuse`` (the
-    session's :class:`~apt_model.base.graph_reuse.GraphReuseWatch`, None: always) is ready without
-    ``create_graph``: SDPA's fused kernels have no second derivative, and the math path torch takes
-    with ``need_weights=True`` does (a WGAN-GP critic with attention crashed in balanced mode until
-    2026-11-28: a probe's finding)."""
+    the caller passed it (5th positional or keyword). In a training call (train mode, grad enabled)
+    only once ``reuse`` (the session's :class:`~apt_model.base.graph_reuse.GraphReuseWatch`; None:
+    always) is ready without ``create_graph``: SDPA's fused kernels have no second derivative, and
+    the math path torch takes with ``need_weights=True`` does (a WGAN-GP critic with attention
+    crashed in balanced mode until 2026-11-28: a probe's finding)."""
 
     def __init__(self, reuse=None):
         self.reuse = reuse
@@ -75,7 +75,8 @@ class _NoWeights:
         if len(args) >= 5 or "need_weights" in kwargs:
             return None
         reuse = self.reuse
-        if reuse is not None and torch.is_grad_enabled() and not reuse.ready_without(("create_graph",)):
+        if reuse is not None and module.training and torch.is_grad_enabled() \
+                and not reuse.ready_without(("create_graph",)):
             return None
         kwargs = dict(kwargs)
         kwargs["need_weights"] = False

@@ -32,7 +32,6 @@ class AttentionStep(FeatureStep):
         targets = find_attention_targets(model)
         if req == "off":
             return Decision(self.name, req, "as written", "attention=off")
-        graph_reuse.watch_for(self.session.services, self.session.patches)  # counts backward calls from now on
         if ctx.trigger == "first forward" and any(t.name == "" and t.kind == "mha" for t in targets):
             # a bare nn.MultiheadAttention adopted inside its first call: that call returns weights
             # (the hook cannot change its arguments), so routing the later calls would change what

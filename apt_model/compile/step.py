@@ -100,10 +100,8 @@ class CompileStep(FeatureStep):
             return Decision(self.name, req, "eager", "a multi-rank job: the model is wrapped in DDP at its first "
                             "training forward (by the switch, or by the script's own DistributedDataParallel); the "
                             "ladder does not compile a model under DDP in this version")
-        # watched from the first adoption that may climb a ladder, so that the gate counts the
-        # script's backward calls from its first (apt_model/base/graph_reuse.py)
-        reuse = graph_reuse.watch_for(self.session.services, self.session.patches)
-        if reuse.seen:
+        reuse = self.session.services.get("graph_reuse")
+        if reuse is not None and reuse.seen:
             kind, where = next(iter(reuse.seen.items()))
             return Decision(self.name, req, "eager", f"the script calls a backward with {kind}=True ({where}), which a "
                             "compiled graph cannot take (AOTAutograd does not differentiate its backward again)")
@@ -143,6 +141,9 @@ class CompileStep(FeatureStep):
         if not rungs:
             return Decision(self.name, req, "eager", "no rung offered on this device: " + "; ".join(tried), tried)
         names = " → ".join([r.name for r in rungs] + ["eager"])
+        # watched from now on (apt_model/base/graph_reuse.py): the gate counts the script's backward
+        # calls from here; nothing is watched in a session that offers no rung
+        graph_reuse.watch_for(self.session.services, self.session.patches)
         return Decision(self.name, req, "on trial",
                         f"ladder {names}: each rung warms up (compiles) at the first training calls after the autocast "
                         "trial, then is kept only if an A/B trial against eager shows it faster", tried,

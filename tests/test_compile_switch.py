@@ -726,3 +726,47 @@ def test_models_evaluated_and_dropped_leave_no_optimizer_step_hooks():
     hooks = sum(1 for h in post.values() if type(h).__module__ == "apt_model.compile.ladder")
     assert ladders == ["on trial"] * 5, ladders  # each got a ladder (its trial never ran: no training)
     assert hooks <= 1, hooks  # the last model's, removed when the next ladder is made
+
+
+class _Profiled(SoftmaxNet):
+    """Hand-written attention whose forward marks a profiler range."""
+
+    def forward(self, x):
+        with torch.profiler.record_function("attention"):
+            return super().forward(x)
+
+
+def _softmax_steps(m, steps, seed=0):
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        loss = m(torch.randn(4, 8, 32, generator=gen)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def test_a_model_that_marks_profiler_ranges_gets_no_rung_and_the_profiler_pauses_the_ladder():
+    """Dynamo drops ``record_function`` from a captured graph: a model's own profiler ranges
+    vanished from the script's profiles once the override rung captured it. And a rung started
+    under ``torch.profiler`` captured code there (with ``with_stack=True`` the profile could not be
+    read: UnicodeDecodeError) and was timed with the profiler's cost: the ladder waits while one
+    records (probes' findings)."""
+    vb.enable("balanced", mixed_precision="off", attention="off", banner=False)
+    torch.manual_seed(0)
+    marked = _Profiled().to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["compile"]
+    assert feature["chosen"] == "eager" and "record_function" in feature["reason"], feature
+    torch.manual_seed(0)
+    plain = SoftmaxNet().to("cpu")
+    with torch.profiler.profile() as prof:
+        _softmax_steps(plain, 4 + READY_AFTER)
+    ladder = plain.forward.ladder
+    assert ladder.state == "waiting" and ladder.timeline == [] and len(prof.events()) > 0
+    _softmax_steps(plain, 4 + READY_AFTER)  # no profiler: the rung warms up and is tried
+    assert ladder.state in ("warmup", "trial", "done")
+    _softmax_steps(marked, 4 + READY_AFTER)
+    with torch.profiler.profile() as prof:
+        _softmax_steps(marked, 2)
+    assert [e.name for e in prof.events()].count("attention") >= 2  # its ranges are in the profile
+    torch._dynamo.reset()

@@ -65,6 +65,11 @@ from apt_model.devices.trial import SpeedTrial
 
 log = get_logger(__name__)
 
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` / ``torch.autograd.profiler`` session is recording (a C call)."""
+    return torch.autograd._profiler_enabled()
+
+
 #: Untimed training calls a rung runs before its trial (compilation of forward and backward).
 WARMUP_CALLS = 2
 
@@ -468,6 +473,12 @@ class CompileLadder:
         if training and not self._uncompiled:
             self._uncompiled = True
             self._drop_step_hook()
+        if profiler_enabled():
+            # under torch.profiler the ladder neither starts, warms up nor times a rung: the call
+            # runs eagerly. A capture there freed code objects the profiler's stack tracer still
+            # pointed at (key_averages() raised UnicodeDecodeError with with_stack=True), and the
+            # profiler's own cost made the trial's timings meaningless (a probe's findings)
+            return None
         if self.state == "waiting":
             if not training or not self.gate():
                 return None

@@ -66,6 +66,20 @@ def softmax_callers(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
+def profiled_callers(model: nn.Module) -> list[str]:
+    """Classes of ``model``'s modules whose ``forward`` names ``record_function`` (a profiler range
+    the script marks): TorchDynamo drops it from a captured graph ("Profiler record function ...
+    will be ignored"), so such a model's ranges vanished from the script's profiles once a rung
+    captured it (until 2026-11-28: a probe's finding). Read from the code object's names: no
+    source is read."""
+    found = []
+    for cls in {type(m) for m in model.modules()}:
+        code = getattr(getattr(cls, "forward", None), "__code__", None)
+        if code is not None and "record_function" in code.co_names:
+            found.append(cls.__name__)
+    return sorted(found)
+
+
 def compiled_by_script(model: nn.Module) -> bool:
     """Whether ``model`` is compiled by the script: ``model.compile()`` was called (the module's
     ``_compiled_call_impl`` is set) or it is the ``OptimizedModule`` ``torch.compile(model)`` returns."""
@@ -111,6 +125,11 @@ class CompileStep(FeatureStep):
         hooked = script_hooks(model)
         if hooked:
             return Decision(self.name, req, "eager", hooks_inside_reason(hooked))
+        profiled = profiled_callers(model)
+        if profiled:
+            return Decision(self.name, req, "eager", f"{', '.join(profiled[:3])} mark profiler ranges in forward "
+                            "(record_function), which a captured graph drops: the model runs as written, so the "
+                            "script's profiles keep them")
         if ctx.trigger == "compiled function":
             return Decision(self.name, req, "eager", "the script calls this model from a function it compiles itself "
                             "(torch.compile(fn)): the compiled function is left as it is, with no rung beneath it")

@@ -643,10 +643,10 @@ def test_a_model_with_the_scripts_hooks_inside_gets_no_rung_and_its_hooks_all_ru
     seen = []
     m.blocks[0].mlp.register_forward_hook(lambda mod, i, o: seen.append(1))
     m.to("cpu")
+    train(m, 1 + READY_AFTER)  # looked at when the rung would start: after the script's first backward calls
     feature = vb.get_report()["models"][0]["features"]["compile"]
     assert feature["chosen"] == "eager" and "forward hook on blocks.0.mlp" in feature["reason"], feature
-    train(m, 3)
-    assert len(seen) == 3
+    assert len(seen) == 1 + READY_AFTER
 
     m2 = model()
     m2.to("cpu")
@@ -769,4 +769,23 @@ def test_a_model_that_marks_profiler_ranges_gets_no_rung_and_the_profiler_pauses
     with torch.profiler.profile() as prof:
         _softmax_steps(marked, 2)
     assert [e.name for e in prof.events()].count("attention") >= 2  # its ranges are in the profile
+    torch._dynamo.reset()
+
+
+def test_hooks_a_summary_tool_removes_before_training_do_not_keep_the_model_eager():
+    """torchinfo's ``summary`` calls the model first, with a hook on every module, then removes
+    them: the model was decided eager at that adoption, for good, its reason naming hooks long
+    gone (a probe's finding). Hooks are looked at when a rung would start."""
+    vb.enable("balanced", **FAST_TRIAL)
+    m = model()
+    handles = [mod.register_forward_hook(lambda *a: None) for mod in m.modules()]
+    with torch.no_grad():
+        m(torch.randint(0, 256, (1, 32)))  # the summary's call: adopts the model
+    for h in handles:
+        h.remove()
+    train(m, 4 + READY_AFTER)
+    feature = vb.get_report()["models"][0]["features"]["compile"]
+    assert feature["chosen"] == "on trial" and "hook" not in feature["reason"], feature
+    assert m.forward.ladder.state in ("warmup", "trial", "done")
+    vb.disable()
     torch._dynamo.reset()

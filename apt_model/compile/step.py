@@ -34,8 +34,7 @@ from apt_model.base import graph_reuse
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepSession
 from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import compiler_for
-from apt_model.base.module_hooks import script_hooks
-from apt_model.compile.hooks import HookWatch, hooks_inside_reason
+from apt_model.compile.hooks import HookWatch
 from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, override_rung
 
 
@@ -122,9 +121,10 @@ class CompileStep(FeatureStep):
         if torch.are_deterministic_algorithms_enabled():
             return Decision(self.name, req, "eager", "torch.use_deterministic_algorithms(True) is on: a rung is kept "
                             "by a timed trial, so runs of the script could compute differently (compiled or eager)")
-        hooked = script_hooks(model)
-        if hooked:
-            return Decision(self.name, req, "eager", hooks_inside_reason(hooked))
+        # the script's hooks inside the model are looked at when a rung would start, not now: a
+        # summary tool (torchinfo) calls the model first with hooks on every module and removes
+        # them; decided here, the model stayed eager for good with a reason no longer true (until
+        # 2026-11-28: a probe's finding)
         profiled = profiled_callers(model)
         if profiled:
             return Decision(self.name, req, "eager", f"{', '.join(profiled[:3])} mark profiler ranges in forward "

@@ -941,3 +941,32 @@ def test_blocks_that_answer_every_name_get_every_feature(cpu_device):
     features = vb.get_report()["models"][0]["features"]
     assert not [name for name, f in features.items() if "error" in f], features
     assert features["activation_checkpointing"]["chosen"] == "3/3 blocks", features["activation_checkpointing"]
+
+
+def test_adoption_imports_nothing_of_the_switch_inside_the_script_s_steps():
+    """torch.profiler's stack tracer (``with_stack=True``) kept pointers to the names of code
+    objects freed while it recorded, such as an imported module's body: a model adopted inside a
+    profiled step imported the probe cache's modules there, and ``key_averages()`` then raised
+    UnicodeDecodeError (a probe's finding). ``enable()`` imports them."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = """
+import sys, torch, torch.nn as nn
+import apt_model.optimization.vb_global as vb
+vb.enable("balanced", banner=False)  # its probes at adoption read and write the probe cache
+before = set(sys.modules)
+m = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+opt = torch.optim.AdamW(m.parameters())
+for _ in range(3):
+    loss = m(torch.randn(4, 16)).square().mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+print("NEW", sorted(n for n in set(sys.modules) - before if n.startswith("apt_model")))
+print("ADOPTED", len(vb.get_report()["models"]))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+                         env=clean_env(VB_DEVICE="cpu"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "NEW []" in out.stdout and "ADOPTED 1" in out.stdout, out.stdout

@@ -146,7 +146,7 @@ def enable(mode: str | None = None, **overrides: Any) -> VBConfig:
             from apt_model.memory import interrupts
 
             interrupts.install(st.patches)  # a signal's handler waits until the pager is between two states
-        _import_adoption_modules(paging=stack is not None)
+        _import_adoption_modules()
         # "agreement": rank 0's trial verdicts hold for every rank of a job (devices/rank_agreement.py)
         services = {"distributed": distributed, "overrides": builtin_overrides(), "agreement": RankAgreement()}
         distributed.attach(services)  # the distributed policy sees the paging session through these
@@ -525,18 +525,16 @@ def enabled(mode: str | None = None, **overrides: Any):
 # ---------------------------------------------------------------------------- patches
 
 
-def _import_adoption_modules(paging: bool) -> None:
-    """Import now the modules a model's adoption would import: adoption may run inside the
+def _import_adoption_modules() -> None:
+    """Import now the small modules a model's adoption would import: adoption may run inside the
     script's ``torch.profiler``, whose stack tracer (``with_stack=True``) keeps pointers to the names
     of code objects freed while it records, such as an imported module's body, and
     ``key_averages()`` then raised ``UnicodeDecodeError`` (a PyTorch defect a probe found the
-    switch setting off, 2026-11-28)."""
+    switch setting off, 2026-11-28). Not paging's modules: they import TorchDynamo (1.4 s), which
+    a session that never pages must not pay for at ``enable()``."""
     import importlib
 
-    names = ["apt_model.base.user_cache"]
-    if paging:
-        names += ["apt_model.memory.bandwidth", "apt_model.memory.paging.session"]
-    for name in names:
+    for name in ("apt_model.base.user_cache", "apt_model.memory.bandwidth"):
         importlib.import_module(name)
 
 

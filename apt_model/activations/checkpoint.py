@@ -409,31 +409,21 @@ class CheckpointedForward:
         start from the modified values: wrong gradients; torch's own check raises where plain
         PyTorch does not), and at the first call, which learns whether the block does. The forward
         itself runs on the inputs as given, so the caller sees what it would without the switch."""
-        tensors = _tensor_args(args, kwargs)
-        versions = [t._version for _, t in tensors]
-        with torch.no_grad():  # one copy per distinct tensor: blk(x, x) gets one object in both slots
-            by_id: dict[int, torch.Tensor] = {}
-            copies = [(key, by_id[id(t)] if id(t) in by_id else by_id.setdefault(id(t), t.detach().clone()),
-                       t.requires_grad) for key, t in tensors]
+        recompute, tensors = _shared_inputs(self.forward, args, kwargs)  # each distinct tensor once
+        versions = [t._version for t in tensors]
+        with torch.no_grad():
+            copies = [(t.detach().clone(), t.requires_grad) for t in tensors]
         calls = [0]
 
         def run():
             calls[0] += 1
             if calls[0] == 1 or not copies:
                 return self.forward(*args, **kwargs)
-            a, kw, made = list(args), dict(kwargs), {}
-            for key, copy, grad in copies:  # a fresh copy each time: a second recomputation starts clean
-                if id(copy) not in made:
-                    made[id(copy)] = copy.detach().requires_grad_().clone() if grad else copy.clone()
-                fresh = made[id(copy)]
-                if isinstance(key, int):
-                    a[key] = fresh
-                else:
-                    kw[key] = fresh
-            return self.forward(*a, **kw)
+            # a fresh copy each time: a second recomputation starts clean
+            return recompute(*(c.detach().requires_grad_().clone() if grad else c.clone() for c, grad in copies))
 
         out = checkpoint(run, use_reentrant=False, preserve_rng_state=True, **contexts)
-        mutated = any(t._version != v for (_, t), v in zip(tensors, versions))
+        mutated = any(t._version != v for t, v in zip(tensors, versions))
         if self.mutates_input is None:
             self.mutates_input = mutated
         if not mutated:

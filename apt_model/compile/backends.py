@@ -9,6 +9,7 @@ count behind recompile-storm detection — and the seconds spent compiling.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable
 
@@ -87,8 +88,6 @@ def keep_saved_buffers():
     PyTorch runs (until 2026-11-28: a probe's finding). The setting is read while the graph
     compiles, so only the switch's rungs are compiled so; the script's own ``torch.compile`` is not
     changed. The cost: the backward allocates those buffers anew."""
-    import contextlib
-
     try:
         import torch._functorch.config as functorch_config
     except ImportError:

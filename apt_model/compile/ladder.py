@@ -65,9 +65,17 @@ from apt_model.devices.trial import SpeedTrial
 
 log = get_logger(__name__)
 
+
 def profiler_enabled() -> bool:
     """Whether a ``torch.profiler`` / ``torch.autograd.profiler`` session is recording (a C call)."""
     return torch.autograd._profiler_enabled()
+
+
+def graph_reuse_reason(kind: str, where: str) -> str:
+    """Why no rung is used once the script called a backward with ``kind=True`` at ``where``
+    (:mod:`apt_model.base.graph_reuse`)."""
+    return (f"the script calls a backward with {kind}=True ({where}), which a compiled graph cannot take "
+            "(AOTAutograd does not differentiate its backward again; fused attention has no second derivative)")
 
 
 #: Untimed training calls a rung runs before its trial (compilation of forward and backward).
@@ -567,8 +575,7 @@ class CompileLadder:
         """The script called a backward with ``kind=True`` (``create_graph`` / ``retain_graph``,
         :mod:`apt_model.base.graph_reuse`), which a compiled graph (or the override rung's SDPA)
         cannot take: as :meth:`give_up`."""
-        why = (f"the script calls a backward with {kind}=True ({where}), which a compiled graph cannot take "
-               "(AOTAutograd does not differentiate its backward again; fused attention has no second derivative)")
+        why = graph_reuse_reason(kind, where)
         if self.state == "waiting":
             self._skip_rungs(why)
         else:

@@ -35,7 +35,7 @@ from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, StepS
 from apt_model.base.patches import PatchSet
 from apt_model.compile.backends import compiler_for
 from apt_model.compile.hooks import HookWatch
-from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, override_rung
+from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, graph_reuse_reason, override_rung
 
 
 def softmax_callers(model: nn.Module) -> list[str]:
@@ -115,9 +115,7 @@ class CompileStep(FeatureStep):
                             "ladder does not compile a model under DDP in this version")
         reuse = self.session.services.get("graph_reuse")
         if reuse is not None and reuse.seen:
-            kind, where = next(iter(reuse.seen.items()))
-            return Decision(self.name, req, "eager", f"the script calls a backward with {kind}=True ({where}), which a "
-                            "compiled graph cannot take (AOTAutograd does not differentiate its backward again)")
+            return Decision(self.name, req, "eager", graph_reuse_reason(*next(iter(reuse.seen.items()))))
         if torch.are_deterministic_algorithms_enabled():
             return Decision(self.name, req, "eager", "torch.use_deterministic_algorithms(True) is on: a rung is kept "
                             "by a timed trial, so runs of the script could compute differently (compiled or eager)")

@@ -573,3 +573,52 @@ def test_deterministic_algorithms_turned_on_during_the_trial_end_it(cpu_device):
     finally:
         vb.disable()
         torch.use_deterministic_algorithms(before)
+
+
+def test_the_report_counts_a_frozen_teachers_evaluation_calls_as_fp32(cpu_device, capsys):
+    """Under forced bf16 a frozen teacher called in eval mode under no_grad was reported "bf16",
+    with nothing to say that every one of its calls ran as written in fp32 (a probe's finding).
+    Each model's mixed-precision entry now counts its calls: under autocast, and evaluation
+    calls run in fp32; ``print_stats`` shows both, and a trial's verdict keeps them."""
+    vb.enable("balanced", mixed_precision="bf16", banner=False)
+    try:
+        teacher, student = _gpt().eval(), _gpt()
+        teacher.requires_grad_(False)
+        opt = torch.optim.SGD(student.parameters(), lr=0.01)
+        x = torch.randint(0, 256, (2, 16))
+        for _ in range(4):
+            with torch.no_grad():
+                target = teacher(x)
+            assert target.dtype == torch.float32
+            loss = F.mse_loss(student(x), target)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        models = vb.get_report()["models"]
+        assert len(models) == 2
+        first, second = (m["features"]["mixed_precision"] for m in models)
+        # the teacher was called first: adopted at its first call (run as written), 3 evaluation calls after
+        assert first["chosen"] == "bf16" and first["calls"] == {"autocast": 0, "evaluation": 3}, first
+        assert second["chosen"] == "bf16" and second["calls"] == {"autocast": 3, "evaluation": 0}, second
+        capsys.readouterr()
+        vb.print_stats()
+        out = capsys.readouterr().out
+        assert "[calls so far: 0 under bf16 autocast, 3 evaluation calls as written in fp32]" in out, out
+        assert "[calls so far: 3 under bf16 autocast, 0 evaluation calls as written in fp32]" in out, out
+    finally:
+        vb.disable()
+
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, autocast_trial_min_speedup=99.0,
+              banner=False)
+    try:
+        model = _gpt()
+        model.to("cpu")
+        hooks = model._vb_autocast
+        steps = 0
+        while hooks.trial.running and steps < 60:
+            _train(model, 1)
+            steps += 1
+        feat = vb.get_report()["models"][0]["features"]["mixed_precision"]
+        assert feat["chosen"] == "fp32" and feat["calls"]["autocast"] == hooks.calls > 0, feat
+    finally:
+        vb.disable()

@@ -116,6 +116,9 @@ class AutocastHooks:
     Attributes:
         active: whether autocast is applied to calls (False after a trial turned it off).
         calls: number of calls that ran under this autocast.
+        counts: ``{"autocast": calls under this autocast, "evaluation": evaluation calls run as
+            written in fp32}``, kept up to date (the model's report shows it: a frozen teacher called
+            in eval mode under ``no_grad`` is reported bf16 yet all its calls run fp32).
         timer: the trial's :class:`~apt_model.devices.call_timer.CallTimer` (None without a trial).
 
     Raises:
@@ -133,7 +136,7 @@ class AutocastHooks:
         self.dtype = dtype
         self.on_verdict = on_verdict
         self.active = True
-        self.calls = 0
+        self.counts = {"autocast": 0, "evaluation": 0}
         #: the parameters' dtype when the script cast the model away from fp32 after adoption (its
         #: calls then run as written: autocast would compute an fp16 model in bf16, and return fp32)
         self.cast_by_script: torch.dtype | None = None
@@ -149,6 +152,8 @@ class AutocastHooks:
                       if trial is not None else None)
         self._init_runtime()
         watch_compilation()
+
+    calls = property(lambda self: self.counts["autocast"])
 
     # the trial's figures, read by tests and benchmarks
     trial = property(lambda self: self.timer.trial if self.timer is not None else None)
@@ -239,6 +244,7 @@ class AutocastHooks:
             # training calls (a probe's finding, 2026-11-28); their outputs are plain PyTorch's fp32
             # ones too. Not a model in train mode: a reentrant torch.utils.checkpoint around it runs
             # its forward under no_grad, and its recomputation in backward must run the same
+            self.counts["evaluation"] += 1
             self._scopes.push(None)
             return None
         training = torch.is_grad_enabled() and module.training and not recomputing
@@ -273,7 +279,7 @@ class AutocastHooks:
         ctx = torch.autocast(self.device_type, dtype=self.dtype) if use else None
         if ctx is not None:
             ctx.__enter__()
-            self.calls += 1
+            self.counts["autocast"] += 1
         self._scopes.push(ctx, sample)
         return None
 

@@ -241,5 +241,10 @@ def format_stats(report: dict) -> str:
             chosen, reason = str(d["chosen"]), str(d["reason"])
             if reason.startswith(chosen + ":"):  # "single process: single process: ..." reads as a glitch
                 reason = reason[len(chosen) + 1:].lstrip()
+            calls = d.get("calls")
+            if feat == "mixed_precision" and calls and chosen in ("bf16", "fp16"):
+                # a frozen teacher called in eval mode under no_grad is "bf16" yet runs fp32 (a probe's finding)
+                reason += (f" [calls so far: {calls.get('autocast', 0)} under {chosen} autocast, "
+                           f"{calls.get('evaluation', 0)} evaluation calls as written in fp32]")
             lines.append(f"    {feat:<{name_w}}{chosen:<{chosen_w}}{reason}")
     return "\n".join(lines)

@@ -25,18 +25,34 @@ Until 2026-11-28 such scripts crashed under the switch at their first penalty (a
   :data:`READY_AFTER` backward calls with neither kind, so that a loop which differentiates twice
   in its first iterations (a penalty every step, or in a phase of the first iteration, as
   StyleGAN2's lazy regularization runs at iteration 0) is seen before a graph that cannot take it
-  is built. A script that first does so later fails at that call with PyTorch's error, and the
-  features stand aside from the next call on.
+  is built.
+* **Read in the source** (:meth:`GraphReuseWatch.scan_source`): a script that first differentiates
+  twice later (a penalty from some step on, a phase after pre-training) crashed at that call with
+  PyTorch's error when a compiled rung had run that step's forward (a probe: a WGAN-GP penalty from
+  step 70 on, in performance mode). So when the watch becomes ready, and again when a ladder would
+  start a rung, the source files of the script's frames on the stack (not torch's, this package's,
+  the standard library's or an installed package's), the ``__main__`` file and the model's class
+  file are read once each for ``create_graph=`` with a value other than ``False`` and for
+  ``hessian(`` / ``hvp(`` / ``vhp(`` (``torch.autograd.functional`` differentiates twice itself).
+  A match counts as ``create_graph`` seen, with the file and line and "in the script's source".
+  The cost of a false match (a comment, a branch never taken) is a rung not tried, never a wrong
+  result. Still missed: a penalty written only in an installed package or in a file not on the
+  stack then; such a script fails once, at that call, and the features stand aside from then on.
 
-Cost: one Python call per backward; nothing per forward.
+Cost: one Python call per backward; nothing per forward; each source file read once.
 """
 from __future__ import annotations
 
 import functools
+import inspect
+import linecache
+import re
+import sys
+import sysconfig
 import threading
 import traceback
 import weakref
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -55,14 +71,20 @@ KINDS = ("create_graph", "retain_graph")
 class GraphReuseWatch:
     """Notes ``create_graph`` / ``retain_graph`` backward calls (see the module docstring).
 
+    Args:
+        read_source: whether :meth:`scan_source` reads the script's source (tests of the calls alone
+            turn it off: their own file mentions ``create_graph``).
+
     Attributes:
         seen: ``{kind: where}`` for each kind seen (``where``: the script's line that called it).
         backwards: backward calls seen so far (``torch.autograd.backward`` and ``grad``).
     """
 
-    def __init__(self):
+    def __init__(self, read_source: bool = True):
         self.seen: dict[str, str] = {}
         self.backwards = 0
+        self.read_source = read_source
+        self._read: set[str] = set()  # source files already read by scan_source
         self._subscribers: list = []  # weak references to callables f(kind, where)
         self._lock = threading.Lock()
 
@@ -89,15 +111,39 @@ class GraphReuseWatch:
         self.backwards += 1
         new = [k for k, on in zip(KINDS, (create_graph, retain_graph)) if on and k not in self.seen]
         if not new:
+            if self.backwards == READY_AFTER:  # about to be ready: the loop's files are on the stack now
+                self.scan_source()
             return
-        where = _caller()
+        self._saw(new, _caller())
+
+    def scan_source(self, extra: Iterable[str | None] = (), stack: bool = True) -> None:
+        """Read the script's source for a second differentiation it has not run yet (see the module
+        docstring): the files of this thread's frames that are the script's and the ``__main__`` file
+        (``stack``), and ``extra`` (a model's class file), each once. A match is ``create_graph`` seen, told to the
+        subscribers; nothing when reading is off or ``create_graph`` was seen already. Never raises."""
+        if not self.read_source or "create_graph" in self.seen:
+            return
+        try:
+            files = _script_files(extra, stack)
+            for path in files:
+                if path in self._read:
+                    continue
+                self._read.add(path)
+                where = _differentiates_twice(path)
+                if where is not None:
+                    self._saw(["create_graph"], f"{where}, in the script's source: not called yet")
+                    return
+        except Exception as err:  # noqa: BLE001 - a file that cannot be read costs a look, never a call
+            log.debug("graph reuse: reading the script's source: %s: %s", type(err).__name__, err)
+
+    def _saw(self, new: list[str], where: str) -> None:
         with self._lock:
             new = [k for k in new if k not in self.seen]
             for kind in new:
                 self.seen[kind] = where
             subscribers = [r() for r in self._subscribers]
         for kind in new:
-            log.info("the script called a backward with %s=True (%s): features whose graphs cannot take it "
+            log.info("the script differentiates with %s=True (%s): features whose graphs cannot take it "
                      "stand aside", kind, where)
             for fn in subscribers:
                 if fn is None:
@@ -126,6 +172,55 @@ class GraphReuseWatch:
         grad = torch.compiler.disable(grad, reason="apt_model notes backward arguments")
         patches.set_attr(torch.autograd, "backward", backward, label="torch.autograd.backward (graph reuse watch)")
         patches.set_attr(torch.autograd, "grad", grad, label="torch.autograd.grad (graph reuse watch)")
+
+
+#: What in a script's line says it differentiates a graph twice: ``create_graph=`` with a value
+#: other than ``False`` (``True``, a variable), or a ``torch.autograd.functional`` call that does
+#: it itself.
+_TWICE = re.compile(r"\bcreate_graph\s*=\s*(?!False\b)|\b(?:hessian|hvp|vhp)\s*\(")
+
+#: Folders whose files are not the script's: the standard library and installed packages.
+_LIBRARY_DIRS = tuple(sorted({p for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                              if (p := sysconfig.get_paths().get(k))}))
+
+
+def _is_script_file(path: str) -> bool:
+    name = path.replace("\\", "/")
+    return (bool(path) and not path.startswith("<") and "/torch/" not in name and "/apt_model/" not in name
+            and "site-packages/" not in name and "dist-packages/" not in name and not path.startswith(_LIBRARY_DIRS))
+
+
+def _script_files(extra: Iterable[str | None] = (), stack: bool = True) -> list[str]:
+    """The script's source files: of this thread's frames (innermost first) and ``__main__``'s
+    (``stack``), and ``extra``."""
+    out: list[str] = []
+    frame = sys._getframe(1) if stack else None
+    while frame is not None:
+        out.append(frame.f_code.co_filename)
+        frame = frame.f_back
+    if stack:
+        out.append(getattr(sys.modules.get("__main__"), "__file__", None) or "")
+    out.extend(p for p in extra if p)
+    seen: set[str] = set()
+    return [p for p in out if _is_script_file(p) and not (p in seen or seen.add(p))]
+
+
+def _differentiates_twice(path: str) -> str | None:
+    """``path:line`` of the first line of ``path`` that matches :data:`_TWICE` outside a comment, or None."""
+    for number, line in enumerate(linecache.getlines(path), 1):
+        code = line.split("#", 1)[0]
+        if "grad" in code or "hessian" in code or "hvp" in code or "vhp" in code:
+            if _TWICE.search(code):
+                return f"{path}:{number}"
+    return None
+
+
+def source_file(obj) -> str | None:
+    """The file ``obj`` (a class) is defined in, or None (a built-in, a class made at run time)."""
+    try:
+        return inspect.getsourcefile(obj)
+    except (TypeError, OSError):
+        return None
 
 
 def _caller() -> str:

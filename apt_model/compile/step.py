@@ -173,11 +173,16 @@ class CompileStep(FeatureStep):
         autocast_trial = ctx.facts.get("autocast_trial")
 
         reuse = graph_reuse.watch_for(self.session.services, self.session.patches)
+        class_file = graph_reuse.source_file(type(model))
 
         def gate() -> bool:
             # after the autocast trial, and once the script's first backward calls showed no graph
-            # differentiated twice (apt_model/base/graph_reuse.py)
-            return (autocast_trial is None or not autocast_trial.running) and reuse.ready
+            # differentiated twice and its source (the files on the stack now, the model's class
+            # file) names no such call (apt_model/base/graph_reuse.py)
+            if (autocast_trial is not None and autocast_trial.running) or not reuse.ready:
+                return False
+            reuse.scan_source((class_file,))
+            return reuse.ready
 
         def record(chosen: str, reason: str, details: dict) -> None:
             ctx.record_later(Decision(self.name, decision.requested, chosen, reason, details=details))

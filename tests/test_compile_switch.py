@@ -791,3 +791,40 @@ def test_hooks_a_summary_tool_removes_before_training_do_not_keep_the_model_eage
     assert m.forward.ladder.state in ("warmup", "trial", "done")
     vb.disable()
     torch._dynamo.reset()
+
+
+class AttentionPair(nn.Module):
+    """Hand-written attention (the override rung's rewrite) beside an ``nn.MultiheadAttention``
+    (routed to SDPA by the attention step, through a forward pre-hook Dynamo inlines)."""
+
+    def __init__(self, d=64):
+        super().__init__()
+        self.qkv, self.mha, self.out = nn.Linear(d, 3 * d), nn.MultiheadAttention(d, 2, batch_first=True), nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).chunk(3, -1)
+        x = x + torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), -1) @ v
+        o, _ = self.mha(x, x, x)
+        return self.out(x + o)
+
+
+def test_the_routed_attention_hook_does_not_make_the_rung_recompile_at_every_step():
+    """The routed ``nn.MultiheadAttention``'s pre-hook read the graph-reuse watch's backward count,
+    which changes at every backward: Dynamo, inlining the hook, guarded on it and recaptured the
+    override rung at every step up to its recompile limit (8 captures, then eager calls judged
+    against eager: a 1.9x rewrite reported "not faster"; a probe's finding). It reads a flag that
+    flips once now: one capture."""
+    vb.enable("balanced", compile_trial_calls=8, mixed_precision="off", banner=False)
+    torch.manual_seed(0)
+    m = AttentionPair().to("cpu")
+    opt = torch.optim.AdamW(m.parameters(), 1e-3)
+    x = torch.randn(8, 16, 64)
+    for _ in range(STEPS):
+        loss = m(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rec = vb.get_report()["models"][0]
+    assert rec["features"]["attention"]["chosen"] != "as written", rec["features"]["attention"]
+    (entry,) = rec["timeline"]
+    assert entry["rung"] == "override" and entry["compiles"] == 1, entry

@@ -78,11 +78,16 @@ class GraphReuseWatch:
     Attributes:
         seen: ``{kind: where}`` for each kind seen (``where``: the script's line that called it).
         backwards: backward calls seen so far (``torch.autograd.backward`` and ``grad``).
+        counted: whether :data:`READY_AFTER` backward calls were seen (flips once: what
+            :meth:`ready_without` reads, so that TorchDynamo, which inlines a routed attention's
+            hook, guards on a value that changes once and not at every backward — a probe saw a
+            model recompiled at every step until Dynamo's recompile limit).
     """
 
     def __init__(self, read_source: bool = True):
         self.seen: dict[str, str] = {}
         self.backwards = 0
+        self.counted = False
         self.read_source = read_source
         self._read: set[str] = set()  # source files already read by scan_source
         self._subscribers: list = []  # weak references to callables f(kind, where)
@@ -97,7 +102,7 @@ class GraphReuseWatch:
     def ready_without(self, kinds: tuple[str, ...]) -> bool:
         """Whether features that cannot take ``kinds`` may start: none of them seen, after
         :data:`READY_AFTER` backward calls."""
-        return self.backwards >= READY_AFTER and not any(k in self.seen for k in kinds)
+        return self.counted and not any(k in self.seen for k in kinds)
 
     def subscribe(self, callback: Callable[[str, str], None]) -> None:
         """Call ``callback(kind, where)`` when a kind is first seen (held weakly: a bound method's
@@ -110,11 +115,12 @@ class GraphReuseWatch:
         """A backward call starts with these arguments."""
         self.backwards += 1
         new = [k for k, on in zip(KINDS, (create_graph, retain_graph)) if on and k not in self.seen]
-        if not new:
-            if self.backwards == READY_AFTER:  # about to be ready: the loop's files are on the stack now
+        if new:
+            self._saw(new, _caller())
+        if not self.counted and self.backwards >= READY_AFTER:
+            if not new:  # about to be ready: the loop's files are on the stack now
                 self.scan_source()
-            return
-        self._saw(new, _caller())
+            self.counted = True
 
     def scan_source(self, extra: Iterable[str | None] = (), stack: bool = True) -> None:
         """Read the script's source for a second differentiation it has not run yet (see the module

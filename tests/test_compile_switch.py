@@ -828,3 +828,36 @@ def test_the_routed_attention_hook_does_not_make_the_rung_recompile_at_every_ste
     assert rec["features"]["attention"]["chosen"] != "as written", rec["features"]["attention"]
     (entry,) = rec["timeline"]
     assert entry["rung"] == "override" and entry["compiles"] == 1, entry
+
+
+def test_a_kept_override_rung_takes_another_batch_size_in_training_and_evaluation():
+    """Once the override rung was kept, a call with another batch size (an evaluation batch, an
+    epoch's last short batch) made Dynamo recapture the model with a symbolic batch size, and the
+    rewrite's check ran the captured graph eagerly with that symbol: "SymIntArrayRef expected to
+    contain only concrete integers" raised into the script's call (a probe's finding). The check
+    runs with the sizes of the call now; outputs are plain PyTorch's within SDPA's rounding."""
+    vb.enable("balanced", compile_trial_calls=8, compile_min_speedup=0.01, mixed_precision="off",
+              attention="off", banner=False)
+    torch.manual_seed(0)
+    m = TinyLM().to("cpu")
+    reference = TinyLM()
+    reference.load_state_dict(m.state_dict())
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)  # the weights stay the reference's
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(m(x).reshape(-1, 256), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    rec = vb.get_report()["models"][0]
+    assert rec["features"]["compile"]["chosen"] == "override", rec["features"]["compile"]
+    short = torch.randint(0, 256, (3, 32), generator=gen)
+    out = m(short)  # a training call with another batch size
+    out.sum().backward()
+    assert torch.allclose(out, reference(short), rtol=1e-4, atol=1e-5)
+    m.eval()
+    reference.eval()
+    with torch.no_grad():
+        x = torch.randint(0, 256, (2, 32), generator=gen)
+        assert torch.allclose(m(x), reference(x), rtol=1e-4, atol=1e-5)

@@ -83,11 +83,25 @@ def dropout_free(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return out
 
 
+def _concrete(x):
+    """A symbolic size Dynamo passes to a graph recaptured with dynamic shapes (``s0``) as the
+    number it stands for in this call; anything else unchanged. Raises what torch raises when the
+    size has no value (the caller rejects the rewrite)."""
+    if not isinstance(x, torch.SymInt):
+        return x
+    from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+    return int(optimization_hint(x))
+
+
 def _isolated(inputs: list) -> list:
     """The inputs for one verification run: parameters shared (forward does not change them),
-    other tensors (the user's inputs, buffers a forward may update in place) cloned."""
-    return [x if isinstance(x, torch.nn.Parameter) or not isinstance(x, torch.Tensor) else x.detach().clone()
-            for x in inputs]
+    other tensors (the user's inputs, buffers a forward may update in place) cloned, symbolic sizes
+    made concrete (a graph recaptured for another batch size takes its sizes as inputs: run
+    eagerly with them, ``reshape`` raised "SymIntArrayRef expected to contain only concrete
+    integers" into the script's call; a probe's finding)."""
+    return [_concrete(x) if not isinstance(x, torch.Tensor) else x if isinstance(x, torch.nn.Parameter)
+            else x.detach().clone() for x in inputs]
 
 
 def outputs_match(reference: torch.fx.GraphModule, candidate: torch.fx.GraphModule, inputs: list) -> tuple[bool, str]:
@@ -156,7 +170,11 @@ class OverrideBackend:
             found.extend((tag, site) for site in sites)
         if not found:
             return gm.forward
-        ok, why = outputs_match(reference, gm, example_inputs)
+        try:
+            ok, why = outputs_match(reference, gm, example_inputs)
+        except Exception as err:  # noqa: BLE001 - a check that cannot run keeps the graph as captured
+            ok, why = False, f"the check against the captured graph raised {type(err).__name__}: {err}"
+            log.debug("override verification raised", exc_info=True)
         if not ok:
             tags = ", ".join(sorted({t for t, _ in found}))
             self.rejected.append(f"{tags}: not used: {why}")

@@ -768,12 +768,19 @@ def test_the_activation_offloader_takes_a_quarter_of_the_host_level_on_an_accele
     assert ActivationManager(SimpleNamespace(), None, SimpleNamespace(shared_host=True), "cpu").host_budget("cuda") is None
 
 
+#: a generator kept at module level, as scripts do (``GEN = torch.Generator()``)
+_MODULE_GENERATOR = torch.Generator()
+
+
 class _InPlaceBlock(torch.nn.Module):
     def __init__(self, source=None):
         super().__init__()
         self.lin = torch.nn.Linear(16, 16)
         self.source = source
         self.gen = torch.Generator().manual_seed(5) if source == "generator" else None
+        if source == "module-generator":  # reseeded for each model built: the reference and the switch's
+            _MODULE_GENERATOR.manual_seed(5)
+        self.gens = [torch.Generator().manual_seed(5)] if source == "listed-generator" else []
         if source == "buffer":
             self.register_buffer("ema", torch.zeros(16))
             self.register_buffer("count", torch.zeros((), dtype=torch.long))
@@ -794,14 +801,19 @@ class _InPlaceBlock(torch.nn.Module):
             return x if random.random() < 0.3 else x + torch.tanh(self.lin(x))
         if self.source == "numpy":
             mask = torch.from_numpy((np.random.rand(*x.shape) > 0.5).astype("float32"))
+        elif self.source == "module-generator":
+            mask = (torch.rand(x.shape, generator=_MODULE_GENERATOR) > 0.5).float()
+        elif self.source == "listed-generator":
+            mask = (torch.rand(x.shape, generator=self.gens[0]) > 0.5).float()
         else:
             mask = (torch.rand(x.shape, generator=self.gen) > 0.5).float()
         return x + torch.tanh(self.lin(x)) * mask
 
 
-@pytest.mark.parametrize("source", [None, "python", "numpy", "generator", "buffer"],
+@pytest.mark.parametrize("source", [None, "python", "numpy", "generator", "module-generator", "listed-generator",
+                                    "buffer"],
                          ids=["input-modified-in-place", "python-random", "numpy-random", "own-generator",
-                              "buffer-updated-in-place"])
+                              "module-level-generator", "generator-in-a-list", "buffer-updated-in-place"])
 @pytest.mark.parametrize("mode", ["memory", "checkpointing"])
 def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, cpu_device, source, mode):
     """The recomputation in backward must start where the forward did. A block that modified its
@@ -811,7 +823,9 @@ def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, 
     different masks (wrong gradients) or a different number of saved tensors (CheckpointError).
     A block updating a buffer in place (an EMA it reads, a step counter) updated it again and read
     the updated value (wrong gradients, counters at twice the steps). The recomputation now starts
-    from a copy of the input, from those generators' states and from the buffers' values."""
+    from a copy of the input, from those generators' states and from the buffers' values. A
+    generator the block does not hold as an attribute (module level, in a list) was not tracked:
+    other masks, silently (a probe's finding); the first call notes every generator it draws from."""
     import random
 
     import numpy as np

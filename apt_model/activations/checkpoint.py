@@ -53,6 +53,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.modules.module as module_mod
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import checkpoint
 
 from apt_model.base import functional_call
@@ -217,6 +218,17 @@ class Replay:
         self.buffers = buffers
         self.saved_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
 
+    def add_generators(self, found: list[tuple[torch.Generator, torch.Tensor]]) -> None:
+        """Track more generators from now on: ``found`` is ``[(generator, its state when this
+        call's forward first drew from it), ...]`` (:class:`GeneratorSpy`), so this call's
+        recomputation starts from there too."""
+        if self.saved is None:
+            return
+        py, np_state, gens = self.saved
+        for g, state in found:
+            self.generators.append(g)
+            gens.append(state)
+
     def keep_buffers(self, written: list[torch.Tensor]) -> None:
         """Drop the recorded copies of buffers not in ``written`` (after a first call that recorded
         them all to learn which the forward changes)."""
@@ -306,6 +318,40 @@ def _generators(module: nn.Module) -> list:
     return [v for m in module.modules() for v in vars(m).values() if isinstance(v, torch.Generator)]
 
 
+class GeneratorSpy(TorchFunctionMode):
+    """Notes the ``torch.Generator`` objects a block's first checkpointed forward draws from that
+    the block does not hold as attributes: a module-level ``GEN = torch.Generator()``, one in a list
+    or a helper object, one passed as an argument. Each is recorded with its state just before its
+    first use in that forward (nothing else drew from it in between on this thread), which is what
+    the recomputation must start from. A probe found such draws recomputed from the generator's
+    later state: noise injection trained silently wrong, noisy top-1 gating raised
+    ``CheckpointError`` (different tokens routed in the recomputation), until 2026-11-28.
+
+    Every ATen random op takes its generator as the keyword ``generator`` (``torch.randn``,
+    ``randint``, ``randperm``, ``multinomial``, ``bernoulli``, ``Tensor.normal_`` / ``uniform_``...).
+    torch's default CPU generator is left out: ``torch.utils.checkpoint`` restores it already.
+
+    Args:
+        known: generators tracked already (not recorded again).
+
+    Attributes:
+        found: ``[(generator, state before its first use), ...]`` in the order first used.
+    """
+
+    def __init__(self, known: list):
+        super().__init__()
+        self._known = {id(g) for g in known} | {id(torch.default_generator)}
+        self.found: list[tuple[torch.Generator, torch.Tensor]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        gen = kwargs.get("generator")
+        if isinstance(gen, torch.Generator) and id(gen) not in self._known:
+            self._known.add(id(gen))
+            self.found.append((gen, gen.get_state()))
+        return func(*args, **kwargs)
+
+
 class CheckpointedForward:
     """A block's forward run through ``torch.utils.checkpoint`` (non-reentrant) while training.
 
@@ -387,11 +433,17 @@ class CheckpointedForward:
         replay = Replay(self.generators, buffers, track_rng=self.draws_rng is not False)
         contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
                     if replay.track_rng or buffers else {})
-        if self.mutates_input is False:
-            run, inputs = _shared_inputs(self.forward, args, kwargs)
-            out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, **contexts)
-        else:
-            out = self._from_copies(args, kwargs, contexts)
+        spy = GeneratorSpy(self.generators) if self.draws_rng is None and not torch.compiler.is_compiling() else None
+        with spy if spy is not None else contextlib.nullcontext():
+            if self.mutates_input is False:
+                run, inputs = _shared_inputs(self.forward, args, kwargs)
+                out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, **contexts)
+            else:
+                out = self._from_copies(args, kwargs, contexts)
+        if spy is not None and spy.found:
+            replay.add_generators(spy.found)  # self.generators too: the same list
+            log.debug("apt_model: %s draws from %d generator(s) it does not hold: tracked from now on",
+                      type(self.module).__name__, len(spy.found))
         if self.draws_rng is None:
             self.draws_rng = replay.drew()
         if versions is not None:

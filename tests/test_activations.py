@@ -1455,3 +1455,68 @@ def test_a_block_given_one_tensor_twice_is_recomputed_with_one_tensor(kind, cpu_
         assert torch.equal(l0, l1)
         assert all((a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
                    for a, b in zip(g0, g1))
+
+
+class _TrainOnlyBlock(torch.nn.Module):
+    """A block whose train mode differs from its eval mode: noise injected while training (values
+    only), dropout (a mask saved), batch norm (batch statistics)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.lin = torch.nn.Linear(16, 16)
+        self.drop = torch.nn.Dropout(0.3)
+        self.norm = torch.nn.BatchNorm1d(16)
+
+    def forward(self, x):
+        if self.kind == "noise":
+            if self.training:
+                x = x + 0.1 * torch.randn_like(x)
+            return x + torch.tanh(self.lin(x))
+        if self.kind == "dropout":
+            return x + self.drop(torch.tanh(self.lin(x)))
+        return x + torch.tanh(self.norm(self.lin(x)))
+
+
+@pytest.mark.parametrize("kind", ["noise", "dropout", "batchnorm"])
+def test_a_model_switched_to_eval_before_backward_is_recomputed_in_train_mode(tmp_path, cpu_device, kind):
+    """A teacher pass of the same network in eval mode between the training forward and its
+    backward (self-distillation), with ``model.train()`` at the top of the next step: the switch's
+    checkpoint recomputed the blocks in eval mode — ``CheckpointError`` for dropout and batch norm,
+    silently other gradients for noise injection (a probe's finding). The recomputation runs with
+    the flags its forward had, and training is bitwise plain PyTorch's."""
+
+    def build():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), *[_TrainOnlyBlock(kind) for _ in range(3)],
+                                   torch.nn.Linear(16, 4))
+
+    def train(m):
+        torch.manual_seed(1)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        out = []
+        for _ in range(3):
+            m.train()
+            x = torch.randn(6, 8)
+            logits = m(x)
+            m.eval()
+            with torch.no_grad():
+                teacher = m(x).softmax(-1)
+            loss = F.cross_entropy(logits, teacher)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            out.append(loss.detach())
+        return out + [t.clone() for t in m.state_dict().values()]
+
+    ref = train(build())
+    m = build()
+    vb.enable("memory", swap_dir=str(tmp_path), **PLAIN)
+    try:
+        m.to("cpu")
+        got = train(m)
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    assert calls > 0  # the blocks were checkpointed
+    assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))

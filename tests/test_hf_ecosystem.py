@@ -12,6 +12,7 @@ import functools
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import apt_model.optimization.vb_global as vb
 
@@ -255,3 +256,44 @@ def test_checkpointing_the_script_asks_for_after_adoption_stays_on_after_disable
         assert model.is_gradient_checkpointing is script_asks
         assert "gradient_checkpointing_enable" not in vars(model)
         assert type(twin.gradient_checkpointing_enable).__name__ == "method"  # not the switch's wrapper
+
+
+def test_a_model_switched_to_eval_before_backward_trains_as_plain_pytorch_with_the_librarys_checkpointing(cpu_device):
+    """Memory mode turns a Hugging Face model's own checkpointing on. A self-distillation loop
+    (a teacher pass of the same model in eval mode before ``loss.backward()``) had the library's
+    recomputation run in eval mode: dropout off, ``CheckpointError`` (30 tensors saved, 27
+    recomputed; a probe's finding). The switch gives the library a ``context_fn`` that recomputes
+    with the flags of the forward."""
+
+    def run(mode):
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                                      eos_token_id=0, resid_pdrop=0.1)  # dropout on: train and eval differ
+        model = transformers.GPT2LMHeadModel(cfg)
+        if mode is not None:
+            vb.enable(mode, banner=False, mixed_precision="off", compile="off", paging="off")
+        model.to("cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = batch()
+        losses = []
+        try:
+            for _ in range(3):
+                model.train()
+                logits = model(input_ids=x).logits
+                model.eval()
+                with torch.no_grad():
+                    teacher = model(input_ids=x).logits.softmax(-1)
+                loss = F.kl_div(logits.log_softmax(-1), teacher, reduction="batchmean")
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            checkpointed = mode is not None and vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+        finally:
+            vb.disable()
+        return losses, checkpointed
+
+    ref, _ = run(None)
+    got, feature = run("memory")
+    assert feature["chosen"] != "off", feature  # the library's checkpointing was on
+    assert got == ref

@@ -295,6 +295,76 @@ class Replay:
                     b.copy_(c)
 
 
+class TrainingFlags:
+    """The train/eval flags of a block's modules when its forward ran, for the recomputation.
+
+    A script that switches the model to eval mode between a training forward and its backward (a
+    teacher pass of the same network, a validation call before ``loss.backward()``, ``model.train()``
+    only at the top of the next step) had the recomputation run in eval mode: dropout and noise
+    off, batch norm on running statistics. That was ``CheckpointError`` (another number of tensors
+    saved) or, for a block whose only train-mode difference is its values (noise injection),
+    silently other gradients, where plain PyTorch trains (a probe's finding, 2026-11-28).
+
+    Args:
+        modules: the modules whose flags are recorded (a block's ``modules()``, made once).
+    """
+
+    __slots__ = ("modules", "flags")
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+        self.flags = [m.training for m in modules]
+
+    def restore(self) -> list[nn.Module]:
+        """Set each module's ``training`` to what it was at the forward; returns the modules changed
+        (the caller flips them back after the recomputation). ``training`` is set directly, not
+        with ``train()``, which a model may override (freezing batch norm, say)."""
+        changed = [m for m, t in zip(self.modules, self.flags) if m.training is not t]
+        for m in changed:
+            m.training = not m.training
+        return changed
+
+
+class ModeReplay:
+    """A ``context_fn`` for ``torch.utils.checkpoint`` (non-reentrant) that runs each recomputation
+    with the train/eval flags its forward had (:class:`TrainingFlags`): given to a Hugging Face
+    model's own checkpointing, which the switch turns on, with all of the model's modules (the
+    library's call does not say which layer it checkpoints).
+
+    Args:
+        model: the model (its ``modules()`` are listed once, here).
+    """
+
+    def __init__(self, model: nn.Module):
+        self.modules = list(model.modules())
+
+    def __call__(self):
+        return contextlib.nullcontext(), _EachEntry(functools.partial(_modes_of, TrainingFlags(self.modules)))
+
+
+@contextlib.contextmanager
+def _modes_of(flags: TrainingFlags):
+    flipped = flags.restore()
+    try:
+        yield
+    finally:
+        for m in flipped:
+            m.training = not m.training
+
+
+def _in_modes(fn: Callable, flags: TrainingFlags) -> Callable:
+    """``fn`` run with ``flags``' train/eval flags set (the forward: nothing to set; a
+    recomputation after the script switched modes: the forward's), and the current ones back after."""
+    def run(*args, **kwargs):
+        flipped = flags.restore()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            for m in flipped:
+                m.training = not m.training
+    return run
+
+
 class _EachEntry:
     """A context manager entered any number of times (also nested): each entry runs a fresh
     ``make()`` context manager, exited in the reverse order."""
@@ -377,6 +447,7 @@ class CheckpointedForward:
         self.inert = False
         self.calls = 0
         self.generators = _generators(module)
+        self._modules: list[nn.Module] | None = None  # the block's modules, listed at its first checkpointed call
         self.mutates_input: bool | None = None  # learned at the first checkpointed call
         self.draws_rng: bool | None = None  # from Python's, NumPy's or the block's own generators: learned too
         # the buffers its forward changes, learned too: (module, name), looked up at each call, since
@@ -430,6 +501,9 @@ class CheckpointedForward:
         named = self._buffers()
         buffers = [getattr(m, name) for m, name in named]
         versions = None if self.written_buffers is not None else [b._version for b in buffers]
+        if self._modules is None:
+            self._modules = list(self.module.modules())
+        flags = TrainingFlags(self._modules)  # the recomputation runs in the modes of this forward
         replay = Replay(self.generators, buffers, track_rng=self.draws_rng is not False)
         contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
                     if replay.track_rng or buffers else {})
@@ -437,9 +511,10 @@ class CheckpointedForward:
         with spy if spy is not None else contextlib.nullcontext():
             if self.mutates_input is False:
                 run, inputs = _shared_inputs(self.forward, args, kwargs)
-                out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=True, **contexts)
+                out = checkpoint(_in_modes(run, flags), *inputs, use_reentrant=False, preserve_rng_state=True,
+                                 **contexts)
             else:
-                out = self._from_copies(args, kwargs, contexts)
+                out = self._from_copies(args, kwargs, contexts, flags)
         if spy is not None and spy.found:
             replay.add_generators(spy.found)  # self.generators too: the same list
             log.debug("apt_model: %s draws from %d generator(s) it does not hold: tracked from now on",
@@ -455,7 +530,7 @@ class CheckpointedForward:
             replay.keep_buffers([buffers[i] for i in written])
         return out
 
-    def _from_copies(self, args: tuple, kwargs: dict, contexts: dict):
+    def _from_copies(self, args: tuple, kwargs: dict, contexts: dict, flags: TrainingFlags):
         """A checkpointed call whose recomputation starts from copies of the tensor inputs taken
         before the forward: for a block that modifies its input in place (the recomputation would
         start from the modified values: wrong gradients; torch's own check raises where plain
@@ -474,7 +549,7 @@ class CheckpointedForward:
             # a fresh copy each time: a second recomputation starts clean
             return recompute(*(c.detach().requires_grad_().clone() if grad else c.clone() for c, grad in copies))
 
-        out = checkpoint(run, use_reentrant=False, preserve_rng_state=True, **contexts)
+        out = checkpoint(_in_modes(run, flags), use_reentrant=False, preserve_rng_state=True, **contexts)
         mutated = any(t._version != v for t, v in zip(tensors, versions))
         if self.mutates_input is None:
             self.mutates_input = mutated
@@ -558,11 +633,13 @@ def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patche
             GradientCheckpointingLayer = None
     if hf is not None and GradientCheckpointingLayer is not None and isinstance(blocks.modules[0], GradientCheckpointingLayer):
         enable = getattr(hf, "activation_checkpointing_enable", None)
+        # each recomputation with the train/eval flags of its forward (TrainingFlags)
+        kwargs = {"use_reentrant": False, "context_fn": ModeReplay(hf)}
         if enable is not None:
-            enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            enable(activation_checkpointing_kwargs=kwargs)
             disable = hf.activation_checkpointing_disable
         else:
-            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             disable = hf.gradient_checkpointing_disable
         # the script may ask for it itself after adoption (the Trainer does, in train()): then
         # disable() leaves it on (until 2026-11-28 it turned it off: a probe's finding)

@@ -861,3 +861,34 @@ def test_a_kept_override_rung_takes_another_batch_size_in_training_and_evaluatio
     with torch.no_grad():
         x = torch.randint(0, 256, (2, 32), generator=gen)
         assert torch.allclose(m(x), reference(x), rtol=1e-4, atol=1e-5)
+
+
+def test_after_a_rung_is_kept_evaluation_runs_as_written_and_a_bad_input_raises_eagers_error():
+    """A kept rung served every later call. Evaluation and generation (no grad, eval mode: the
+    trial timed training calls only) were compiled afresh for each grad mode and decoding shape:
+    nanoGPT's ``generate`` took 1-5 s against 0.02 s plain (a probe's finding). And a too-long
+    sequence made Dynamo re-trace and raise its ``TorchRuntimeError`` from the fake-tensor trace,
+    which a script's ``except`` for the error plain PyTorch raises did not catch. Evaluation runs
+    as written now, and a compiled call that fails runs as written: its error is the model's."""
+    vb.enable("balanced", compile_trial_calls=8, compile_min_speedup=0.01, mixed_precision="off",
+              attention="off", banner=False)
+    torch.manual_seed(0)
+    m = TinyLM().to("cpu")
+    train(m, STEPS)
+    assert vb.get_report()["models"][0]["features"]["compile"]["chosen"] == "override"
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    m.eval()
+    with torch.no_grad():
+        idx = torch.randint(0, 256, (1, 4))
+        for _ in range(6):  # decoding: a token at a time, a new length at each call
+            idx = torch.cat([idx, m(idx)[:, -1:].argmax(-1)], 1)
+    with torch.inference_mode():
+        m(idx)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # nothing compiled for them
+    m.train()
+    too_long = torch.randint(0, 256, (2, 40))  # the causal mask buffer holds 32 positions
+    with pytest.raises(RuntimeError) as raised:
+        m(too_long)
+    assert type(raised.value) is RuntimeError, raised.value  # eager's error, not Dynamo's subclass
+    loss = train(m, 2)[-1]  # the rung is kept: the model trains on
+    assert math.isfinite(loss) and vb.get_report()["models"][0]["features"]["compile"]["chosen"] == "override"

@@ -10,7 +10,8 @@ capture. No rewrite matched: the graph runs unchanged and the ladder leaves the 
 
 **A rewrite is used only after it matched the original.** Before returning a rewritten graph the
 backend runs the original and the rewritten graph on the first call's inputs (parameters
-shared; user inputs and buffers cloned, so running twice changes no state) with gradients off
+shared, except those the graph changes in place; user inputs and buffers cloned, so running
+twice changes no state) with gradients off
 and dropout off in both (dropout calls become identity, SDPA's ``dropout_p`` 0: random masks
 cannot match), and compares every output: ``|a - b| <= atol + rtol * |b|`` with
 rtol = atol = 1e-4 for fp32 outputs and 2e-2 for 16-bit ones (a scaled-dot-product kernel sums in
@@ -19,6 +20,7 @@ a different order). A mismatch keeps the original graph and records why.
 from __future__ import annotations
 
 import copy
+import operator
 from typing import Callable
 
 import torch
@@ -94,22 +96,75 @@ def _concrete(x):
     return int(optimization_hint(x))
 
 
-def _isolated(inputs: list) -> list:
+#: Operators that change their first argument in place (besides methods and functions whose name
+#: ends in one underscore, ``add_``, and calls with ``inplace=True`` or ``out=``).
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                      operator.ifloordiv, operator.imod, operator.ipow, operator.iand, operator.ior,
+                      operator.ixor, operator.ilshift, operator.irshift, operator.imatmul}
+
+#: Calls whose result shares its first argument's memory (an in-place change of it changes that).
+_VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "expand", "expand_as",
+          "squeeze", "unsqueeze", "flatten", "unflatten", "narrow", "select", "split", "chunk", "unbind",
+          "movedim", "swapaxes", "swapdims", "diagonal", "as_strided", "detach", "contiguous", "unfold",
+          "__getitem__", "getitem", "real", "imag", "view_as_real", "view_as_complex"}
+
+
+def _name(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", "")
+
+
+def changed_in_place(gm: torch.fx.GraphModule) -> set[int]:
+    """Indices of ``gm``'s inputs (placeholders, in order) that an operation of the graph changes in
+    place, directly or through a view: ``p.add_(1)``, ``p[0] = v``, ``p += 1``, ``F.relu(p,
+    inplace=True)``, ``torch.add(a, b, out=p)``. A graph holding subgraphs (a higher-order op: a
+    checkpointed block's body) counts every input an in-place operation anywhere in it could reach:
+    all of them, when one exists."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    alias = {n: i for i, n in enumerate(placeholders)}
+    changed: set[int] = set()
+    for g in [gm] + [m for name, m in gm.named_modules() if name and isinstance(m, torch.fx.GraphModule)]:
+        for node in g.graph.nodes:
+            if node.op not in ("call_function", "call_method"):
+                continue
+            name = _name(node.target)
+            inplace = ((name.endswith("_") and not name.endswith("__")) or node.target in _INPLACE_OPERATORS
+                       or node.kwargs.get("inplace") is True)
+            targets = [node.args[0]] if node.args and inplace else []
+            if isinstance(node.kwargs.get("out"), torch.fx.Node):
+                targets.append(node.kwargs["out"])
+            if g is not gm:
+                if targets:  # inside a subgraph: its inputs are the outer graph's operands
+                    return set(range(len(placeholders)))
+                continue
+            for t in targets:
+                if t in alias:
+                    changed.add(alias[t])
+            first = node.args[0] if node.args else None
+            if not inplace and first in alias and (name in _VIEWS or node.target is operator.getitem):
+                alias[node] = alias[first]
+    return changed
+
+
+def _isolated(inputs: list, changed: set[int] = frozenset()) -> list:
     """The inputs for one verification run: parameters shared (forward does not change them),
-    other tensors (the user's inputs, buffers a forward may update in place) cloned, symbolic sizes
-    made concrete (a graph recaptured for another batch size takes its sizes as inputs: run
-    eagerly with them, ``reshape`` raised "SymIntArrayRef expected to contain only concrete
-    integers" into the script's call; a probe's finding)."""
-    return [_concrete(x) if not isinstance(x, torch.Tensor) else x if isinstance(x, torch.nn.Parameter)
-            else x.detach().clone() for x in inputs]
+    except those in ``changed`` (a step counter or running mean kept as a ``Parameter`` with
+    ``requires_grad=False`` and updated in forward: the two check runs updated it twice more, a
+    probe's finding), other tensors (the user's inputs, buffers a forward may update in place)
+    cloned, symbolic sizes made concrete (a graph recaptured for another batch size takes its
+    sizes as inputs: run eagerly with them, ``reshape`` raised "SymIntArrayRef expected to contain
+    only concrete integers" into the script's call; a probe's finding)."""
+    return [_concrete(x) if not isinstance(x, torch.Tensor)
+            else x if isinstance(x, torch.nn.Parameter) and i not in changed
+            else x.detach().clone() for i, x in enumerate(inputs)]
 
 
 def outputs_match(reference: torch.fx.GraphModule, candidate: torch.fx.GraphModule, inputs: list) -> tuple[bool, str]:
     """Run both graphs (dropout off, gradients off) on copies of ``inputs`` and compare every
     output tensor within :data:`TOLERANCE`. Returns ``(match, why)``."""
+    changed = changed_in_place(reference)
     with torch.no_grad():
-        want = dropout_free(reference)(*_isolated(inputs))
-        got = dropout_free(candidate)(*_isolated(inputs))
+        want = dropout_free(reference)(*_isolated(inputs, changed))
+        got = dropout_free(candidate)(*_isolated(inputs, changed))
     want_leaves = torch.utils._pytree.tree_leaves(want)
     got_leaves = torch.utils._pytree.tree_leaves(got)
     if len(want_leaves) != len(got_leaves):

@@ -949,3 +949,29 @@ def test_the_override_check_does_not_run_a_parameters_in_place_update_again():
     (gm,) = graphs
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     assert {names[i] for i in changed_in_place(gm)} == {"l_p_", "l_y_"}, (names, gm.code)  # not x
+
+
+class NoisyLM(TinyLM):
+    """TinyLM that injects noise into its embeddings while training (a random draw in forward)."""
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        if self.training:
+            h = h + 0.01 * torch.randn_like(h)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def test_a_forward_that_draws_random_numbers_passes_the_override_check():
+    """The check runs the captured and the rewritten graph one after the other: a forward that
+    draws random numbers drew other ones in each, so every such model failed it ("output 0 differs
+    by up to 0.0459", blaming the rewrite; a probe's finding). Both runs start from one random
+    state now; the script's own stream is as without the switch."""
+    vb.enable("balanced", compile_trial_calls=8, compile_min_speedup=0.01, mixed_precision="off",
+              attention="off", banner=False)
+    torch.manual_seed(0)
+    m = NoisyLM().to("cpu")
+    train(m, STEPS)
+    rec = vb.get_report()["models"][0]
+    assert rec["features"]["compile"]["chosen"] == "override", rec["timeline"]

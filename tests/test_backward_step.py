@@ -798,3 +798,31 @@ def test_an_error_of_the_optimizers_own_step_is_raised_by_optimizer_step_not_by_
     for k, v in ref_m.state_dict().items():
         assert torch.equal(params[k], v), k
     assert rep["rolled_back"] >= 1 and "in backward failed" in rep["reason"], rep
+
+
+def test_a_parameter_outside_the_paged_models_is_named_by_its_shape_in_the_reason(tmp_path):
+    """The optimizer holds a parameter that is no paged model's (a bare ``nn.Parameter`` scale):
+    the step stays after backward. The reason said "param@7f...'s gradient did not come from
+    backward", a raw address and an untrue cause (the gradient did come from backward; a probe's
+    finding); it names the parameter's shape and the possible causes now."""
+    scale = torch.nn.Parameter(torch.ones(3))
+
+    def loop(m, opt):
+        with torch.no_grad():
+            scale.fill_(1.0)  # each run starts from the same scale
+        opt.add_param_group({"params": [scale]})
+        gen = torch.Generator().manual_seed(1)
+        out = []
+        for _ in range(3):
+            opt.zero_grad()
+            x = torch.randint(0, 256, (4, 32), generator=gen)
+            loss = F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)) * scale.sum() / 3
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    (ref, ref_state), (got, got_state), rep = _both(tmp_path, loop)
+    assert got == ref
+    assert rep["state"] == "off", rep
+    assert "a parameter of shape (3,)" in rep["reason"] and "did not see arrive in backward" in rep["reason"], rep

@@ -527,7 +527,9 @@ class BackwardStep:
                     if p.grad is None:
                         continue
                     if id(p) not in self._grads:
-                        why = f"{self.session.param_label(p)}'s gradient did not come from backward"
+                        why = (f"the optimizer holds {self.session.param_label(p)}, whose gradient the switch "
+                               "did not see arrive in backward (a model that is not paged, or a gradient the "
+                               "loop set itself): its step cannot run as the gradients land")
                     elif self._grads[id(p)] != self._fingerprint(p):
                         why = "the loop modifies gradients between backward and optimizer.step()"
                     if why:

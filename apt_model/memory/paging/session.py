@@ -493,7 +493,12 @@ class PagingSession:
             self.patches.prune()  # their hooks' undo entries
 
     def param_label(self, p: torch.Tensor) -> str:
-        return self.labels.get(id(p), f"param@{id(p):x}")
+        """A paged parameter's name (``model.blocks.0.weight``); another one is named by its shape
+        and address (``a parameter of shape (16, 8) (@7f...)``)."""
+        label = self.labels.get(id(p))
+        if label is not None:
+            return label
+        return f"a parameter of shape {tuple(p.shape)} (@{id(p):x})"
 
     def grad_page(self, p: torch.Tensor) -> Page | None:
         """``p``'s gradient page, reconciled with ``p.grad`` (a replaced gradient is followed, its

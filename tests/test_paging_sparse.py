@@ -77,3 +77,63 @@ def test_sparse_gradient_sources_names_modules_and_gradients():
     assert sparse_gradient_sources(dense) == []
     dense.weight.grad = torch.eye(3).to_sparse()
     assert sparse_gradient_sources(dense) == ["the torch.sparse_coo gradient of weight"]
+
+
+class GCN(nn.Module):
+    """Two graph convolutions over a fixed normalized adjacency, kept as a sparse ``Parameter``
+    (``requires_grad=False``, so it moves with ``.to()``) or as a sparse buffer."""
+
+    def __init__(self, how: str, n: int = 64, d: int = 32):
+        super().__init__()
+        gen = torch.Generator().manual_seed(3)
+        dense = (torch.rand(n, n, generator=gen) < 0.1).float() + torch.eye(n)
+        adj = (dense / dense.sum(1, keepdim=True)).to_sparse()
+        if how == "parameter":
+            self.adj = nn.Parameter(adj, requires_grad=False)
+        else:
+            self.register_buffer("adj", adj)
+        self.lin1, self.lin2 = nn.Linear(d, d), nn.Linear(d, 4)
+
+    def forward(self, x):
+        h = torch.relu(torch.sparse.mm(self.adj, self.lin1(x)))
+        return torch.sparse.mm(self.adj, self.lin2(h))
+
+
+def _train_gcn(m, steps=3):
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(m(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [p.detach().clone() for p in m.parameters() if p.layout is torch.strided]
+
+
+@pytest.mark.parametrize("how,settings", [
+    ("parameter", dict(paging="always", device_budget="16KB")),
+    ("buffer", dict(activation_offload=True, offload_min_bytes=1, activation_budget="1KB")),
+], ids=["sparse-parameter-paging-always", "sparse-buffer-activation-offload"])
+def test_a_gcn_with_a_sparse_adjacency_trains_as_without_the_switch(tmp_path, cpu_device, how, settings):
+    """A GCN's fixed sparse adjacency. Kept as a sparse ``Parameter``, paging it raised "Cannot
+    access storage of SparseTensorImpl" at ``.to()`` (and its plan counted its dense size); kept as
+    a buffer, activation offload's pre-hook asked its storage and raised the same at the first
+    forward (a probe's findings). Paging is off for such a model, with the parameter named; a
+    sparse buffer is not offloaded; training is bitwise plain PyTorch's."""
+    torch.manual_seed(0)
+    ref = _train_gcn(GCN(how))
+    torch.manual_seed(0)
+    m = GCN(how)
+    vb.enable("memory", swap_dir=str(tmp_path), compile="off", mixed_precision="off", banner=False, **settings)
+    try:
+        m.to("cpu")
+        got = _train_gcn(m)
+        paging = vb.get_report()["models"][0]["features"]["paging"]
+    finally:
+        vb.disable()
+    assert got[0] == ref[0] and all(torch.equal(a, b) for a, b in zip(got[1], ref[1]))
+    if how == "parameter":
+        assert paging["chosen"] == "off" and "the torch.sparse_coo parameter adj" in paging["reason"], paging

@@ -153,8 +153,8 @@ def _shared_parameters(model: nn.Module) -> dict[int, list[str]]:
     for mname, m in model.named_modules(remove_duplicate=False):
         for pname, p in m.named_parameters(recurse=False):
             if p is None or p.device.type == "meta" or type(p.data) is not torch.Tensor \
-                    or p.untyped_storage().nbytes() == 0:
-                continue  # a DTensor (FSDP2's shards) has no storage of its own to compare
+                    or p.layout is not torch.strided or p.untyped_storage().nbytes() == 0:
+                continue  # a DTensor (FSDP2's shards), a sparse tensor: no storage of their own to compare
             owners.setdefault(p.untyped_storage().data_ptr(), []).append(f"{mname}.{pname}" if mname else pname)
     return {k: v for k, v in owners.items() if len(set(v)) > 1}
 
@@ -178,8 +178,8 @@ def _judge(name: str, parent, m: nn.Module, policy: FP4Policy, use: str, shared:
     if isinstance(parent, nn.MultiheadAttention):
         return False, "inside nn.MultiheadAttention: it reads .weight directly"
     w = m.weight
-    if not w.is_floating_point() or w.device.type == "meta":
-        return False, f"not a materialized floating weight: {w.dtype} on {w.device}"
+    if not w.is_floating_point() or w.device.type == "meta" or w.layout is not torch.strided:
+        return False, f"not a materialized dense floating weight: {w.dtype} {w.layout} on {w.device}"
     if use == "storage" and w.requires_grad:
         return False, "trainable weight: FP4 storage is for frozen weights (FP4QATLinear trains through FP4)"
     tied = shared.get(w.untyped_storage().data_ptr())

@@ -35,9 +35,12 @@ log = get_logger(__name__)
 
 
 def sparse_gradient_sources(model: nn.Module) -> list[str]:
-    """Where ``model`` produces sparse gradients: its ``nn.Embedding`` / ``nn.EmbeddingBag`` modules
-    built with ``sparse=True`` (by name), and other parameters whose gradient is sparse already (a
-    step taken before adoption). Empty when every gradient is dense. Never raises."""
+    """Where ``model`` holds or produces sparse tensors paging cannot page: its ``nn.Embedding`` /
+    ``nn.EmbeddingBag`` modules built with ``sparse=True`` (by name), parameters of a sparse layout
+    (a fixed adjacency kept as ``nn.Parameter(A.to_sparse(), requires_grad=False)``: paging one
+    raised "Cannot access storage of SparseTensorImpl" at ``.to()``, and the plan sized it as dense,
+    149 GiB for 7 MB: a probe's finding), and other parameters whose gradient is sparse already (a
+    step taken before adoption). Empty when every parameter and gradient is dense. Never raises."""
     out, covered = [], set()
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.Embedding, nn.EmbeddingBag)) and getattr(mod, "sparse", False):
@@ -45,7 +48,11 @@ def sparse_gradient_sources(model: nn.Module) -> list[str]:
             covered.update(id(p) for p in mod.parameters())
     for name, p in model.named_parameters():
         g = p.grad
-        if id(p) not in covered and g is not None and g.layout is not torch.strided:
+        if id(p) in covered:
+            continue
+        if p.layout is not torch.strided:
+            out.append(f"the {p.layout} parameter {name}")
+        elif g is not None and g.layout is not torch.strided:
             out.append(f"the {g.layout} gradient of {name}")
     return out
 
@@ -94,9 +101,10 @@ class PagingStep(FeatureStep):
                             "added it to (or that it wraps)")
         sparse = sparse_gradient_sources(model)
         if sparse:
-            reason = (f"the model produces sparse gradients ({'; '.join(sparse[:3])}{' ...' if len(sparse) > 3 else ''}), "
-                      "which paging cannot page (it pages dense tensors): its training state stays in memory; "
-                      "build the embedding with sparse=False to page it")
+            reason = (f"the model holds sparse tensors or produces sparse gradients ({'; '.join(sparse[:3])}"
+                      f"{' ...' if len(sparse) > 3 else ''}), which paging cannot page (it pages dense tensors): its "
+                      "training state stays in memory; build an embedding with sparse=False, or keep a sparse "
+                      "constant as a buffer or an attribute, to page the rest")
             if req == "always":
                 log.warning("paging='always' not applied: %s", reason)
             return Decision(self.name, req, "off", reason)

@@ -54,6 +54,7 @@ from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+from torch.overrides import TorchFunctionMode
 
 from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, in_enclosing_checkpoint, watch_compilation
@@ -91,6 +92,75 @@ DTYPE_WORDS = {torch.bfloat16: ("bfloat16", "bf16"), torch.float16: ("half", "fl
 #: Training calls in a row the script manages precision for (its own autocast on, the model cast)
 #: after which a running trial gives up: its report said "on trial" for good (a probe's finding).
 SCRIPT_MANAGED_CALLS = 8
+
+#: Calls under the switch's autocast, from the model's first, during which the forward is watched
+#: for sparse tensors (:class:`SparseWatch`) and the random state is kept for a retry.
+EARLY_CALLS = 2
+
+
+_SPARSE_LAYOUTS = frozenset(getattr(torch, name) for name in
+                            ("sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc") if hasattr(torch, name))
+
+
+class SparseOperandUnderAutocast(RuntimeError):
+    """Raised inside a forward under the switch's autocast when an op is given a sparse tensor:
+    the call wrapper runs the call again without autocast, which stays off for the model."""
+
+
+class SparseWatch(TorchFunctionMode):
+    """Watches a forward under the switch's autocast for an op given a sparse tensor (a GCN's
+    ``torch.sparse.mm(adj, x)``): autocast runs that forward, but the op's backward mixes float32
+    and the autocast dtype and raises ("expected scalar type Float but found BFloat16"), out of
+    reach of the forward's retry; PyTorch's own autocast fails the same way. Such a model's calls
+    run as written (a probe's finding, 2026-11-28: a GCN crashed at its first backward under the
+    switch's bf16 where plain PyTorch trains). Active in the first :data:`EARLY_CALLS` calls only:
+    a model that first uses a sparse tensor later still meets the error."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and a.layout in _SPARSE_LAYOUTS:
+                name = getattr(func, "__name__", str(func))
+                raise SparseOperandUnderAutocast(
+                    f"{name} was given a {a.layout} tensor under {str(self.dtype).replace('torch.', '')} autocast: "
+                    "its backward mixes float32 and the autocast dtype, which PyTorch does not support")
+        return func(*args, **kwargs)
+
+
+class _Watched:
+    """An autocast context with a :class:`SparseWatch` inside it (entered after, left before)."""
+
+    def __init__(self, autocast, watch: SparseWatch):
+        self.autocast, self.watch = autocast, watch
+
+    def __enter__(self):
+        self.autocast.__enter__()
+        self.watch.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            self.watch.__exit__(*exc)
+        finally:
+            self.autocast.__exit__(*exc)
+        return False
+
+
+def _rng_state(device: torch.device) -> tuple:
+    """The CPU generator's state and, off the CPU, the device's default generator's."""
+    module = getattr(torch, device.type, None) if device.type != "cpu" else None
+    get = getattr(module, "get_rng_state", None)
+    return torch.get_rng_state(), (get() if callable(get) else None)
+
+
+def _set_rng_state(device: torch.device, state: tuple) -> None:
+    cpu, dev = state
+    torch.set_rng_state(cpu)
+    if dev is not None:
+        getattr(torch, device.type).set_rng_state(dev)
 
 
 class AutocastHooks:
@@ -278,6 +348,8 @@ class AutocastHooks:
             self._last_use = use
         ctx = torch.autocast(self.device_type, dtype=self.dtype) if use else None
         if ctx is not None:
+            if self.counts["autocast"] < EARLY_CALLS and not recomputing:
+                ctx = _Watched(ctx, SparseWatch(self.dtype))
             ctx.__enter__()
             self.counts["autocast"] += 1
         self._scopes.push(ctx, sample)
@@ -317,6 +389,10 @@ class AutocastHooks:
                 # early by raising: never run again
                 return inner(*args, **kwargs)
             tls.raised = None
+            # the early calls keep the random state: a retry draws what the first attempt drew
+            # (dropout masks: without it the run's masks differed from plain PyTorch's from the
+            # retried call on, a probe's finding)
+            rng = _rng_state(self.device) if self.counts["autocast"] < EARLY_CALLS else None
             try:
                 return inner(*args, **kwargs)
             except Exception as err:
@@ -330,6 +406,8 @@ class AutocastHooks:
                     # CheckpointError (a probe's finding); the error is the script's to see
                     raise
                 tls.retrying = True
+                if rng is not None:
+                    _set_rng_state(self.device, rng)
                 try:
                     out = inner(*args, **kwargs)
                 except Exception as again:  # not autocast's: the error plain PyTorch raises, alone
@@ -345,6 +423,8 @@ class AutocastHooks:
         """Whether ``err``'s message is about dtypes (names this autocast's dtype, fp32, a dtype or a
         scalar type): only such a call is run again. A shape or device error would raise again
         without autocast; running the forward twice would only repeat its side effects."""
+        if isinstance(err, SparseOperandUnderAutocast):
+            return True
         text = str(err).lower()
         names = DTYPE_WORDS.get(self.dtype, ()) + ("dtype", "scalar type", "scalartype", "float32", "fp32")
         return any(w in text for w in names)

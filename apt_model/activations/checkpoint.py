@@ -494,8 +494,13 @@ class CheckpointedForward:
         # in the forward and in its recomputation alike: the enclosing checkpoint frees its
         # activations already, and a recomputation must save what the forward saved - this call's
         # path changes after the first call (found 2026-11-27: CheckpointError at the first backward)
+        # inside a backward pass (a re-entrant torch.utils.checkpoint of the script's or a library's
+        # recomputing its forward with grad on: timm's set_grad_checkpointing with re-entrant
+        # checkpoints) the block runs as written too: checkpointing it again there recomputed every
+        # block a second extra time, 1.5x the step for no memory (a probe's finding)
         if self.inert or not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
-                or functional_call.swapped(self.module) or in_enclosing_checkpoint() or self.hooks_inside():
+                or functional_call.swapped(self.module) or in_enclosing_checkpoint() \
+                or torch._C._current_graph_task_id() != -1 or self.hooks_inside():
             return self.forward(*args, **kwargs)
         self.calls += 1
         named = self._buffers()

@@ -975,3 +975,37 @@ def test_a_forward_that_draws_random_numbers_passes_the_override_check():
     train(m, STEPS)
     rec = vb.get_report()["models"][0]
     assert rec["features"]["compile"]["chosen"] == "override", rec["timeline"]
+
+
+class SplitLM(TinyLM):
+    """A model the script trains through its parts, as timm's ``forward_features`` / ``forward_head``."""
+
+    def forward_features(self, idx):
+        h = self.emb(idx)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+    def forward_head(self, h):
+        return self.head(h)
+
+
+def test_a_model_trained_through_its_parts_is_reported_as_such():
+    """A script calling ``model.forward_features`` then ``model.forward_head`` never calls the model:
+    the report said "trained only inside code the script compiles itself" for a script that compiles
+    nothing, and bf16 for a model whose calls never ran under it (a probe's finding with timm). The
+    reason names both possibilities now, and the call counts show no call under autocast."""
+    vb.enable("balanced", mixed_precision="bf16", attention="off", banner=False)
+    torch.manual_seed(0)
+    m = SplitLM().to("cpu")
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        x = torch.randint(0, 256, (4, 32), generator=gen)
+        loss = F.cross_entropy(m.forward_head(m.forward_features(x)).reshape(-1, 256), x.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    features = vb.get_report()["models"][0]["features"]
+    assert "through its parts called by the script" in features["compile"]["reason"], features["compile"]
+    assert features["mixed_precision"]["calls"]["autocast"] == 0, features["mixed_precision"]

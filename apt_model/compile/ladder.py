@@ -567,9 +567,10 @@ class CompileLadder:
         # that compiles two models itself, full mode: a probe's finding); removed at this model's
         # next call or when the next ladder is made (it does nothing meanwhile)
         self._step_hook_spent = True
-        self.record("eager", "the model is trained only inside code the script compiles itself (no training call "
-                    f"ran outside it before {type(opt).__name__}.step()): the compiled code is left as it is, with no "
-                    "rung beneath it", self._details())
+        self.record("eager", f"no training call of the model itself ran before {type(opt).__name__}.step(): it is "
+                    "trained only inside code the script compiles itself (left as it is, with no rung beneath it), or "
+                    "through its parts called by the script (model.forward_features(x) rather than model(x)), which run "
+                    "as written", self._details())
         return None
 
     def _drop_step_hook(self) -> None:

@@ -307,9 +307,11 @@ class OptimizerPaging:
             return
         ok, why = steps_per_parameter(opt)
         if not ok:
-            names = ", ".join(c.__name__ for c in PER_PARAMETER)
+            names = ", ".join(f"{c.__module__.split('.')[0]}.optim.{c.__name__}" for c in PER_PARAMETER)
+            cls = type(opt)
             raise PagedOptimizerError(
-                f"{type(opt).__name__} holds paged parameters but {why}, so it cannot be stepped in chunks; "
+                f"{cls.__module__}.{cls.__qualname__} steps parameters of a paged model (whose parameters, gradients "
+                f"or optimizer states are paged) but {why}, so it cannot be stepped in chunks; "
                 f"use one of {names} (or a subclass that keeps their step, or set vb_per_parameter = True on "
                 "a subclass whose step still updates each parameter alone), or turn paging off "
                 "(enable(paging='off'))"

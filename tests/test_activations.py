@@ -1551,7 +1551,7 @@ class _ReentrantCheckpointed(torch.nn.Module):
         return self.out(h)
 
 
-def test_blocks_a_reentrant_checkpoint_recomputes_are_not_checkpointed_again(tmp_path, cpu_device):
+def test_blocks_a_reentrant_checkpoint_recomputes_are_not_checkpointed_again(tmp_path, cpu_device, capsys):
     """A re-entrant checkpoint runs its forward under no grad, then again with grad inside
     backward: the switch checkpointed the blocks in that recomputation, which recomputed each a
     second extra time (9 calls for 3 blocks where plain PyTorch makes 6: 1.5x timm's step; a
@@ -1574,10 +1574,18 @@ def test_blocks_a_reentrant_checkpoint_recomputes_are_not_checkpointed_again(tmp
                 opt.step()
                 calls.append(_CountedBlock.calls)
                 losses.append(loss.item())
+            feature = vb.get_report()["models"][0]["features"]["activation_checkpointing"] if switch else None
+            if switch:
+                capsys.readouterr()
+                vb.print_stats()
+                assert "[calls so far: 0 checkpointed by the switch, 9 inside another checkpoint, run as written]" \
+                    in capsys.readouterr().out
         finally:
             vb.disable()
-        return calls, losses, [p.detach().clone() for p in m.parameters()]
+        return calls, losses, [p.detach().clone() for p in m.parameters()], feature
 
     ref, got = run(False), run(True)
     assert got[0] == ref[0] == [6, 6, 6], (got[0], ref[0])
     assert got[1] == ref[1] and all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
+    # the report counts the calls that stood aside (it said the switch recomputed the blocks)
+    assert got[3]["calls"] == {"checkpointed": 0, "inside another checkpoint": 9}, got[3]

@@ -438,10 +438,14 @@ class CheckpointedForward:
     ``types.MethodType`` failed: pickle cannot name that class, "Can't pickle <class 'method'>".)
     """
 
-    def __init__(self, module: nn.Module):
+    def __init__(self, module: nn.Module, counts: dict | None = None):
         self.module = module
         self._own = "forward" in vars(module)  # the instance's own forward (else the class's)
         self.forward = module.forward
+        #: training calls so far, shared by the model's wrapped blocks (the report shows them):
+        #: ``checkpointed``, and ``inside another checkpoint`` (the script's or a library's own, or a
+        #: backward's recomputation), which run as written
+        self.counts = counts if counts is not None else {"checkpointed": 0, "inside another checkpoint": 0}
         #: set by disable(): a wrapper the script put around this one since (accelerate's
         #: add_hook_to_module) keeps it, and it then runs the block as written (a probe's finding)
         self.inert = False
@@ -499,10 +503,15 @@ class CheckpointedForward:
         # checkpoints) the block runs as written too: checkpointing it again there recomputed every
         # block a second extra time, 1.5x the step for no memory (a probe's finding)
         if self.inert or not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
-                or functional_call.swapped(self.module) or in_enclosing_checkpoint() \
-                or torch._C._current_graph_task_id() != -1 or self.hooks_inside():
+                or functional_call.swapped(self.module):
+            return self.forward(*args, **kwargs)
+        if in_enclosing_checkpoint() or torch._C._current_graph_task_id() != -1:
+            self.counts["inside another checkpoint"] += 1
+            return self.forward(*args, **kwargs)
+        if self.hooks_inside():
             return self.forward(*args, **kwargs)
         self.calls += 1
+        self.counts["checkpointed"] += 1
         named = self._buffers()
         buffers = [getattr(m, name) for m, name in named]
         versions = None if self.written_buffers is not None else [b._version for b in buffers]
@@ -622,7 +631,7 @@ class _RecordingCall:
         return (getattr, (self.fn.__self__, self.fn.__name__))
 
 
-def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patches) -> str:
+def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patches, counts: dict | None = None) -> str:
     """Checkpoint ``blocks.modules[i]`` for ``i`` in ``indices``; returns how: ``hf`` (Hugging Face's
     own checkpointing, switched on here and off again by ``disable()``), ``script`` (a Hugging Face
     model the script already checkpoints: left exactly as the script configured it, and still so
@@ -668,7 +677,7 @@ def apply_to_blocks(model: nn.Module, blocks: Blocks, indices: list[int], patche
         return "hf"
     for i in indices:
         block = blocks.modules[i]
-        wrapper = CheckpointedForward(block)
+        wrapper = CheckpointedForward(block, counts)
         patches.add_undo(functools.partial(_make_inert, weakref.ref(wrapper)), f"checkpoint {blocks.name}.{i} inert",
                          owner=wrapper)
         patches.set_attr(block, "forward", wrapper, label=f"checkpoint {blocks.name}.{i}")

@@ -241,14 +241,16 @@ class ActivationManager:
         if kind == "measure":
             self._measure_then_choose(model, blocks, arg, record, record_later, on_first_call)
             return decision
-        how = apply_to_blocks(model, blocks, arg, self.patches)
+        counts = {"checkpointed": 0, "inside another checkpoint": 0}  # live: the wrapped blocks count their calls
+        how = apply_to_blocks(model, blocks, arg, self.patches, counts)
         if how == "script":
             record["checkpointed"] = [f"{blocks.name}.{i}" for i in checkpointed_by_script(blocks)]
             return decision.amend(chosen="the script's own", reason=(
                 f"the script already enabled Hugging Face activation checkpointing on {len(record['checkpointed'])} "
                 f"of {len(blocks.modules)} {blocks.kind} block(s): left as it configured it (and so after disable())"))
         record["checkpointed"] = [f"{blocks.name}.{i}" for i in arg]
-        return decision.amend(reason=f"{decision.reason} ({_HOW[how]})")
+        details = {**decision.details, "calls": counts} if how == "wrapped" else decision.details
+        return decision.amend(reason=f"{decision.reason} ({_HOW[how]})", details=details)
 
     def _measure_then_choose(self, model, blocks, budget, record, record_later, on_first_call=None) -> None:
         meter = BlockMeter(blocks)

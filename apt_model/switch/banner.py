@@ -242,6 +242,10 @@ def format_stats(report: dict) -> str:
             if reason.startswith(chosen + ":"):  # "single process: single process: ..." reads as a glitch
                 reason = reason[len(chosen) + 1:].lstrip()
             calls = d.get("calls")
+            if feat == "activation_checkpointing" and calls and calls.get("inside another checkpoint"):
+                # a model the script (timm, a library) checkpoints itself: the switch's blocks stand aside there
+                reason += (f" [calls so far: {calls.get('checkpointed', 0)} checkpointed by the switch, "
+                           f"{calls['inside another checkpoint']} inside another checkpoint, run as written]")
             if feat == "mixed_precision" and calls and chosen in ("bf16", "fp16"):
                 # a frozen teacher called in eval mode under no_grad is "bf16" yet runs fp32 (a probe's finding)
                 reason += (f" [calls so far: {calls.get('autocast', 0)} under {chosen} autocast, "

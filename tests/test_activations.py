@@ -768,6 +768,13 @@ def test_the_activation_offloader_takes_a_quarter_of_the_host_level_on_an_accele
     assert ActivationManager(SimpleNamespace(), None, SimpleNamespace(shared_host=True), "cpu").host_budget("cuda") is None
 
 
+def _three_blocks(make_block, outputs: int) -> torch.nn.Sequential:
+    """Linear(8, 16), three blocks of width 16 made by ``make_block``, Linear(16, ``outputs``); seeded."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), *[make_block() for _ in range(3)],
+                               torch.nn.Linear(16, outputs))
+
+
 #: a generator kept at module level, as scripts do (``GEN = torch.Generator()``)
 _MODULE_GENERATOR = torch.Generator()
 
@@ -831,9 +838,7 @@ def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, 
     import numpy as np
 
     def build():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), *[_InPlaceBlock(source) for _ in range(3)],
-                                   torch.nn.Linear(16, 1))
+        return _three_blocks(lambda: _InPlaceBlock(source), 1)
 
     def train(m):
         random.seed(3)
@@ -1487,9 +1492,7 @@ def test_a_model_switched_to_eval_before_backward_is_recomputed_in_train_mode(tm
     the flags its forward had, and training is bitwise plain PyTorch's."""
 
     def build():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(8, 16), *[_TrainOnlyBlock(kind) for _ in range(3)],
-                                   torch.nn.Linear(16, 4))
+        return _three_blocks(lambda: _TrainOnlyBlock(kind), 4)
 
     def train(m):
         torch.manual_seed(1)

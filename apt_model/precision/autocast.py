@@ -348,7 +348,8 @@ class AutocastHooks:
             self._last_use = use
         ctx = torch.autocast(self.device_type, dtype=self.dtype) if use else None
         if ctx is not None:
-            if self.counts["autocast"] < EARLY_CALLS and not recomputing:
+            if self.counts["autocast"] < EARLY_CALLS and not recomputing and not in_enclosing_checkpoint():
+                # (inside the script's own checkpoint no retry can run: its error would be the watch's)
                 ctx = _Watched(ctx, SparseWatch(self.dtype))
             ctx.__enter__()
             self.counts["autocast"] += 1

@@ -497,7 +497,7 @@ def test_step_with_a_closure_trains_bitwise_and_returns_the_loss(kind, tmp_path)
     assert calls == ref_calls == 4 and events == ref_events  # once per step, after the own pre-hooks
     assert events[:3] == ["pre-hook", "wrapped", "closure"]  # the second hook's closure was the one called
     assert_same(state, ref_state)
-    assert step_in_backward["state"] == "off" and "step(closure)" in step_in_backward["reason"]
+    assert step_in_backward["state"] == "off" and "passes a closure to optimizer.step()" in step_in_backward["reason"]
 
 
 def _halve_gradients(opt, args, kwargs):

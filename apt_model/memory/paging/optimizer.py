@@ -493,7 +493,8 @@ class OptimizerPaging:
         if closure is None:
             return args, kwargs
         self.session.backward_step.abandon(
-            "the loop calls optimizer.step(closure): the closure's backward runs inside the step")
+            "the loop passes a closure to optimizer.step() (Lightning always does, also with manual optimization): "
+            "a closure may run the backward inside the step call, so the step stays after backward")
         with torch.enable_grad():
             loss = closure()
         done = functools.partial(_evaluated, loss)

@@ -775,6 +775,19 @@ def _three_blocks(make_block, outputs: int) -> torch.nn.Sequential:
                                torch.nn.Linear(16, outputs))
 
 
+def _checkpointed_run(m, train, mode: str, tmp_path, **settings):
+    """``train(m)`` with the switch on (``mode``, :data:`PLAIN` and ``settings``); returns its result
+    and the number of calls the switch checkpointed in ``m``'s blocks."""
+    vb.enable(mode, swap_dir=str(tmp_path), **PLAIN, **settings)
+    try:
+        m.to("cpu")
+        got = train(m)
+        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
+    finally:
+        vb.disable()
+    return got, calls
+
+
 #: a generator kept at module level, as scripts do (``GEN = torch.Generator()``)
 _MODULE_GENERATOR = torch.Generator()
 
@@ -856,15 +869,8 @@ def test_a_checkpointed_block_is_recomputed_from_what_its_forward_saw(tmp_path, 
         return grads, (random.random(), np.random.rand())
 
     ref = train(build())
-    m = build()
-    vb.enable("memory" if mode == "memory" else "balanced", swap_dir=str(tmp_path), **PLAIN,
-              **({"checkpointing": True} if mode == "checkpointing" else {}))
-    try:
-        m.to("cpu")
-        got = train(m)
-        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
-    finally:
-        vb.disable()
+    got, calls = _checkpointed_run(build(), train, "memory" if mode == "memory" else "balanced", tmp_path,
+                                   **({"checkpointing": True} if mode == "checkpointing" else {}))
     assert calls > 0  # the blocks were checkpointed
     assert got[1] == ref[1]  # the generators end where they would have
     for ga, gb in zip(ref[0], got[0]):
@@ -1513,14 +1519,7 @@ def test_a_model_switched_to_eval_before_backward_is_recomputed_in_train_mode(tm
         return out + [t.clone() for t in m.state_dict().values()]
 
     ref = train(build())
-    m = build()
-    vb.enable("memory", swap_dir=str(tmp_path), **PLAIN)
-    try:
-        m.to("cpu")
-        got = train(m)
-        calls = sum(b.forward.calls for b in m if "forward" in vars(b))
-    finally:
-        vb.disable()
+    got, calls = _checkpointed_run(build(), train, "memory", tmp_path)
     assert calls > 0  # the blocks were checkpointed
     assert len(got) == len(ref) and all(torch.equal(a, b) for a, b in zip(got, ref))
 

@@ -320,9 +320,14 @@ class TrainingFlags:
         (the caller flips them back after the recomputation). ``training`` is set directly, not
         with ``train()``, which a model may override (freezing batch norm, say)."""
         changed = [m for m, t in zip(self.modules, self.flags) if m.training is not t]
-        for m in changed:
-            m.training = not m.training
+        self.flip(changed)
         return changed
+
+    @staticmethod
+    def flip(modules: list[nn.Module]) -> None:
+        """Turn each module's ``training`` over (:meth:`restore`, and back after the recomputation)."""
+        for m in modules:
+            m.training = not m.training
 
 
 class ModeReplay:
@@ -348,8 +353,7 @@ def _modes_of(flags: TrainingFlags):
     try:
         yield
     finally:
-        for m in flipped:
-            m.training = not m.training
+        flags.flip(flipped)
 
 
 def _in_modes(fn: Callable, flags: TrainingFlags) -> Callable:
@@ -360,8 +364,7 @@ def _in_modes(fn: Callable, flags: TrainingFlags) -> Callable:
         try:
             return fn(*args, **kwargs)
         finally:
-            for m in flipped:
-                m.training = not m.training
+            flags.flip(flipped)
     return run
 
 

@@ -214,10 +214,8 @@ def _script_files(extra: Iterable[str | None] = (), stack: bool = True) -> list[
 def _differentiates_twice(path: str) -> str | None:
     """``path:line`` of the first line of ``path`` that matches :data:`_TWICE` outside a comment, or None."""
     for number, line in enumerate(linecache.getlines(path), 1):
-        code = line.split("#", 1)[0]
-        if "grad" in code or "hessian" in code or "hvp" in code or "vhp" in code:
-            if _TWICE.search(code):
-                return f"{path}:{number}"
+        if _TWICE.search(line.split("#", 1)[0]):
+            return f"{path}:{number}"
     return None
 
 

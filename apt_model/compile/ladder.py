@@ -71,6 +71,11 @@ def profiler_enabled() -> bool:
     return torch.autograd._profiler_enabled()
 
 
+def _first_line(err: BaseException, limit: int) -> str:
+    """The first line of ``err``'s message, at most ``limit`` characters ('' for an empty one)."""
+    return (str(err).strip().splitlines() or [""])[0][:limit]
+
+
 def graph_reuse_reason(kind: str, where: str) -> str:
     """Why no rung is used once the script called a backward with ``kind=True`` at ``where``
     (:mod:`apt_model.base.graph_reuse`)."""
@@ -474,8 +479,7 @@ class CompileLadder:
             # and the rung stays; else the rung is given up
             out = self.eager(*args, **kwargs)
             self.give_up(f"a later training call raised {type(failed).__name__} in the compiled forward "
-                         f"({str(failed).strip().splitlines()[0][:200] if str(failed).strip() else ''}) "
-                         "where the model's own forward runs")
+                         f"({_first_line(failed, 200)}) where the model's own forward runs")
             return out
         if getattr(self._tls, "use", False) and self._fn is not None:
             fn = self._fn
@@ -484,7 +488,7 @@ class CompileLadder:
             except Exception as err:  # noqa: BLE001 - the rung's failure is re-run eagerly; the script's is its own
                 if not raised_by_compiled_code(err):
                     raise  # the model's own code raised (a check, a bad input): as without the switch
-                self._leave(f"raised {type(err).__name__}: {str(err).strip().splitlines()[0][:300] if str(err).strip() else ''}",
+                self._leave(f"raised {type(err).__name__}: {_first_line(err, 300)}",
                             outcome="failed")
         return self.eager(*args, **kwargs)
 

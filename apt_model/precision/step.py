@@ -100,20 +100,18 @@ class PrecisionStep(FeatureStep):
         dname, trial = decision.plan
         want = decision.chosen
         req = ctx.config.mixed_precision
-        counts: dict = {}  # the hooks' live call counts, in every decision about this model (report)
-
-        def on_verdict(keep: bool, summary: dict) -> None:
+        def on_verdict(keep: bool, summary: dict) -> None:  # called after the trial: ``hooks`` is made by then
             verdict = self._verdict(req, want, keep, summary)
-            ctx.record_later(verdict.amend(details={**verdict.details, "calls": counts}))
+            ctx.record_later(verdict.amend(details={**verdict.details, "calls": hooks.counts}))
 
         agreement = ctx.session.services.get("agreement")
         channel = agreement.channel(model, self.name) if agreement is not None and trial else None
         hooks = attach_autocast(model, ctx.device.type, getattr(torch, dname), patches, trial, on_verdict,
                                 device=ctx.device, channel=channel)
-        counts = hooks.counts
         self.hooks.append(hooks)
         ctx.on_first_call(lambda module, args, kwargs: hooks.adopting_call(module, args))
-        decision = decision.amend(details={**decision.details, "calls": counts})
+        # the hooks' live call counts, in every decision about this model (the report shows them)
+        decision = decision.amend(details={**decision.details, "calls": hooks.counts})
         if hooks.timer is not None:  # the compile ladder waits for the verdict, rank 0's included
             return decision.amend(facts={"autocast_trial": hooks.timer})
         return decision

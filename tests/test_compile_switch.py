@@ -855,6 +855,9 @@ def test_a_kept_override_rung_takes_another_batch_size_in_training_and_evaluatio
     with torch.no_grad():
         x = torch.randint(0, 256, (2, 32), generator=gen)
         assert torch.allclose(m(x), reference(x), rtol=1e-4, atol=1e-5)
+    # the recaptured graph was checked and used: the rung was not given up (a compiled call that
+    # fails runs as written and gives its rung up, which would hide a check that raises)
+    assert vb.get_report()["models"][0]["features"]["compile"]["chosen"] == "override"
 
 
 def test_after_a_rung_is_kept_evaluation_runs_as_written_and_a_bad_input_raises_eagers_error():

@@ -504,7 +504,7 @@ def test_a_recomputation_after_the_verdict_runs_what_its_forward_ran():
 
 
 @pytest.mark.parametrize("how", ["its own autocast", "the model cast to half", "accelerate's forward wrapper"])
-def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how):
+def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how, capsys):
     """A model adopted with the trial whose training calls then all run under the script's own
     ``torch.autocast`` (a GradScaler loop), or after ``model.half()``: the hooks leave those calls
     alone, so the trial never timed one and the report said "bf16 ... on trial" for good (a
@@ -531,7 +531,14 @@ def test_a_trial_on_a_model_whose_script_manages_precision_ends_and_says_so(how)
         opt.step()
     assert not model._vb_autocast.trial.running and model._vb_autocast.calls == 0
     feat = vb.get_report()["models"][0]["features"]["mixed_precision"]
-    assert feat["chosen"] == "fp32" and "the script managed precision in 8 training calls" in feat["reason"], feat
+    # "as written", not "fp32": the calls ran the script's precision (under Lightning's bf16-mixed the
+    # report said fp32, a probe's finding), and print_stats counts them
+    assert feat["chosen"] == "as written" and "the script managed precision in 8 training calls" in feat["reason"], feat
+    calls = feat["calls"]
+    assert calls["autocast"] == calls["evaluation"] == 0 and calls["script"] >= 8, feat
+    capsys.readouterr()
+    vb.print_stats()
+    assert f"{calls['script']} under the script's own precision" in capsys.readouterr().out
 
 
 def test_deterministic_algorithms_keep_the_scripts_precision_and_eager_forward(cpu_device):
@@ -598,8 +605,8 @@ def test_the_report_counts_a_frozen_teachers_evaluation_calls_as_fp32(cpu_device
         assert len(models) == 2
         first, second = (m["features"]["mixed_precision"] for m in models)
         # the teacher was called first: adopted at its first call (run as written), 3 evaluation calls after
-        assert first["chosen"] == "bf16" and first["calls"] == {"autocast": 0, "evaluation": 3}, first
-        assert second["chosen"] == "bf16" and second["calls"] == {"autocast": 3, "evaluation": 0}, second
+        assert first["chosen"] == "bf16" and first["calls"] == {"autocast": 0, "evaluation": 3, "script": 0}, first
+        assert second["chosen"] == "bf16" and second["calls"] == {"autocast": 3, "evaluation": 0, "script": 0}, second
         capsys.readouterr()
         vb.print_stats()
         out = capsys.readouterr().out

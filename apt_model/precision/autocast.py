@@ -187,8 +187,11 @@ class AutocastHooks:
         active: whether autocast is applied to calls (False after a trial turned it off).
         calls: number of calls that ran under this autocast.
         counts: ``{"autocast": calls under this autocast, "evaluation": evaluation calls run as
-            written in fp32}``, kept up to date (the model's report shows it: a frozen teacher called
-            in eval mode under ``no_grad`` is reported bf16 yet all its calls run fp32).
+            written in fp32, "script": calls whose precision the script managed (its own
+            ``torch.autocast``, a framework's, or parameters it cast away from fp32), run as
+            written}``, kept up to date (the model's report shows them: a frozen teacher called in
+            eval mode under ``no_grad`` is reported bf16 yet all its calls run fp32; a model under
+            Lightning's ``bf16-mixed`` was reported fp32).
         timer: the trial's :class:`~apt_model.devices.call_timer.CallTimer` (None without a trial).
 
     Raises:
@@ -206,7 +209,7 @@ class AutocastHooks:
         self.dtype = dtype
         self.on_verdict = on_verdict
         self.active = True
-        self.counts = {"autocast": 0, "evaluation": 0}
+        self.counts = {"autocast": 0, "evaluation": 0, "script": 0}
         #: the parameters' dtype when the script cast the model away from fp32 after adoption (its
         #: calls then run as written: autocast would compute an fp16 model in bf16, and return fp32)
         self.cast_by_script: torch.dtype | None = None
@@ -326,6 +329,8 @@ class AutocastHooks:
         managed = (cast is not None or torch.is_autocast_enabled(self.device_type)
                    or (self.active and _framework_autocast(module)))
         if not self.active or managed:
+            if managed:
+                self.counts["script"] += 1
             if timer is not None:
                 timer.settle()
                 if training and self.active:

@@ -101,7 +101,7 @@ class PrecisionStep(FeatureStep):
         want = decision.chosen
         req = ctx.config.mixed_precision
         def on_verdict(keep: bool, summary: dict) -> None:  # called after the trial: ``hooks`` is made by then
-            verdict = self._verdict(req, want, keep, summary)
+            verdict = self._verdict(req, want, keep, summary, script_calls=hooks.counts["script"])
             ctx.record_later(verdict.amend(details={**verdict.details, "calls": hooks.counts}))
 
         agreement = ctx.session.services.get("agreement")
@@ -116,12 +116,15 @@ class PrecisionStep(FeatureStep):
             return decision.amend(facts={"autocast_trial": hooks.timer})
         return decision
 
-    def _verdict(self, req: str, want: str, keep: bool, summary: dict) -> Decision:
+    def _verdict(self, req: str, want: str, keep: bool, summary: dict, script_calls: int = 0) -> Decision:
         if summary.get("failed"):  # a forward raised under autocast and ran again without it
             return Decision(self.name, req, "fp32", f"turned off: {summary['failed']}; the model's calls run as "
                             "written from then on", details={"trial": summary} if "calls" in summary else {})
         if summary.get("gave_up"):
-            return Decision(self.name, "auto", "fp32", f"turned off: the trial on this model gave up ({summary['gave_up']}), "
+            # the script's own autocast (Lightning's bf16-mixed, accelerate's) ran its calls: "fp32"
+            # would misreport them (a probe's finding)
+            chosen = "as written" if script_calls else "fp32"
+            return Decision(self.name, "auto", chosen, f"turned off: the trial on this model gave up ({summary['gave_up']}), "
                             "so the script's own precision is kept", details={"trial": summary})
         timing = (f"{want} {summary['on_ms']} ms vs fp32 {summary['off_ms']} ms per forward+backward, median of "
                   f"{summary['calls'] // 2} calls each after {summary['settle_calls']} settling calls: "

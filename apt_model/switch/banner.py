@@ -246,9 +246,13 @@ def format_stats(report: dict) -> str:
                 # a model the script (timm, a library) checkpoints itself: the switch's blocks stand aside there
                 reason += (f" [calls so far: {calls.get('checkpointed', 0)} checkpointed by the switch, "
                            f"{calls['inside another checkpoint']} inside another checkpoint, run as written]")
-            if feat == "mixed_precision" and calls and chosen in ("bf16", "fp16"):
-                # a frozen teacher called in eval mode under no_grad is "bf16" yet runs fp32 (a probe's finding)
-                reason += (f" [calls so far: {calls.get('autocast', 0)} under {chosen} autocast, "
-                           f"{calls.get('evaluation', 0)} evaluation calls as written in fp32]")
+            if feat == "mixed_precision" and calls and (chosen in ("bf16", "fp16") or calls.get("script")):
+                # a frozen teacher called in eval mode under no_grad is "bf16" yet runs fp32; a model
+                # under Lightning's bf16-mixed runs the script's precision (probes' findings)
+                parts = [f"{calls.get('autocast', 0)} under {chosen} autocast",
+                         f"{calls.get('evaluation', 0)} evaluation calls as written in fp32"] if chosen in ("bf16", "fp16") else []
+                if calls.get("script"):
+                    parts.append(f"{calls['script']} under the script's own precision (its autocast, or parameters it cast)")
+                reason += f" [calls so far: {', '.join(parts)}]"
             lines.append(f"    {feat:<{name_w}}{chosen:<{chosen_w}}{reason}")
     return "\n".join(lines)

@@ -846,10 +846,14 @@ def test_a_kept_override_rung_takes_another_batch_size_in_training_and_evaluatio
     gen = torch.Generator().manual_seed(2)
     rec = vb.get_report()["models"][0]
     assert rec["features"]["compile"]["chosen"] == "override", rec["features"]["compile"]
+    compiles = rec["timeline"][-1]["compiles"]
     short = torch.randint(0, 256, (3, 32), generator=gen)
     out = m(short)  # a training call with another batch size
     out.sum().backward()
     assert torch.allclose(out, reference(short), rtol=1e-4, atol=1e-5)
+    # the report counts that recapture in the kept rung's entry (it kept the verdict's counts before)
+    kept = vb.get_report()["models"][0]["timeline"][-1]
+    assert kept["outcome"] == "kept" and kept["compiles"] == compiles + 1, (compiles, kept)
     m.eval()
     reference.eval()
     with torch.no_grad():

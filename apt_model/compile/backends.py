@@ -15,7 +15,10 @@ from typing import Any, Callable
 
 import torch
 
+from apt_model.base.log import get_logger
 from apt_model.devices.registry import registered_backends
+
+log = get_logger(__name__)
 
 
 def device_backend(device: torch.device | str):
@@ -59,6 +62,8 @@ class CountingBackend:
             lazily at the first backward is not counted here).
         name: the backend's name for the report.
         backend: the backend as given (the override rung reads its ``sites`` / ``rejected``).
+        after: called with no argument after each compilation (None: nothing), its errors
+            logged: the ladder brings a kept rung's report entry up to date.
     """
 
     def __init__(self, backend: str | Callable):
@@ -67,6 +72,7 @@ class CountingBackend:
         self._inner = resolve_backend(backend)
         self.compiles = 0
         self.seconds = 0.0
+        self.after: Callable[[], None] | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
         start = time.perf_counter()
@@ -76,6 +82,11 @@ class CountingBackend:
                 return self._inner(gm, example_inputs)
         finally:
             self.seconds += time.perf_counter() - start
+            if self.after is not None:
+                try:
+                    self.after()
+                except Exception as err:  # noqa: BLE001 - a report's update must not fail a compilation
+                    log.debug("compile counter: after(): %s", err)
 
 
 def keep_saved_buffers():

@@ -360,6 +360,7 @@ class CompileLadder:
         self._patches: PatchSet | None = None
         self._uncompiled = False  # a training call ran outside compiled code
         self._step_hook = None  # the optimizer-step check for a model trained only in compiled code
+        self._kept: dict | None = None  # the kept rung's timeline entry (its counts kept up to date)
 
     def __getstate__(self):
         """A copy of an adopted model (pickling, ``copy.deepcopy``) carries an inert ladder: its
@@ -699,7 +700,11 @@ class CompileLadder:
         followed = agreement_note(keep, summary, timing)
         if keep:
             reason = followed or f"{timing} >= {summary['min_speedup']:.2f}x, a clear win{ranks_suffix(summary)}"
-            entry = self._entry(rung, "kept", reason, trial=summary)
+            entry = self._kept = self._entry(rung, "kept", reason, trial=summary)
+            if self._counter is not None and hasattr(self._counter, "after"):
+                # weakly: Dynamo's cache keeps the backend, which must not keep the ladder (and its model)
+                method = weakref.WeakMethod(self._kept_compiled)
+                self._counter.after = lambda: (m := method()) is not None and m()
             self._finish(rung.name, self._fn)
             self.record(rung.name, f"{rung.label}: {entry['reason']}", self._details())
             return
@@ -727,27 +732,40 @@ class CompileLadder:
         self.record("eager", f"the model runs as written ({tried})", self._details())
 
     def _entry(self, rung: Rung, outcome: str, reason: str, trial: dict | None = None) -> dict:
-        counter = self._counter
         entry = {"rung": rung.name, "runs": rung.label, "outcome": outcome, "reason": reason,
                  "warmup_s": round(self._warm_seconds, 3) if self._warm_seconds else None,
-                 "compiles": getattr(counter, "compiles", None), "compile_s": round(getattr(counter, "seconds", 0.0), 3),
                  "dynamic": self._dynamic}
-        sites = getattr(getattr(counter, "backend", None), "sites", None)
-        if sites:  # each distinct rewrite once, with how many times it was made (recompilations repeat them)
-            counts: dict[str, int] = {}
-            for tag, site in sites:
-                counts[f"{tag}: {site}"] = counts.get(f"{tag}: {site}", 0) + 1
-            entry["rewrites"] = [f"{n} x {text}" for text, n in counts.items()]
+        entry.update(self._compile_counts())
         if trial is not None:
             entry["trial"] = trial
         self.timeline.append(entry)
         log.info("compile ladder %s: %s %s: %s", self.tag, rung.name, outcome, reason)
         return entry
 
+    def _compile_counts(self) -> dict:
+        """The rung's compilations so far (``compiles``, ``compile_s``; ``rewrites``: each distinct
+        rewrite once, with how many times it was made: recompilations repeat them)."""
+        counter = self._counter
+        out = {"compiles": getattr(counter, "compiles", None), "compile_s": round(getattr(counter, "seconds", 0.0), 3)}
+        sites = getattr(getattr(counter, "backend", None), "sites", None)
+        if sites:
+            counts: dict[str, int] = {}
+            for tag, site in sites:
+                counts[f"{tag}: {site}"] = counts.get(f"{tag}: {site}", 0) + 1
+            out["rewrites"] = [f"{n} x {text}" for text, n in counts.items()]
+        return out
+
     def _details(self) -> dict:
         return {"timeline": list(self.timeline)}
 
     # ------------------------------------------------------------------ report
+    def _kept_compiled(self) -> None:
+        """The kept rung compiled again (a training call of a new shape after the verdict): its
+        timeline entry, which the model's decision holds too, gets the counts (until 2026-11-29
+        the report kept those of the verdict's moment)."""
+        if self._kept is not None and getattr(self, "_final", None) is not None:
+            self._kept.update(self._compile_counts())
+
     def describe(self) -> dict:
         """State, chosen rung and timeline (JSON-safe)."""
         return {"state": self.state, "chosen": self.chosen, "rung": self.rungs[self.index].name

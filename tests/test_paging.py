@@ -2240,6 +2240,46 @@ def test_a_model_adopted_later_that_does_not_fit_what_is_left_is_paged_anyway_wi
     assert any("paging Sequential anyway" in r.getMessage() for r in caplog.records)
 
 
+def test_a_model_adopted_after_one_that_keeps_nothing_resident_is_paged_anyway(tmp_path, cpu_device, caplog):
+    """The later model's rule must not read "nothing kept resident before" as "the first model": a
+    decoder first called in the middle of a step, after an encoder paged keeping nothing resident,
+    was refused with ``PagingBudgetError`` there, where a smaller encoder (some bytes kept) let it
+    be paged anyway (a probe's finding). The warning no longer suggests ``paging='always'``, which
+    it is doing already."""
+    def nets():
+        torch.manual_seed(0)
+        return (nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)]),
+                nn.Sequential(nn.Linear(64, 160), nn.Linear(160, 64)))
+
+    def train(enc, dec):
+        opt = torch.optim.Adam(list(enc.parameters()) + list(dec.parameters()))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            opt.zero_grad()
+            dec(enc(torch.randn(4, 64, generator=gen))).square().mean().backward()
+            opt.step()
+
+    ref = nets()
+    train(*ref)
+    vb.enable("memory", swap_dir=str(tmp_path), device_budget="100KB", mixed_precision="off", banner=False)
+    try:
+        enc, dec = nets()
+        with caplog.at_level("WARNING", logger="apt_model"):
+            train(enc, dec)  # the decoder is adopted at its first call, inside the first step's forward
+        models = vb.get_report()["models"]
+    finally:
+        vb.disable()
+    first, second = (m["features"]["paging"] for m in models)
+    assert first["chosen"] == second["chosen"] == "paged", (first, second)
+    assert first["plan"]["kept_bytes"] == 0, first["plan"]
+    assert "does not fit what they keep resident" in second["reason"], second["reason"]
+    for m, r in zip((enc, dec), ref):
+        for p, q in zip(m.parameters(), r.parameters()):
+            assert torch.equal(p, q)
+    (warning,) = [r.getMessage() for r in caplog.records if "paging Sequential anyway" in r.getMessage()]
+    assert "set device_budget" in warning and "paging='always'" not in warning, warning
+
+
 class _LowRankUpdate(nn.Module):
     """A low-rank update of a weight, as a parametrization (minLoRA-style)."""
 

@@ -42,6 +42,10 @@ from apt_model.base.errors import ConfigError
 from apt_model.base.sizes import format_size, format_size_at_least
 
 
+#: The refusal's last suggestion, left out where a model is paged anyway (adopted after others).
+ALWAYS_ADVICE = ", or page anyway with paging='always' (level 0 will then go over the budget)"
+
+
 class PagingBudgetError(ConfigError):
     """The level-0 budget is smaller than the smallest working set paging needs resident at once,
     so paging could not hold it; the message names the working set and the smallest budget that works."""
@@ -257,8 +261,7 @@ def plan_placement(model: nn.Module, budget: int, disk: dict | None, state_facto
             f"(training state {format_size(total)}): {what} needs {format_size(ws)} resident at once, more than "
             f"the budget plus the largest page ({format_size(largest)}) allows"
             + _left(taken) + f"; set {budget_setting} "
-            f"to at least {format_size_at_least(taken + ws - largest)} ({taken + ws - largest} bytes), or page anyway with paging='always' "
-            "(level 0 will then go over the budget)"
+            f"to at least {format_size_at_least(taken + ws - largest)} ({taken + ws - largest} bytes){ALWAYS_ADVICE}"
             + ("; the plan assumes the model trains (AdamW: a gradient and two states per trainable parameter): a "
                "model that is only evaluated needs its parameters alone, so call model.requires_grad_(False) "
                "before moving it" if what.startswith("the optimizer step") else "")

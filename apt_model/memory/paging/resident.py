@@ -33,6 +33,10 @@ class ResidentModels:
         """Remember ``model`` (held weakly)."""
         self._models[model] = None
 
+    def models(self) -> list[nn.Module]:
+        """The resident models still alive."""
+        return list(self._models.keys())
+
     def __len__(self) -> int:
         """Resident models still alive (changes when one is freed)."""
         return len(self._models)
@@ -43,7 +47,7 @@ class ResidentModels:
         adopted again, brings those along) and those whose ``id`` is in ``paged`` (paged since,
         through a model that wraps the resident one: its pages count them)."""
         own = {id(p) for p in exclude.parameters()} if exclude is not None else set()
-        params = [p for m in list(self._models.keys()) for p in m.parameters()
+        params = [p for m in self.models() for p in m.parameters()
                   if id(p) not in own and id(p) not in paged]
         p_bytes, t_bytes = params_state_sizes(params)
         return p_bytes + t_bytes + int(self.state_factor * t_bytes)

@@ -28,7 +28,7 @@ from apt_model.base.patches import PatchSet
 from apt_model.base.sizes import format_size, format_size_at_least
 from apt_model.memory.paging.resident import ResidentModels
 from apt_model.memory.paging.step_placement import StepPlacement, plan_optimizer_step, probe_host_step_rate
-from apt_model.memory.placement import PagingBudgetError, plan_placement
+from apt_model.memory.placement import ALWAYS_ADVICE, PagingBudgetError, plan_placement
 from apt_model.memory.swap import FORKED_CHILD_REASON
 
 log = get_logger(__name__)
@@ -115,11 +115,12 @@ class PagingStep(FeatureStep):
             self.paging.retire_dead()
             taken += self.paging.kept_total()
         budget = max(stack.compute_budget - taken, 0)
-        plan = self._plan(model, budget, None, req == "always", taken)
+        later = self._adopted_after_others(model)
+        plan = self._plan(model, budget, None, req == "always", taken, later)
         if not plan.paged:  # applied: remembered as resident (its bytes count for the models after it)
             return Decision(self.name, req, "resident", plan.reason, act=True, details={"plan": plan.to_dict()})
         bw = stack.measure()
-        plan = self._plan(model, budget, bw["disk"], req == "always", taken, warn=True, levels=stack.levels,
+        plan = self._plan(model, budget, bw["disk"], req == "always", taken, later, warn=True, levels=stack.levels,
                           device=ctx.device)
         self._check_capacity(model, plan)
         step = self._step_placement(plan, ctx)
@@ -127,24 +128,37 @@ class PagingStep(FeatureStep):
                         plan=plan, details={"plan": plan.to_dict(), "optimizer_step": step.to_dict()},
                         facts={"paged": True})
 
-    def _plan(self, model: nn.Module, budget: int, disk, force: bool, taken: int, warn: bool = False, **kw):
+    def _adopted_after_others(self, model: nn.Module) -> bool:
+        """Whether another live model was planned before ``model`` (kept whole, or paged: one
+        whose pages keep nothing resident counts too)."""
+        if any(m is not model for m in self.resident.models()):
+            return True
+        return self.paging is not None and any(pm.model is not None and pm.model is not model
+                                               for pm in self.paging.models)
+
+    def _plan(self, model: nn.Module, budget: int, disk, force: bool, taken: int, later: bool,
+              warn: bool = False, **kw):
         """:func:`plan_placement` for ``model`` with the ``budget`` the models adopted before leave
-        (``taken`` bytes they keep resident). Where that is too small for it, a model adopted later
-        (a block a growing network adds at its first forward) is not refused in the middle of
-        training: everything of it is paged, and (with ``warn``: the final plan) a warning says by
-        how much level 0 will go over the budget and what budget holds it. The first model is
-        refused as always."""
+        (``taken`` bytes they keep resident). Where that is too small for it, a model adopted
+        ``later`` than others (a block a growing network adds at its first forward, a decoder first
+        called in the middle of a step) is not refused in the middle of training: everything of it
+        is paged, and (with ``warn``: the final plan) a warning says by how much level 0 will go
+        over the budget and what budget holds it. The first model is refused as always. (Until
+        2026-11-29 "first" meant "nothing kept resident before it": a decoder adopted after an
+        encoder that was paged keeping nothing resident was refused in the middle of a step, a
+        probe's finding.)"""
         setting = self.session.stack.budget_setting
         try:
             return plan_placement(model, budget, disk, force=force, budget_setting=setting, taken=taken, **kw)
         except PagingBudgetError as err:
-            if not taken:
+            if not later:
                 raise
             plan = plan_placement(model, budget, disk, force=True, budget_setting=setting, taken=taken, **kw)
+            why = str(err).replace(ALWAYS_ADVICE, "")  # it is paged anyway: not a suggestion here
             if warn:
-                log.warning("paging %s anyway, everything of it paged: %s", type(model).__name__, err)
+                log.warning("paging %s anyway, everything of it paged: %s", type(model).__name__, why)
             plan.reason = (plan.reason.replace("forced by the caller", "everything paged: adopted after other "
-                                               "models, it does not fit what they keep resident", 1) + f" ({err})")
+                                               "models, it does not fit what they keep resident", 1) + f" ({why})")
             return plan
 
     def _check_capacity(self, model: nn.Module, plan) -> None:

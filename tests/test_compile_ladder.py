@@ -516,3 +516,162 @@ def test_a_model_with_a_kept_rung_exports_and_traces_as_written():
     finally:
         patches.restore_all()
         torch._dynamo.reset()
+
+
+class Momentum(nn.Module):
+    """MoCo's shape: a query encoder, its momentum (EMA) copy updated in place in forward, and a
+    queue of keys (a buffer) written in place after the logits used a clone of it."""
+
+    def __init__(self, graph_break: bool = False, queue: int = 64):
+        super().__init__()
+        self.q = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32))
+        self.k = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32)).requires_grad_(False)
+        self.k.load_state_dict(self.q.state_dict())
+        self.register_buffer("queue", F.normalize(torch.randn(32, queue), dim=0))
+        self.register_buffer("ptr", torch.zeros(1, dtype=torch.long))
+        self.graph_break = graph_break
+
+    def forward(self, a, b):
+        q = F.normalize(self.q(a), dim=1)
+        with torch.no_grad():
+            for pq, pk in zip(self.q.parameters(), self.k.parameters()):
+                pk.mul_(0.99).add_(pq.detach(), alpha=0.01)
+            k = F.normalize(self.k(b), dim=1)
+        logits = torch.cat([(q * k).sum(1, keepdim=True), q @ self.queue.clone().detach()], 1) / 0.2
+        if self.graph_break:
+            torch._dynamo.graph_break()  # a no-op as written; under Dynamo, two graphs and eager code between
+        n, p = k.shape[0], int(self.ptr)
+        self.queue[:, p:p + n] = k.T
+        self.ptr[0] = (p + n) % self.queue.shape[1]
+        return logits
+
+
+def train_momentum(model, steps):
+    opt = torch.optim.SGD(model.q.parameters(), lr=0.05, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 48, generator=gen)
+        loss = F.cross_entropy(model(x, x + 0.1), torch.zeros(16, dtype=torch.long))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("graph_break", [False, True])
+def test_the_compile_rung_compiles_a_forward_as_one_graph_or_not_at_all(graph_break):
+    """MoCo's forward under the compile rung: compiled in pieces, the key queue written in place by
+    eager code after a piece had saved it for backward (AOTAutograd saved the queue where the
+    forward read a clone of it), so the training step's backward raised "one of the variables
+    needed for gradient computation has been modified by an inplace operation", where plain
+    PyTorch trains (a probe's finding, in performance and full modes). The rung compiles the
+    forward whole (``fullgraph=True``): such a forward compiles as one graph, or, where Dynamo must
+    split it, the rung fails at its first call before any of the forward ran, and the model trains
+    as written."""
+    from apt_model.compile.ladder import compile_rung
+
+    torch.manual_seed(0)
+    reference = Momentum(graph_break)
+    model = Momentum(graph_break)
+    model.load_state_dict(reference.state_dict())
+    expected = train_momentum(reference, WARMUP_CALLS + 6)
+    records = []
+    torch._dynamo.reset()
+    ladder, patches = ladder_for(model, [compile_rung(torch.compile, "aot_eager", "aot_eager")], records)
+    try:
+        losses = train_momentum(model, WARMUP_CALLS + 6)  # the warm-up's compiled calls and some more
+    finally:
+        patches.restore_all()
+        torch._dynamo.reset()
+    (entry, *_) = ladder.timeline or [{"outcome": "warming up"}]
+    if graph_break:
+        assert entry["outcome"] == "failed" and "graph_break" in entry["reason"], ladder.timeline
+        assert losses == expected  # every call ran as written, the failed one too
+    else:
+        assert ladder.state in ("warmup", "trial") and not ladder.timeline, ladder.timeline
+        assert losses == pytest.approx(expected, rel=1e-4)
+    for name, t in reference.state_dict().items():
+        assert torch.allclose(model.state_dict()[name], t, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.slow
+def test_momentum_training_in_performance_mode_with_inductor(cpu_device):
+    """The probe's case as a user meets it: MoCo's forward (``int()`` of a buffer, which Dynamo
+    splits the forward at unless it compiles it whole) trained in performance mode with
+    TorchInductor. Compiled in pieces, the first backward after the warm-up's capture raised
+    "modified by an inplace operation"; compiled whole, Inductor (torch 2.13) computed the query
+    encoder's gradients from the queue after the forward wrote it (losses 1.5% off within a few
+    steps). The rung's check compares the compiled graph's gradients with eager's first: where
+    they differ the model trains as written, bitwise; a compiler that gets it right keeps the rung
+    within its rounding."""
+    import apt_model.optimization.vb_global as vb
+    from apt_model.compile.backends import compiler_for
+
+    if compiler_for("cpu")[0] is None:
+        pytest.skip(compiler_for("cpu")[1])
+    torch.manual_seed(0)
+    reference = Momentum()
+    model = Momentum()
+    model.load_state_dict(reference.state_dict())
+    expected = train_momentum(reference, WARMUP_CALLS + 12)
+    torch._dynamo.reset()
+    vb.enable("performance", compile_trial_calls=8, compile_min_speedup=0.01, mixed_precision="off",
+              attention="off", banner=False)
+    try:
+        model.to("cpu")
+        losses = train_momentum(model, WARMUP_CALLS + 12)
+        compile_feature = vb.get_report()["models"][0]["features"]["compile"]
+        timeline = vb.get_report()["models"][0]["timeline"]
+    finally:
+        vb.disable()
+        torch._dynamo.reset()
+    if compile_feature["chosen"] == "eager":
+        assert timeline[0]["outcome"] == "failed" and "differs from the eager graph's" in timeline[0]["reason"], timeline
+        assert losses == expected
+    else:
+        assert compile_feature["chosen"] in ("on trial", "compile"), compile_feature
+        assert losses == pytest.approx(expected, rel=1e-3)
+
+
+def test_the_compile_check_refuses_a_graph_that_disagrees_at_its_first_call_and_changes_nothing():
+    """The check runs only for a graph that reads an input and then changes it in place (MoCo's
+    queue; not batch norm's statistics), at the compiled graph's first call: a compiled graph that
+    disagrees with the captured one raises before it ran (the queue and pointer as they were), and
+    one that draws random numbers cannot be compared."""
+    from apt_model.compile.checked import CheckedBackend, CompileCheckError
+    from apt_model.compile.overrides import read_then_changed
+
+    captured = []
+
+    def capture(model, *args):
+        def backend(gm, example_inputs):
+            captured.append(gm)
+            return gm.forward
+        torch._dynamo.reset()
+        torch.compile(model, backend=backend, fullgraph=True)(*args)
+        torch._dynamo.reset()
+        return captured[-1]
+
+    x = torch.randn(4, 48)
+    assert read_then_changed(capture(Momentum(), x, x))
+    assert not read_then_changed(capture(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), torch.randn(3, 4)))
+
+    def off_by_a_bit(gm, example_inputs):  # a miscompilation: every output 1% off
+        return lambda *args: tuple(t * 1.01 for t in gm(*args))
+
+    for inner, why in ((off_by_a_bit, "output 0 differs"), (lambda gm, ex: gm.forward, "random numbers")):
+        model = Momentum()
+        if why == "random numbers":
+            model.q.insert(1, nn.Dropout(0.1))
+            model.k.insert(1, nn.Dropout(0.1))
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        checked = CheckedBackend(inner, "test")
+        torch._dynamo.reset()
+        with pytest.raises(Exception) as raised:
+            torch.compile(model, backend=checked, fullgraph=True)(x, x)
+        torch._dynamo.reset()
+        assert isinstance(raised.value, CompileCheckError) and why in str(raised.value), raised.value
+        assert checked.checked == 1 and why in checked.failures[0]
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the call did not run

@@ -57,7 +57,8 @@ from apt_model.base.module_attrs import write_attr
 from apt_model.base.module_hooks import script_hooks
 from apt_model.base.patches import PatchSet
 from apt_model.compile.hooks import hooks_inside_reason
-from apt_model.compile.backends import CountingBackend
+from apt_model.compile.backends import CountingBackend, resolve_backend
+from apt_model.compile.checked import CheckedBackend, CompileCheckError
 from apt_model.compile.overrides import OverrideBackend
 from apt_model.devices.call_timer import CallTimer
 from apt_model.devices.rank_agreement import agreement_note, ranks_suffix
@@ -137,12 +138,23 @@ _ISOLATED = _isolation()  # looked up once (the switch's torch.compile wrapper k
 
 
 def compile_rung(compile_fn: Callable, backend: Any, label: str) -> Rung:
-    """The compile rung: ``compile_fn(eager, backend=CountingBackend(backend), dynamic=...)`` (the
-    device contract's ``compile``), in a recompilation region of its own (:func:`_isolation`)."""
+    """The compile rung: ``compile_fn(eager, backend=CountingBackend(CheckedBackend(backend)),
+    dynamic=..., fullgraph=True)`` (the device contract's ``compile``), in a recompilation region
+    of its own (:func:`_isolation`).
+
+    The forward is compiled whole or not at all (``fullgraph=True``): where Dynamo would split it
+    (a graph break), the rung fails at its first call, before any of the forward ran, and the call
+    runs as written. In pieces, eager code between them that changed a tensor a compiled piece had
+    saved for backward made the step's backward raise (MoCo's queue of keys: a probe's finding,
+    2026-11-29), where no retry is possible. Whole, a graph that reads an input and then changes it
+    in place is checked against the captured graph, forward and backward
+    (:mod:`apt_model.compile.checked`): TorchInductor computed that one's gradients from the
+    changed queue."""
 
     def build(eager, dynamic):
-        counter = CountingBackend(backend)
-        return compile_fn(eager, backend=counter, dynamic=True if dynamic else None, **_ISOLATED), counter
+        counter = CountingBackend(CheckedBackend(resolve_backend(backend), getattr(backend, "__name__", str(backend))))
+        return (compile_fn(eager, backend=counter, dynamic=True if dynamic else None, fullgraph=True, **_ISOLATED),
+                counter)
 
     return Rung("compile", label, build)
 
@@ -192,6 +204,8 @@ def raised_by_compiled_code(err: BaseException) -> bool:
         # forward: not a failure (re-run eagerly, torch asserted "Unexpected state:
         # target_frame.early_stop is set": a probe's finding, a model inside a checkpointed block)
         return False
+    if isinstance(err, CompileCheckError):  # the compile rung's check (compile/checked.py)
+        return True
     exc_mod = getattr(getattr(torch, "_dynamo", None), "exc", None)
     base = getattr(exc_mod, "TorchDynamoException", None)
     if base is not None and isinstance(err, base):

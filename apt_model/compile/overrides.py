@@ -47,7 +47,8 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), class_name=type(gm).__name__)
 
 
-def _is_dropout(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+def is_dropout(node: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether ``node`` calls dropout (:data:`DROPOUT_FUNCTIONS`, or an ``nn.Dropout*`` submodule of ``gm``)."""
     if node.op == "call_function":
         return node.target in DROPOUT_FUNCTIONS
     if node.op == "call_module":
@@ -73,7 +74,7 @@ def dropout_free(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         raise TypeError(f"expected a torch.fx.GraphModule, got {type(gm).__name__}")
     out = copy_graph_module(gm)
     for node in list(out.graph.nodes):
-        if _is_dropout(node, out):
+        if is_dropout(node, out):
             node.replace_all_uses_with(node.args[0] if node.args else node.kwargs.get("input"))
             out.graph.erase_node(node)
         elif node.op == "call_function" and node.target is F.scaled_dot_product_attention:
@@ -86,7 +87,7 @@ def dropout_free(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return out
 
 
-def _concrete(x):
+def concrete_size(x):
     """A symbolic size Dynamo passes to a graph recaptured with dynamic shapes (``s0``) as the
     number it stands for in this call; anything else unchanged. Raises what torch raises when the
     size has no value (the caller rejects the rewrite)."""
@@ -110,7 +111,8 @@ _VIEWS = {"view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t
           "__getitem__", "getitem", "real", "imag", "view_as_real", "view_as_complex"}
 
 
-def _name(target) -> str:
+def call_name(target) -> str:
+    """A graph node's target by name: a method's name, a function's ``__name__`` ("" if none)."""
     return target if isinstance(target, str) else getattr(target, "__name__", "")
 
 
@@ -120,14 +122,30 @@ def changed_in_place(gm: torch.fx.GraphModule) -> set[int]:
     inplace=True)``, ``torch.add(a, b, out=p)``. A graph holding subgraphs (a higher-order op: a
     checkpointed block's body) counts every input an in-place operation anywhere in it could reach:
     all of them, when one exists."""
+    return _input_accesses(gm)[0]
+
+
+def read_then_changed(gm: torch.fx.GraphModule) -> set[int]:
+    """Indices of ``gm``'s inputs that an operation of the graph reads (directly or through a
+    view: a ``clone()``, a matmul) before another changes them in place (a queue of keys read, then
+    written: MoCo's). Updates alone (``p.mul_(m).add_(q)``, a counter's ``add_(1)``, batch norm's
+    running statistics, updated inside its op) are not such. A graph holding subgraphs with an
+    in-place operation counts all of its inputs (as :func:`changed_in_place`)."""
+    return _input_accesses(gm)[1]
+
+
+def _input_accesses(gm: torch.fx.GraphModule) -> tuple[set[int], set[int]]:
+    """``(changed, read_then_changed)``: see :func:`changed_in_place` and :func:`read_then_changed`."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     alias = {n: i for i, n in enumerate(placeholders)}
     changed: set[int] = set()
+    read: set[int] = set()
+    hazards: set[int] = set()
     for g in [gm] + [m for name, m in gm.named_modules() if name and isinstance(m, torch.fx.GraphModule)]:
         for node in g.graph.nodes:
             if node.op not in ("call_function", "call_method"):
                 continue
-            name = _name(node.target)
+            name = call_name(node.target)
             inplace = ((name.endswith("_") and not name.endswith("__")) or node.target in _INPLACE_OPERATORS
                        or node.kwargs.get("inplace") is True)
             targets = [node.args[0]] if node.args and inplace else []
@@ -135,15 +153,24 @@ def changed_in_place(gm: torch.fx.GraphModule) -> set[int]:
                 targets.append(node.kwargs["out"])
             if g is not gm:
                 if targets:  # inside a subgraph: its inputs are the outer graph's operands
-                    return set(range(len(placeholders)))
+                    every = set(range(len(placeholders)))
+                    return every, every
                 continue
             for t in targets:
                 if t in alias:
                     changed.add(alias[t])
+                    if alias[t] in read:
+                        hazards.add(alias[t])
             first = node.args[0] if node.args else None
             if not inplace and first in alias and (name in _VIEWS or node.target is operator.getitem):
                 alias[node] = alias[first]
-    return changed
+                continue  # a view is no read: what reads it is
+            operands = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n)
+            written = {id(t) for t in targets}
+            for leaf in torch.utils._pytree.tree_leaves(operands):
+                if isinstance(leaf, torch.fx.Node) and leaf in alias and id(leaf) not in written:
+                    read.add(alias[leaf])
+    return changed, hazards
 
 
 def _isolated(inputs: list, changed: set[int] = frozenset()) -> list:
@@ -154,12 +181,12 @@ def _isolated(inputs: list, changed: set[int] = frozenset()) -> list:
     cloned, symbolic sizes made concrete (a graph recaptured for another batch size takes its
     sizes as inputs: run eagerly with them, ``reshape`` raised "SymIntArrayRef expected to contain
     only concrete integers" into the script's call; a probe's finding)."""
-    return [_concrete(x) if not isinstance(x, torch.Tensor)
+    return [concrete_size(x) if not isinstance(x, torch.Tensor)
             else x if isinstance(x, torch.nn.Parameter) and i not in changed
             else x.detach().clone() for i, x in enumerate(inputs)]
 
 
-def _same_draws(inputs: list):
+def same_draws(inputs: list):
     """A context in which a check run draws the random numbers the other run draws (a forward that
     injects noise: without it, every such graph failed the check, "output 0 differs by up to
     0.0459", blaming the rewrite; a probe's finding): torch's CPU generator and those of the
@@ -176,9 +203,9 @@ def outputs_match(reference: torch.fx.GraphModule, candidate: torch.fx.GraphModu
     output tensor within :data:`TOLERANCE`. Returns ``(match, why)``."""
     changed = changed_in_place(reference)
     with torch.no_grad():
-        with _same_draws(inputs):
+        with same_draws(inputs):
             want = dropout_free(reference)(*_isolated(inputs, changed))
-        with _same_draws(inputs):
+        with same_draws(inputs):
             got = dropout_free(candidate)(*_isolated(inputs, changed))
     want_leaves = torch.utils._pytree.tree_leaves(want)
     got_leaves = torch.utils._pytree.tree_leaves(got)

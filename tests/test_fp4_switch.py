@@ -1,4 +1,6 @@
 """FP4 in the switch: the conversion policy, memory mode, use_fp4, the report, and exact undo."""
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -214,8 +216,6 @@ def test_memory_mode_leaves_a_frozen_copy_such_as_an_ema_in_full_precision(cpu_d
     ("output with shape [128] doesn't match the broadcast shape"; ``parameters()`` had lost the FP4
     weights). A model with no trainable parameter is left alone by the mode's default, with the
     reason; asking for ``fp4="storage"`` still converts it. The EMA ends bitwise as without the switch."""
-    import copy
-
     def run(**enable):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 1))
@@ -253,6 +253,58 @@ def test_memory_mode_leaves_a_frozen_copy_such_as_an_ema_in_full_precision(cpu_d
         assert isinstance(frozen[0], FP4Linear)
     finally:
         vb.disable()
+
+
+class MomentumEncoders(nn.Module):
+    """MoCo's / BYOL's layout: the online encoder and its momentum copy in one trained module."""
+
+    def __init__(self):
+        super().__init__()
+        self.online = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 128, bias=False))
+        self.momentum = copy.deepcopy(self.online).requires_grad_(False)
+
+    def forward(self, x):
+        with torch.no_grad():
+            for pm, p in zip(self.momentum.parameters(), self.online.parameters()):
+                pm.mul_(0.9).add_(p, alpha=0.1)
+        return (self.online(x) * self.momentum(x)).sum(-1)
+
+
+def test_memory_mode_leaves_a_momentum_copy_inside_the_trained_module_in_full_precision(cpu_device):
+    """The frozen-model rule above did not cover a momentum copy kept inside the trained module
+    (MoCo's key encoder, BYOL's target, a mean teacher): memory mode stored its frozen 128x128
+    layer in FP4, ``parameters()`` lost it, and the usual ``zip`` update paired it with nothing,
+    silently (or paired tensors of other shapes and raised; a probe's finding). A frozen layer
+    equal to a trainable weight of the model is left alone by the mode's default, with the reason;
+    ``fp4="storage"`` converts it anyway. Training ends bitwise as without the switch."""
+    def run(**enable):
+        torch.manual_seed(0)
+        model = MomentumEncoders()
+        if enable:
+            vb.enable(mixed_precision="off", attention="off", compile="off", banner=False, **enable)
+        try:
+            model = model.to("cpu")
+            converted = [n for n, m in model.named_modules() if isinstance(m, FP4Linear)]
+            opt = torch.optim.SGD(model.online.parameters(), lr=0.05)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                loss = model(torch.randn(8, 16, generator=gen)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            decision = vb.get_report()["models"][0]["features"]["fp4"] if enable else None
+        finally:
+            if enable:
+                vb.disable()
+        return model.state_dict(), converted, decision
+
+    ref, _, _ = run()
+    got, converted, decision = run(mode="memory")
+    assert converted == [] and decision["chosen"] == "off", decision
+    assert any("momentum copy: equal to the trainable online.2.weight" in c["reason"] for c in decision["skipped"]), decision
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    _, converted, _ = run(mode="memory", fp4="storage")  # asked for by the script: converted
+    assert converted == ["momentum.2"], converted
 
 
 def test_a_checkpoint_saved_with_fp4_layers_loads_into_the_plain_model(cpu_device):

@@ -3,7 +3,9 @@
 Decision (per adopted model): ``fp4=off`` does nothing; a model with no trainable parameter is
 left alone where FP4 comes from the mode's default rather than the script (an EMA copy updated in
 place with ``p_ema.mul_(d).add_(p)`` crashed, or was silently misaligned, once its weights were
-FP4: until 2026-11-26); ``native`` needs native FP4 matmul on
+FP4: until 2026-11-26), and so is a frozen layer whose weight equals a trainable parameter of the
+same model (the momentum encoder MoCo, BYOL or a mean teacher keeps inside the trained module, a
+``deepcopy`` or a ``copy_`` of the online one: :func:`copies_of_trainable`); ``native`` needs native FP4 matmul on
 the model's device (the probe's answer; without it FP4 weights would be dequantized on every
 call, which is slower, so the layers are left alone); otherwise :func:`~apt_model.quantization.policy.plan_fp4`
 under the session's :class:`~apt_model.quantization.policy.FP4Policy` lists the layers to
@@ -33,6 +35,40 @@ from apt_model.quantization.native import native_support
 from apt_model.quantization.policy import Candidate, FP4Policy, plan_fp4
 
 log = get_logger(__name__)
+
+
+#: Leading elements compared before a whole weight is (a cheap screen: most pairs differ there).
+_SCREEN = 16
+
+
+def copies_of_trainable(model: nn.Module, candidates: list[Candidate]) -> dict[int, str]:
+    """The candidates (frozen layers) whose weight equals a trainable parameter of ``model``, by
+    ``id`` of the candidate's module, with that parameter's name: a copy of a trained layer, such
+    as the momentum (EMA) encoder MoCo, BYOL or a mean teacher keeps inside the trained module
+    (``deepcopy`` of the online encoder, or its weights ``copy_``-ed in), which the script updates
+    in place from the online weights; in FP4 that layer left ``parameters()``, and the usual
+    ``zip(online.parameters(), momentum.parameters())`` update skipped it without a word or paired
+    tensors of other shapes (a probe's finding, 2026-11-29). Equal means same shape, dtype and
+    device and ``torch.equal``; the leading :data:`_SCREEN` elements are compared first. Never
+    raises (a pair that cannot be compared is no copy)."""
+    trainable: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.layout is torch.strided and p.device.type != "meta":
+            trainable.setdefault((tuple(p.shape), p.dtype, p.device), []).append((name, p))
+    out: dict[int, str] = {}
+    for c in candidates:
+        w = getattr(c.module, "weight", None)
+        if not isinstance(w, torch.Tensor) or not trainable:
+            continue
+        for name, p in trainable.get((tuple(w.shape), w.dtype, w.device), ()):
+            try:
+                a, b = w.detach().reshape(-1), p.detach().reshape(-1)
+                if torch.equal(a[:_SCREEN], b[:_SCREEN]) and torch.equal(a, b):
+                    out[id(c.module)] = name
+                    break
+            except Exception as err:  # noqa: BLE001 - a pair that cannot be compared is no copy
+                log.debug("fp4: comparing %s with %s: %s", c.name, name, err)
+    return out
 
 
 def _skip_summary(skipped: list[Candidate]) -> str:
@@ -80,6 +116,14 @@ class FP4Step(FeatureStep):
                 f"the model's parameters are {', '.join(wrapped)} (sharded by FSDP2's fully_shard or another "
                 "tensor-subclass wrapper before the switch adopted it): FP4 storage converts plain tensors only"), tried)
         plan = plan_fp4(model, policy, "storage")
+        if str(ctx.config.sources.get("fp4", "")).startswith("mode:"):
+            copies = copies_of_trainable(model, [c for c in plan if c.convert])
+            for c in plan:
+                if id(c.module) in copies:
+                    c.convert = False
+                    c.reason = (f"momentum copy: equal to the trainable {copies[id(c.module)]}, as a momentum (EMA) "
+                                "copy the script updates in place from it is; the "
+                                f"{ctx.config.mode} mode's default leaves it (fp4='storage' stores it in FP4 anyway)")
         convert = [c for c in plan if c.convert]
         skipped = [c for c in plan if not c.convert]
         if not convert:

@@ -629,3 +629,33 @@ def test_the_report_counts_a_frozen_teachers_evaluation_calls_as_fp32(cpu_device
         assert feat["chosen"] == "fp32" and feat["calls"]["autocast"] == hooks.calls > 0, feat
     finally:
         vb.disable()
+
+
+def test_a_target_network_called_only_without_grad_runs_as_written_and_its_trial_ends(cpu_device):
+    """A DQN/SAC target network (a copy of the online net, called under ``no_grad`` and left in
+    train mode, never trained) ran under bf16 autocast for good: the trial times training calls
+    only, so it never got a verdict, and every untimed call used autocast (outputs off by bf16's
+    rounding, and slower: a probe's finding). While a trial has no verdict, a call it does not time
+    runs as written; a model with no training call in four times the calls a trial needs gives the
+    trial up, and the report says why."""
+    import copy
+
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, compile="off", attention="off",
+              banner=False)
+    try:
+        torch.manual_seed(0)
+        online = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2)).to("cpu")
+        target = copy.deepcopy(online).to("cpu")
+        assert target._vb_autocast.trial.running
+        x = torch.randn(16, 4)
+        for _ in range(4 * target._vb_autocast.trial.needed() + 2):
+            with torch.no_grad():
+                got = target(x)
+            want = F.linear(F.relu(F.linear(x, target[0].weight, target[0].bias)), target[2].weight, target[2].bias)
+            assert torch.equal(got, want)  # fp32, as written
+        hooks = target._vb_autocast
+        feature = vb.get_report()["models"][1]["features"]["mixed_precision"]  # the target, adopted second
+    finally:
+        vb.disable()
+    assert hooks.calls == 0 and hooks.counts["evaluation"] >= 4 * 60, hooks.counts
+    assert feature["chosen"] == "fp32" and "a model called only without gradients" in feature["reason"], feature

@@ -123,6 +123,7 @@ class CallTimer:
         self.clock_reason: str | None = None if clock is None else "given"
         self.verdict: bool | None = None
         self.issued = 0  # timed calls issued (withdrawn ones too): the give-up count
+        self.untimed = 0  # calls without grad in train mode before any timed call (a target network's)
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -165,6 +166,14 @@ class CallTimer:
             return None, None
         recomputing = in_backward()
         if not (torch.is_grad_enabled() and module.training) or recomputing:
+            if not recomputing and not self.issued:
+                self.untimed += 1
+                if self.untimed > GIVE_UP_FACTOR * self.trial.needed():
+                    # a target network, called only under no_grad and never trained: no verdict
+                    # would ever come, and the report said "on trial" for good (a probe's finding)
+                    self.give_up(f"no training call (grad enabled, train mode) in its first {self.untimed - 1} "
+                                 "calls: a model called only without gradients (a target network) is never timed")
+                    return None, None
             with self._lock:
                 pending = self._pending
             if self._measured:

@@ -349,9 +349,18 @@ class AutocastHooks:
             variant, sample = timer.begin(module)
             if variant is not None:
                 use = variant
+            elif timer.running or not self.active:
+                # a call the trial does not time (no grad in train mode: a target network, a
+                # rollout) while it has no verdict runs as written: it ran under autocast before,
+                # and a target network, never trained, got no verdict and ran bf16 for good, off
+                # by bf16's rounding and slower (a probe's finding, 2026-11-29); so does the call
+                # whose begin() just ended the trial without autocast
+                use = False
         if training:
             self._last_use = use
         ctx = torch.autocast(self.device_type, dtype=self.dtype) if use else None
+        if ctx is None and not torch.is_grad_enabled():
+            self.counts["evaluation"] += 1  # a call without grad, as written
         if ctx is not None:
             if self.counts["autocast"] < EARLY_CALLS and not recomputing and not in_enclosing_checkpoint():
                 # (inside the script's own checkpoint no retry can run: its error would be the watch's)

@@ -205,3 +205,43 @@ def test_a_sparse_operand_under_autocast_runs_the_model_as_written_with_the_firs
     got, feature = run(True)
     assert got == ref
     assert feature["chosen"] == "fp32" and "sparse_coo tensor under bfloat16 autocast" in feature["reason"], feature
+
+
+class NormalisedExperts(Experts):
+    """Experts behind a batch norm and a running count (a buffer), both updated before the expert
+    sum that raises under bf16."""
+
+    def __init__(self, width: int = 16):
+        super().__init__(width)
+        self.norm = nn.BatchNorm1d(width)
+        self.register_buffer("seen", torch.zeros(()))
+
+    def forward(self, x):
+        self.seen.add_(x.shape[0])
+        return super().forward(self.norm(x))
+
+
+@pytest.mark.parametrize("how", ["forced bf16", "on trial"])
+def test_a_retried_call_updates_the_models_buffers_once(cpu_device, how):
+    """The retry after a forward that raised under autocast ran the forward's side effects twice:
+    a batch norm's running statistics and ``num_batches_tracked``, a running normaliser's count
+    (a probe's finding: 31 observations counted for 30). The early calls' retry starts from the
+    buffers the failed attempt started from; every buffer ends as in plain PyTorch."""
+    torch.manual_seed(0)
+    model = NormalisedExperts()
+    plain = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 16, generator=gen) for _ in range(3)]
+    for x in batches:
+        _loss(plain, x).backward()
+    vb.enable("balanced", compile="off", banner=False, **SETTINGS[how])
+    try:
+        model.to("cpu")
+        for x in batches:
+            _loss(model, x).backward()
+        retried = model._vb_autocast.failure is not None
+    finally:
+        vb.disable()
+    assert retried  # the first call raised under autocast and ran again
+    for name, want in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], want), name

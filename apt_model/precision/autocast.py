@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -161,6 +162,43 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
     torch.set_rng_state(cpu)
     if dev is not None:
         getattr(torch, device.type).set_rng_state(dev)
+
+
+#: Bytes of a model's buffers an early call copies so that a retried call starts from them (past
+#: it, buffers are only watched: a change the retry repeats is logged).
+BUFFER_COPY_LIMIT = 64 << 20
+
+
+def _buffer_state(module: nn.Module | None) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
+    """``(buffer, version, copy or None)`` for each dense buffer of ``module`` (copies up to
+    :data:`BUFFER_COPY_LIMIT` bytes in all)."""
+    out, total = [], 0
+    for b in module.buffers() if module is not None else ():
+        if b.layout is not torch.strided or b.is_inference():
+            continue  # no version counter to watch
+        size = b.numel() * b.element_size()
+        copy = b.detach().clone() if total + size <= BUFFER_COPY_LIMIT else None
+        total += size if copy is not None else 0
+        out.append((b, b._version, copy))
+    return out
+
+
+def _restore_buffers(state: list, model_name: str) -> None:
+    """Put back the buffers a failed attempt changed (a batch norm's running statistics, a running
+    normaliser's counts), so that its retry changes them once, as plain PyTorch's one call does."""
+    repeated = 0
+    with torch.no_grad():
+        for b, version, copy in state:
+            if copy is None:
+                repeated += b._version != version
+            elif not torch.equal(b, copy):
+                # by value: batch norm's kernel updates its running statistics without bumping their
+                # version; and a buffer left as it was is not written (a previous call's graph may
+                # have saved it for its backward)
+                b.copy_(copy)
+    if repeated:
+        log.warning("apt_model: %s's forward changed %d large buffer(s) before it raised under autocast; its "
+                    "retry without autocast changes them again", model_name, repeated)
 
 
 class AutocastHooks:
@@ -391,10 +429,13 @@ class AutocastHooks:
             self.timer.end(module, output, sample)
         return output if ctx is not None else None
 
-    def the_call(self, inner: Callable) -> Callable:
+    def the_call(self, inner: Callable, model_ref: Callable[[], nn.Module | None] = lambda: None) -> Callable:
         """The model's call wrapped (:func:`~apt_model.base.call_wrapper.wrap_call`): a call that
         raised under this autocast runs again without it; if that succeeds, autocast is off for
-        this model from then on (:meth:`_turn_off`), else the retry's error propagates."""
+        this model from then on (:meth:`_turn_off`), else the retry's error propagates. In the
+        first :data:`EARLY_CALLS` calls the retry starts from the random state and the buffers of
+        the model (``model_ref()``) the failed attempt started from (a batch norm's statistics, a
+        running normaliser: updated twice before, a probe's finding)."""
         tls = self._tls
 
         def call(*args, **kwargs):
@@ -407,7 +448,9 @@ class AutocastHooks:
             # the early calls keep the random state: a retry draws what the first attempt drew
             # (dropout masks: without it the run's masks differed from plain PyTorch's from the
             # retried call on, a probe's finding)
-            rng = _rng_state(self.device) if self.counts["autocast"] < EARLY_CALLS else None
+            early = self.counts["autocast"] < EARLY_CALLS
+            rng = _rng_state(self.device) if early else None
+            buffers = _buffer_state(model_ref()) if early else []
             try:
                 return inner(*args, **kwargs)
             except Exception as err:
@@ -423,6 +466,7 @@ class AutocastHooks:
                 tls.retrying = True
                 if rng is not None:
                     _set_rng_state(self.device, rng)
+                _restore_buffers(buffers, type(model_ref()).__name__)
                 try:
                     out = inner(*args, **kwargs)
                 except Exception as again:  # not autocast's: the error plain PyTorch raises, alone
@@ -471,7 +515,9 @@ def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patc
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")
     patches.add_undo(hooks.unwind, f"autocast contexts left entered {type(model).__name__}")
-    wrap_call(model, hooks.the_call, patches, f"autocast retry around the call of {type(model).__name__}")
+    model_ref = weakref.ref(model)  # the wrapper lives on the model: no strong reference back
+    wrap_call(model, lambda inner: hooks.the_call(inner, model_ref), patches,
+              f"autocast retry around the call of {type(model).__name__}")
     if hooks.timer is not None:
         patches.add_undo(hooks.timer.close, f"autocast trial's backward hooks {type(model).__name__}")
     return hooks

@@ -1591,3 +1591,30 @@ def test_blocks_a_reentrant_checkpoint_recomputes_are_not_checkpointed_again(tmp
     assert got[1] == ref[1] and all(torch.equal(a, b) for a, b in zip(got[2], ref[2]))
     # the report counts the calls that stood aside (it said the switch recomputed the blocks)
     assert got[3]["calls"] == {"checkpointed": 0, "inside another checkpoint": 9}, got[3]
+
+
+def test_activation_offload_enters_no_hooks_for_a_call_without_grad(tmp_path, cpu_device):
+    """A forward without grad saves nothing for a backward, yet offload entered its saved-tensor
+    hooks around it: a batch-1 policy forward of an RL loop (acting under ``no_grad``) took 1.5x
+    its plain time in memory mode (a probe's finding). Such a call runs with no hooks of the
+    switch's; a training call still gets them."""
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+            return x
+
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="64KB", offload_min_bytes=4096, **PLAIN,
+              activation_offload=True, activation_checkpointing=False)
+    try:
+        m = nn.Sequential(nn.Linear(8, 8), Probe(), nn.Linear(8, 1)).to("cpu")
+        m(torch.randn(2, 8)).sum().backward()
+        with torch.no_grad():
+            m(torch.randn(2, 8))
+        with torch.inference_mode():
+            m(torch.randn(2, 8))
+        m(torch.randn(2, 8)).sum().backward()
+    finally:
+        vb.disable()
+    assert seen == [True, False, False, True], seen

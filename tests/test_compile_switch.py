@@ -117,6 +117,10 @@ def test_balanced_rewrites_hand_written_attention_and_judges_it_against_eager():
     assert entry["trial"]["calls"] >= 8 and entry["warmup_s"] is not None
     assert any(d["feature"] == "compile" and d["chosen"] == compile_["chosen"] for d in vb.get_report()["decisions"])
     assert gradient_hooks(m) == 0  # the trial's timing hooks went with its verdict (they piled up: 64 per weight)
+    # the switch's own capture turned the forward fast path off: its reason says so, not that the
+    # script called torch.compile (a probe's finding)
+    fast_path = vb.get_stats()["forward_fast_path"]
+    assert "the compile ladder's torch.compile() of TinyLM's forward" in fast_path["off_reason"], fast_path
 
 
 def test_a_model_adopted_at_its_first_forward_climbs_the_ladder():

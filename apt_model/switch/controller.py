@@ -726,14 +726,18 @@ def _install_patches(st: _State) -> None:
         orig_torch_compile = torch.compile
 
         def torch_compile(*args, **kwargs):
-            _stop_fast_path(st, "torch.compile()")
-            out = orig_torch_compile(*args, **kwargs)
             target = args[0] if args else kwargs.get("model")
+            owner = getattr(target, "__self__", None)
+            ladder = isinstance(owner, nn.Module) and owner in st.seen and not getattr(st.tls, "module_compile", False)
+            # the switch's own compile ladder compiles an adopted model's forward: the script called
+            # no torch.compile, and the reason must not say it did (a probe's finding)
+            _stop_fast_path(st, f"the compile ladder's torch.compile() of {type(owner).__name__}'s forward" if ladder
+                            else "torch.compile()")
+            out = orig_torch_compile(*args, **kwargs)
             if target is None or isinstance(target, (nn.Module, type)) or out is target or not callable(out):
                 # a decorator (it calls torch.compile again), a module (adopted at its first call),
                 # a class (torch.compile gives it back, compiled), or nothing compiled (disable=True)
                 return out
-            owner = getattr(target, "__self__", None)
             if getattr(st.tls, "module_compile", False) or (isinstance(owner, nn.Module) and owner in st.seen):
                 # model.compile() (its own wrapper adopts), or a method of an adopted model (the
                 # compile ladder's rungs): nothing to adopt, so no per-call look at the arguments

@@ -596,6 +596,27 @@ def test_an_optimizer_stepping_no_adopted_model_is_told_once(caplog, cpu_device)
     assert len(warned) == 1 and warned[0].levelname == "WARNING"
 
 
+def test_an_optimizer_of_bare_tensors_is_noted_without_a_warning(caplog, cpu_device):
+    """SAC's learnable temperature (``log_alpha = torch.zeros(1, requires_grad=True)``) has an
+    optimizer of its own; the switch warned that it "steps parameter tensors of no adopted model"
+    and told the user to adopt a model there is none of (a probe's finding). Tensors that are no
+    ``nn.Parameter`` are noted in the report only."""
+    log_alpha = torch.zeros(1, requires_grad=True)
+    vb.enable("balanced", attention="off", mixed_precision="off", compile="off", banner=False)
+    try:
+        opt = torch.optim.Adam([log_alpha], lr=0.1)
+        with caplog.at_level("WARNING", logger="apt_model.switch.controller"):
+            for _ in range(3):
+                opt.zero_grad()
+                (log_alpha * 2.0).sum().backward()
+                opt.step()
+        told = [d for d in vb.get_report()["decisions"] if d["feature"] == "adoption"]
+    finally:
+        vb.disable()
+    assert not [r for r in caplog.records if "no adopted model" in r.getMessage()]
+    assert len(told) == 1 and "no nn.Parameter of a module" in told[0]["reason"], told
+
+
 def test_enable_between_a_forward_and_its_step_warns_of_nothing(caplog, cpu_device):
     """``enable()`` called after a forward, before its step: the model is adopted at its next
     forward, so the first step over its parameters is no sign of a model the switch misses (it

@@ -857,6 +857,15 @@ def _check_first_step(opt: torch.optim.Optimizer, args: tuple, kwargs: dict):
         st.checked_optimizers.add(opt)
         if adopted:
             return None
+        if not any(isinstance(p, nn.Parameter) for g in opt.param_groups for p in g["params"]):
+            # bare tensors (SAC's learnable temperature log_alpha, torch.func.stack_module_state's
+            # stacked weights): no module holds them, so there is no model to adopt, and the warning
+            # told the user to adopt one (a probe's finding)
+            st.log.record("switch", "adoption", "auto", "no model for this optimizer",
+                          f"{type(opt).__name__} steps {len(params)} tensor(s) that are no nn.Parameter of a module (a "
+                          "learnable temperature, torch.func.stack_module_state's weights): the switch does nothing "
+                          "for them")
+            return None
         reason = (f"{type(opt).__name__} steps {len(params)} parameter tensors of no adopted model: the switch does "
                   "nothing for them. A model first called inside a compiled function that reaches it other than "
                   "through its arguments, their attributes, its closure, globals or bound object, or called only through "

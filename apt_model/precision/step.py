@@ -80,7 +80,9 @@ class PrecisionStep(FeatureStep):
                             "trial's verdict depends on timing, so runs of the script would differ; the script's "
                             "precision is kept (mixed_precision='bf16' forces bf16, the same in every run)", tried)
         if ratio < cfg.autocast_min_speedup:
-            slower = f"{1 / ratio:.1f}x slower than" if ratio < 1 else f"only {ratio:.2f}x the speed of"
+            # two decimals below 10x: a 0.97x probe read "1.0x slower" (a probe's finding)
+            slower = (f"{1 / ratio:.2f}x slower than" if 1 / ratio < 10 else f"{1 / ratio:.1f}x slower than") \
+                if ratio < 1 else f"only {ratio:.2f}x the speed of"
             if "pilot_speedup" in probe:  # a small pilot looked faster; too small to rule bf16 in
                 slower = (f"not shown faster than (a {probe['pilot_speedup']:.2f}x pilot on a small shape "
                           f"cannot rule it in; the full-size run did not fit the probe's time budget)")

@@ -25,7 +25,8 @@ Policy (:class:`CheckedBackend`, a ``torch.compile`` backend wrapping the rung's
   call ran), and the ladder leaves the rung with the reason (the call runs as written).
 
 Cost: for the graphs checked only, one eager and one compiled forward and backward at the first
-call after each capture (the warm-up's first call, a recompilation).
+call after each capture (the warm-up's first call, a recompilation), and while they run two sets
+of the gradients of the graph's inputs (the model's parameters among them).
 """
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ def _run(fn: Callable, inputs: list, changed: set[int], cotangents: list | None)
             else x.detach().clone() if i in changed else x for i, x in enumerate(inputs)]
     with torch.enable_grad(), same_draws(inputs):
         out = fn(*args)
-    leaves = [t for t in torch.utils._pytree.tree_leaves(out)]
+    leaves = list(torch.utils._pytree.tree_leaves(out))
     diff_outs = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
     wrt = [x for x in args if isinstance(x, torch.Tensor) and x.requires_grad]
     if cotangents is None:
@@ -121,8 +122,9 @@ def compiled_matches(reference: torch.fx.GraphModule, compiled: Callable, inputs
     worst = 0.0
     for what, a, b in pairs:
         if not isinstance(b, torch.Tensor) or not isinstance(a, torch.Tensor):
-            if (a is None) != (b is None) or (not isinstance(b, torch.Tensor) and a != b):
-                return False, f"{what}: {a!r} instead of {b!r}"
+            # a gradient None on both sides (an input the outputs do not use), equal Python values
+            if type(a) is not type(b) or (not isinstance(b, torch.Tensor) and a != b):
+                return False, f"{what}: {type(a).__name__} {a!r:.60} instead of {type(b).__name__} {b!r:.60}"
             continue
         if a.shape != b.shape or a.dtype != b.dtype:
             return False, f"{what}: {tuple(a.shape)} {a.dtype} instead of {tuple(b.shape)} {b.dtype}"

@@ -244,3 +244,25 @@ def test_a_hugging_face_output_keeps_an_attribute_the_model_set_and_its_fields_a
     assert out.logits is a and out["logits"] is a  # the model's own object is unchanged
     plain = to_fp32(CausalLMOutput(logits=a))  # no attribute of its own: rebuilt as before
     assert plain.logits.dtype == torch.float32 and plain.logits is plain["logits"] and not hasattr(plain, "extra")
+
+
+def test_a_distribution_output_comes_back_with_fp32_parameters_in_a_copy():
+    """A policy network returning ``Categorical(logits=...)`` or ``Normal(loc, scale)``: under
+    the switch's autocast its parameters stayed bf16, so ``log_prob`` and ``entropy`` were bf16 (a
+    probe's finding). The distribution comes back as a copy with its tensors (the values it cached
+    too) in fp32; the model's own object is unchanged, and its tensors are the output's tensors."""
+    logits = torch.randn(3, 4, requires_grad=True)
+    made = torch.distributions.Categorical(logits=logits.bfloat16())
+    _ = made.probs  # a cached value
+    out = to_fp32(made)
+    assert isinstance(out, torch.distributions.Categorical) and out is not made
+    assert out.logits.dtype == out.probs.dtype == torch.float32 and made.logits.dtype == torch.bfloat16
+    actions = torch.tensor([0, 1, 2])
+    assert out.log_prob(actions).dtype == torch.float32 and out.entropy().dtype == torch.float32
+    out.log_prob(actions).sum().backward()
+    assert logits.grad is not None
+    assert any(t is made.logits for t in output_tensors(made))
+    normal = torch.distributions.Normal(torch.zeros(2, dtype=torch.bfloat16), torch.ones(2))
+    assert to_fp32(normal).loc.dtype == torch.float32 and to_fp32(normal).log_prob(torch.zeros(2)).dtype == torch.float32
+    plain = torch.distributions.Normal(torch.zeros(2), torch.ones(2))
+    assert to_fp32(plain) is plain  # nothing to convert: the same object

@@ -34,6 +34,8 @@ def output_tensors(output: Any, _depth: int = 0) -> list[torch.Tensor]:
     for leaf in tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
+        elif isinstance(leaf, torch.distributions.Distribution):  # a policy's Categorical(logits=...)
+            found.extend(v for v in vars(leaf).values() if isinstance(v, torch.Tensor))
         elif _plain_dataclass(leaf) and _depth < MAX_DEPTH:
             for f in dataclasses.fields(leaf):
                 found.extend(output_tensors(getattr(leaf, f.name, None), _depth + 1))
@@ -44,8 +46,8 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
     """``output`` with its fp16/bf16 floating tensors converted to fp32: accelerate's
     ``convert_to_fp32`` (tensors, sequences, mappings, named tuples), then every container
     ``torch.utils._pytree`` walks (``deque``, ``defaultdict``...), the fields of dataclass instances
-    and the attributes of a ``types.SimpleNamespace``, and the items of a mapping neither library
-    walks — each in a shallow copy (the model's own object is not modified; a frozen dataclass too).
+    and the attributes of a ``types.SimpleNamespace``, the parameters of a ``torch.distributions``
+    distribution, and the items of a mapping neither library walks — each in a shallow copy (the model's own object is not modified; a frozen dataclass too).
 
     Where accelerate cannot rebuild a mapping (it calls ``type(m)(dict)``: a ``defaultdict`` or a
     mapping class whose ``__init__`` takes other arguments raised ``TypeError`` until 2026-11-27),
@@ -57,6 +59,17 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
             return x.float() if _half(x) else x
         if _depth >= MAX_DEPTH:
             return x
+        if isinstance(x, torch.distributions.Distribution):
+            # a policy network's Categorical(logits=...) / Normal(loc, scale): its parameters (and
+            # the values it cached from them) in fp32, in a copy, so log_prob and entropy are fp32
+            # as without autocast (they came back bf16: a probe's finding)
+            if not any(_half(v) for v in vars(x).values() if isinstance(v, torch.Tensor)):
+                return x
+            new = copy.copy(x)
+            for k, v in vars(x).items():
+                if isinstance(v, torch.Tensor) and _half(v):
+                    new.__dict__[k] = v.float()
+            return new
         if _plain_dataclass(x):
             new = copy.copy(x)
             for f in dataclasses.fields(x):

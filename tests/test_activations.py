@@ -1618,3 +1618,21 @@ def test_activation_offload_enters_no_hooks_for_a_call_without_grad(tmp_path, cp
     finally:
         vb.disable()
     assert seen == [True, False, False, True], seen
+
+
+def test_the_report_names_the_block_lists_that_are_not_checkpointed(cpu_device):
+    """An encoder-decoder has two lists of repeated blocks; only the one with the most parameters
+    is checkpointed, and the report said "2 of 2 TransformerDecoderLayer blocks" as if that were
+    all (a probe's finding). It names the others now; a list of single layers (a head) is no block
+    list worth naming."""
+    vb.enable("memory", mixed_precision="off", banner=False)
+    try:
+        nn.Sequential(nn.Transformer(d_model=32, nhead=2, num_encoder_layers=2, num_decoder_layers=2,
+                                     dim_feedforward=64, batch_first=True),
+                      nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))).to("cpu")
+        reason = vb.get_report()["models"][0]["features"]["activation_checkpointing"]["reason"]
+    finally:
+        vb.disable()
+    assert "2 of 2 TransformerDecoderLayer blocks in 0.decoder.layers" in reason, reason
+    assert "not checkpointed" in reason and "0.encoder.layers (2 TransformerEncoderLayer)" in reason, reason
+    assert "1 (2 Linear)" not in reason, reason

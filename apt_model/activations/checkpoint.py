@@ -96,9 +96,10 @@ class Blocks:
         return type(self.modules[0]).__name__ if self.modules else "-"
 
 
-def find_blocks(model: nn.Module) -> Blocks | None:
-    """The repeated blocks (see the module docstring), or None when the model has none."""
-    best, best_params = None, 0
+def _block_lists(model: nn.Module) -> list[tuple[Blocks, int]]:
+    """Every ``nn.ModuleList``/``Sequential`` of ``model`` with >= 2 children of one class, as
+    ``(Blocks, parameter count)``, in module order."""
+    out = []
     for name, mod in model.named_modules():
         if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
             continue
@@ -109,10 +110,27 @@ def find_blocks(model: nn.Module) -> Blocks | None:
         if count < 2:
             continue
         layers = [k for k in kids if type(k) is cls]
-        n = sum(p.numel() for k in layers for p in k.parameters())
+        out.append((Blocks(name, layers), sum(p.numel() for k in layers for p in k.parameters())))
+    return out
+
+
+def find_blocks(model: nn.Module) -> Blocks | None:
+    """The repeated blocks (see the module docstring), or None when the model has none."""
+    best, best_params = None, 0
+    for blocks, n in _block_lists(model):
         if n > best_params:
-            best, best_params = Blocks(name, layers), n
+            best, best_params = blocks, n
     return best
+
+
+def other_block_lists(model: nn.Module, chosen: Blocks) -> list[str]:
+    """The other lists of repeated blocks (modules with submodules and parameters), outside
+    ``chosen`` and not holding it (an encoder-decoder's encoder layers where its decoder layers were
+    chosen), as ``"name (n Class)"``: only ``chosen`` is checkpointed in this version."""
+    inside = lambda a, b: a == b or (b and a.startswith(b + ".")) or not b  # noqa: E731 - a in b's subtree
+    return [f"{b.name} ({len(b.modules)} {b.kind})" for b, n in _block_lists(model)
+            if n and not inside(b.name, chosen.name) and not inside(chosen.name, b.name)
+            and any(next(m.children(), None) is not None for m in b.modules)]  # single layers: nothing to gain
 
 
 def shared_layer_list(model: nn.Module) -> str | None:

@@ -31,6 +31,7 @@ from apt_model.activations.checkpoint import (
     choose_blocks,
     find_blocks,
     in_function_transform,
+    other_block_lists,
     parse_policy,
     shared_layer_list,
 )
@@ -227,6 +228,11 @@ class ActivationManager:
         indices = choose_blocks(n, policy, k)
         why = (f"{note + '; ' if note else ''}policy {self.config.checkpoint_policy}: {len(indices)} of {n} "
                f"{blocks.kind} blocks in {blocks.name or 'the model'} recompute their activations in backward")
+        others = other_block_lists(model, blocks)
+        if others:
+            # an encoder-decoder's other stack: "2 of 2 blocks" read as if all were covered (a probe's finding)
+            why += (f"; not checkpointed (one list of blocks per model, the one with the most parameters): "
+                    f"{', '.join(others[:3])}{' ...' if len(others) > 3 else ''}")
         hooked = [(i, h) for i in indices if (h := script_hooks(blocks.modules[i]))]
         if hooked:
             (first, hooks), where = hooked[0], f"{blocks.name}." if blocks.name else "block "

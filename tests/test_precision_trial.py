@@ -45,13 +45,29 @@ def test_settle_max_bounds_the_wait():
     assert t.settle_calls == 12
 
 
-@pytest.mark.parametrize("on_s,off_s,keep", [(1.0, 2.0, True), (1.0, 1.02, False), (2.0, 1.0, False)])
+@pytest.mark.parametrize("on_s,off_s,keep", [(1.0, 2.0, True), (1.0, 1.02, False), (1.4, 1.0, False)])
 def test_verdict_from_medians(on_s, off_s, keep):
     t = SpeedTrial(calls=8, min_speedup=1.05, settle_window=2)
     assert _drive(t, lambda k: on_s, lambda k: off_s) is keep
     s = t.summary()
     assert s["calls"] == 8 and s["on_ms"] == 1e3 * on_s and s["off_ms"] == 1e3 * off_s
-    assert s["extended"] is False and s["settle_calls"] == 4
+    assert s["extended"] is False and s["settle_calls"] == 4 and s["stopped_early"] is False
+
+
+def test_a_clearly_slower_setting_ends_the_trial_while_settling():
+    """A setting whose fastest settling calls are still 1.5x the other's slowest is off at the end
+    of that ABBA cycle: a 10-step script paid the whole settling phase (48 calls) for bf16 twice as
+    slow as fp32, and ran 2-2.5x its plain time (a probe's finding). A slow first call (a kernel
+    built on first use) does not end it, nor does a setting allowed to be that much slower."""
+    t = SpeedTrial(calls=16)
+    assert _drive(t, lambda k: 2.0, lambda k: 1.0) is False
+    s = t.summary()
+    assert s["stopped_early"] and s["settle_calls"] == 8 and s["calls"] == 8, s  # two ABBA cycles
+    assert s["on_ms"] == 2000.0 and s["off_ms"] == 1000.0
+    t = SpeedTrial(calls=16)
+    assert _drive(t, lambda k: 10.0 if k == 0 else 0.5, lambda k: 1.0) is True and not t.stopped_early
+    t = SpeedTrial(calls=16, min_speedup=0.4)  # up to 2.5x slower allowed
+    assert _drive(t, lambda k: 2.0, lambda k: 1.0) is True and not t.stopped_early
 
 
 def test_an_unclear_win_is_extended_once_then_refused():

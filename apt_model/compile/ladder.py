@@ -726,6 +726,8 @@ class CompileLadder:
             clear = summary["speedup"] >= summary["min_speedup"]
             followed = f"{timing}: " + ("no clear win (the timings overlap)" if clear
                                         else f"below {summary['min_speedup']:.2f}x") + ranks_suffix(summary)
+            if summary.get("stopped_early"):
+                followed += " (stopped while settling: clearly slower)"
         self._leave(followed, outcome="not faster", trial=summary)
 
     def _leave(self, reason: str, outcome: str, trial: dict | None = None) -> None:

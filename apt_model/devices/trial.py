@@ -15,6 +15,11 @@ design guards against the usual traps of timing a live run:
   established before timing starts.
 * **ABBA timing.** ``calls`` timed calls in ABBA order, starting on a cycle boundary, cancel a
   linear drift in speed and give each call site of a model called twice per step both settings.
+* **a clear loss ends it early.** While settling, at the end of each ABBA cycle, a setting whose
+  fastest of its last ``settle_window`` calls is still :data:`CLEAR_LOSS` times slower than the
+  slowest of the other's (allowing for ``min_speedup`` below 1) is off at once: a short script
+  paid the whole settling phase for a setting twice as slow (bf16 on a CPU without fast bf16:
+  10-step scripts ran 2-2.5x their plain time; a probe's finding).
 * **a clear win.** "on" must be faster by ``min_speedup`` (medians) *and* its interquartile
   range must lie entirely below the "off" one. A promising but unclear result is extended once
   with as many calls again; still unclear means off — the user's own precision is never the
@@ -32,6 +37,9 @@ from __future__ import annotations
 import statistics
 
 _ABBA = (True, False, False, True)
+
+#: How much slower "on"'s fastest settling call must be than "off"'s slowest to end the trial early.
+CLEAR_LOSS = 1.5
 
 
 class SpeedTrial:
@@ -71,6 +79,7 @@ class SpeedTrial:
         self.samples: dict[bool, list[float]] = {True: [], False: []}
         self.verdict: bool | None = None if calls else True
         self.gave_up: str | None = None  # why the trial ended without a clear verdict (give_up)
+        self.stopped_early = False  # ended while settling: "on" clearly slower (CLEAR_LOSS)
 
     @property
     def running(self) -> bool:
@@ -97,6 +106,16 @@ class SpeedTrial:
         """Calls issued whose duration has not been recorded yet."""
         return self.issued - self.index
 
+    def _clear_loss(self) -> bool:
+        """Whether "on"'s fastest of its last ``settle_window`` settling calls is over
+        :data:`CLEAR_LOSS` times (divided by ``min_speedup`` where that is below 1) the slowest of
+        "off"'s."""
+        w = self.settle_window
+        on, off = self._settling[True][-w:], self._settling[False][-w:]
+        if len(on) < w or len(off) < w:
+            return False
+        return min(on) * min(1.0, self.min_speedup) > CLEAR_LOSS * max(off)
+
     def _settled(self) -> bool:
         w = self.settle_window
         for xs in self._settling.values():
@@ -115,6 +134,12 @@ class SpeedTrial:
         self.issued = max(self.issued, self.index)
         if self.phase == "settle":
             self._settling[setting].append(seconds)
+            if self.index % 4 == 0 and self._clear_loss():
+                w = self.settle_window
+                self.samples = {k: list(v[-w:]) for k, v in self._settling.items()}
+                self.settle_calls, self.stopped_early = self.index, True
+                self.verdict, self.phase = False, "done"
+                return False
             if self.index % 4 == 0 and (self._settled() or self.index >= self.settle_max):
                 self.phase, self.settle_calls = "timed", self.index
             return None
@@ -176,5 +201,6 @@ class SpeedTrial:
             "min_speedup": self.min_speedup,
             "clear": self.clear(),
             "extended": self.extended,
+            "stopped_early": self.stopped_early,
             **({"gave_up": self.gave_up} if self.gave_up else {}),
         }

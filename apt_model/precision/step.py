@@ -144,6 +144,8 @@ class PrecisionStep(FeatureStep):
                    "(no clear win even after extending the trial), so the script's own precision is kept")
         else:
             why = f"turned off after the trial on this model: {timing}, below {summary['min_speedup']:.2f}x"
+            if summary.get("stopped_early"):
+                why += " (stopped while settling: clearly slower)"
         return Decision(self.name, "auto", want if keep else "fp32", why + suffix, details={"trial": summary})
 
     def stats(self) -> dict:

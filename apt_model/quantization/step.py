@@ -104,8 +104,8 @@ class FP4Step(FeatureStep):
             return Decision(self.name, req, "off", f"native FP4 matmul is not available on {dev} ({native_why}); "
                             "without it FP4 weights would be dequantized on every call, which is slower, so "
                             "performance mode leaves the layers as they are", tried)
-        if str(ctx.config.sources.get("fp4", "")).startswith("mode:") and not any(
-                p.requires_grad for p in model.parameters()):
+        by_mode = str(ctx.config.sources.get("fp4", "")).startswith("mode:")
+        if by_mode and not any(p.requires_grad for p in model.parameters()):
             return Decision(self.name, req, "off", (
                 "no parameter of the model is trainable: a frozen copy (an EMA of the weights, a teacher, a "
                 "reference model) is often updated in place or compared exactly, which FP4 storage would break; "
@@ -116,14 +116,14 @@ class FP4Step(FeatureStep):
                 f"the model's parameters are {', '.join(wrapped)} (sharded by FSDP2's fully_shard or another "
                 "tensor-subclass wrapper before the switch adopted it): FP4 storage converts plain tensors only"), tried)
         plan = plan_fp4(model, policy, "storage")
-        if str(ctx.config.sources.get("fp4", "")).startswith("mode:"):
+        if by_mode:
             copies = copies_of_trainable(model, [c for c in plan if c.convert])
             for c in plan:
                 if id(c.module) in copies:
                     c.convert = False
-                    c.reason = (f"momentum copy: equal to the trainable {copies[id(c.module)]}, as a momentum (EMA) "
-                                "copy the script updates in place from it is; the "
-                                f"{ctx.config.mode} mode's default leaves it (fp4='storage' stores it in FP4 anyway)")
+                    c.reason = (f"momentum copy: equal to the trainable {copies[id(c.module)]} (a momentum or EMA "
+                                f"copy, which scripts update in place); the {ctx.config.mode} mode's default leaves "
+                                "it (fp4='storage' stores it in FP4 anyway)")
         convert = [c for c in plan if c.convert]
         skipped = [c for c in plan if not c.convert]
         if not convert:

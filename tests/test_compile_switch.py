@@ -473,6 +473,30 @@ def test_the_softmax_screen_skips_modules_with_an_sdpa_implementation_of_their_o
     assert softmax_callers(TinyLM()) == ["TextbookAttention"]
 
 
+class CTCHead(nn.Module):
+    """A CTC/NLL classifier's forward: ``log_softmax``, no attention."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 8)
+
+    def forward(self, x):
+        return F.log_softmax(self.proj(x), dim=-1).transpose(0, 1)
+
+
+def test_a_log_softmax_is_no_softmax_for_the_screen():
+    """The screen matched "softmax" inside ``log_softmax``: balanced mode captured every CTC or NLL
+    classifier with Dynamo (seconds, a page of Dynamo's warnings, the forward fast path off for
+    the session) for a rewrite that never applied (a probe's finding)."""
+    from apt_model.compile.step import softmax_callers
+
+    assert softmax_callers(CTCHead()) == []
+    vb.enable("balanced", mixed_precision="off", banner=False)
+    CTCHead().to("cpu")
+    feature = vb.get_report()["models"][0]["features"]["compile"]
+    assert feature["chosen"] == "eager" and "no module's forward calls softmax" in feature["reason"], feature
+
+
 @pytest.mark.parametrize("mode", ["balanced", "performance"])
 def test_a_model_trained_through_the_scripts_compiled_step_is_traced_without_the_ladder(mode, cpu_device):
     """The script moves its model (adopted, ladder on trial) and trains it only through a function it

@@ -24,6 +24,8 @@ memory) or ``off``:
 """
 from __future__ import annotations
 
+import re
+
 import weakref
 
 import torch
@@ -39,7 +41,8 @@ from apt_model.compile.ladder import CompileLadder, LadderPolicy, compile_rung, 
 
 
 def softmax_callers(model: nn.Module) -> list[str]:
-    """Classes of ``model``'s modules whose ``forward`` source mentions ``softmax``: where a
+    """Classes of ``model``'s modules whose ``forward`` source names ``softmax`` (not ``log_softmax``:
+    :data:`_SOFTMAX`): where a
     hand-written attention (the built-in override) can be. A cheap screen before any capture, so
     models without one never pay for the override rung. Not candidates: a class whose source
     cannot be read (built in C, generated), torch.nn's own, and classes with an SDPA
@@ -60,9 +63,16 @@ def softmax_callers(model: nn.Module) -> list[str]:
             source = inspect.getsource(forward)
         except (OSError, TypeError):
             continue
-        if "softmax" in source:
+        if _SOFTMAX.search(source):
             found.append(cls.__name__)
     return sorted(found)
+
+
+#: ``softmax`` as a name of its own (``F.softmax``, ``x.softmax(-1)``, ``self.softmax``), not
+#: ``log_softmax``: a CTC or NLL classifier calls that, and balanced mode captured every one of them
+#: for a rewrite that never applies (seconds of capture, Dynamo's warnings, the forward fast path
+#: off for the session: a probe's finding).
+_SOFTMAX = re.compile(r"(?<![A-Za-z0-9_])softmax\b")
 
 
 def profiled_callers(model: nn.Module) -> list[str]:

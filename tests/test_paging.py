@@ -908,6 +908,23 @@ def test_the_plans_time_estimate_uses_the_levels_the_pages_move_to():
     assert f"{disk_s:.2f} s at the measured disk bandwidth" in on_cpu.reason
 
 
+def test_the_io_estimate_of_a_model_of_small_tensors_is_called_a_floor():
+    """A WaveNet of 1.3 KB tensors was told "0.00 s at the measured disk bandwidth" for a step that
+    went from 33 to 371 ms, each page's file operations setting the pace (a probe's finding). The
+    plan says its estimate is a floor where the parameters average under 256 KiB; not for large ones."""
+    from apt_model.memory.placement import plan_placement
+
+    disk = {"read": 0.002, "write": 0.002}  # GB/s: slow enough that the seconds do not round to 0
+    small = nn.Sequential(*[nn.Conv1d(8, 8, 2) for _ in range(40)])
+    plan = plan_placement(small, 20_000, disk)
+    assert plan.paged and "at the measured disk bandwidth, a floor: its 80 parameters average" in plan.reason, plan.reason
+    plan = plan_placement(small, 20_000, {"read": 2.0, "write": 2.0})  # no time shown: still said
+    assert "its 80 parameters average 272B: pages that small" in plan.reason, plan.reason
+    large = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512))  # 1 MiB weights
+    plan = plan_placement(large, 3 << 20, disk)
+    assert plan.paged and "at the measured disk bandwidth" in plan.reason and "a floor" not in plan.reason, plan.reason
+
+
 def test_a_budget_below_the_working_set_is_refused_with_the_reason():
     """Paging cannot hold a budget smaller than what must be resident at once (here AdamW's step
     of the 64 KiB embedding: weight, gradient, m and v): the plan is refused, naming it and the

@@ -33,14 +33,19 @@ kernels that take fp32 only. Before 2026-11-28 such a script crashed at its firs
 switch's bf16 while it ran as written without the switch. Only an error whose message is about
 dtypes (names the autocast dtype, fp32, "dtype" or "scalar type") is retried: a shape or device
 error would only raise again. The retry wraps the model's whole call
-(:mod:`~apt_model.base.call_wrapper`); what the failed attempt did before it raised stays done (a
-BatchNorm's running statistics updated once more, random numbers drawn). If the retry raises too,
+(:mod:`~apt_model.base.call_wrapper`); in the first :data:`EARLY_CALLS` calls it starts from the
+random state and the model's buffers the failed attempt started from, and later what the failed
+attempt did before it raised stays done (a BatchNorm's running statistics updated once more,
+random numbers drawn). If the retry raises too,
 the error was not autocast's: that error propagates and autocast stays as it was. Out of memory
 is never retried, nor is a call inside the script's own non-reentrant ``torch.utils.checkpoint``
 (the failed attempt's saved tensors would stay counted there, and its backward raise
 ``CheckpointError``), nor a model compiled after adoption (``model.compile()`` replaces the
 wrapper; a compiled function or ``torch.compile(model)`` of an adopted model raises from compiled
-code, outside it). Backward is not covered: an op whose *backward* fails in bf16 still fails.
+code, outside it). Backward is not covered: an op whose *backward* fails in bf16 still fails. Where a
+trial decides (``mixed_precision="auto"``), its first training call runs as written and a graph
+holding a custom autograd Function (:func:`custom_functions`: an extension's backward kernel often
+takes fp32 only) ends the trial with autocast off; forced bf16 is not screened.
 
 How a sample is timed — forward and backward, with device events, no thread-locals across
 forward and backward, nothing after the verdict — is :mod:`apt_model.devices.call_timer`'s job
@@ -60,7 +65,7 @@ from torch.overrides import TorchFunctionMode
 from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, in_enclosing_checkpoint, watch_compilation
 from apt_model.base.log import get_logger
-from apt_model.base.outputs import to_fp32
+from apt_model.base.outputs import output_tensors, to_fp32
 from apt_model.devices.call_timer import CallTimer, in_backward
 from apt_model.devices.trial import SpeedTrial
 from apt_model.base.patches import PatchSet
@@ -201,6 +206,35 @@ def _restore_buffers(state: list, model_name: str) -> None:
                     "retry without autocast changes them again", model_name, repeated)
 
 
+#: Forward classes of autograd Functions that are no custom code (the library's own, torch's).
+_OWN_FUNCTIONS = ("torch.", "apt_model.")
+
+
+def custom_functions(output: Any, limit: int = 100_000) -> list[str]:
+    """Names of the custom autograd Functions in the graph that produced ``output``'s tensors: a
+    ``torch.autograd.Function`` defined outside torch and apt_model, or the backward of a custom op
+    registered from Python (``torch.library.custom_op(...).register_autograd``), whose generated
+    Function torch names ``GeneratedBackwardFor_<namespace>_<op>``. At most ``limit`` graph nodes are
+    visited (a walk of the whole graph, once per model)."""
+    found: list[str] = []
+    todo = [t.grad_fn for t in output_tensors(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while todo and len(seen) < limit:
+        node = todo.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None:
+            name = cls.__name__
+            if name.startswith("GeneratedBackwardFor_") or not cls.__module__.startswith(_OWN_FUNCTIONS):
+                name = name.replace("GeneratedBackwardFor_", "custom op ")
+                if name not in found:
+                    found.append(name)
+        todo.extend(fn for fn, _ in getattr(node, "next_functions", ()))
+    return found
+
+
 class AutocastHooks:
     """Picklable pre/post forward hooks that run a module's forward under autocast.
 
@@ -220,6 +254,8 @@ class AutocastHooks:
             oldest (>= 0).
         channel: where the trial's verdict is agreed between the ranks of a job (rank 0 decides:
             :mod:`apt_model.devices.rank_agreement`), or None.
+        screen: with a trial, its first training call runs as written and the trial gives up if
+            that call's graph holds a custom autograd Function (:meth:`_screen`).
 
     Attributes:
         active: whether autocast is applied to calls (False after a trial turned it off).
@@ -239,7 +275,7 @@ class AutocastHooks:
     def __init__(self, device_type: str, dtype: torch.dtype, trial: SpeedTrial | None = None,
                  on_verdict: Callable[[bool, dict], None] | None = None,
                  device: torch.device | str | None = None, clock: Any = None, max_lag: int = 2,
-                 channel: Any = None):
+                 channel: Any = None, screen: bool = False):
         if max_lag < 0:
             raise ValueError(f"max_lag={max_lag} must be >= 0")
         self.device_type = device_type
@@ -256,6 +292,9 @@ class AutocastHooks:
         # in between: the recomputation would save tensors of other dtypes, a CheckpointError)
         self._last_use: bool | None = None
         self._script_calls = 0  # training calls in a row the script managed precision for
+        # the trial's first training call runs as written and its graph is looked at for custom
+        # autograd Functions (see _screen) before any call runs under autocast
+        self._screened = not screen
         #: why autocast was turned off after a forward raised under it (None: it never did)
         self.failure: str | None = None
         self._max_lag = max_lag
@@ -383,6 +422,12 @@ class AutocastHooks:
             return None
         use, sample = True, None
         self._script_calls = 0
+        if timer is not None and training and timer.running and not self._screened:
+            self._screened = True  # this call runs as written; its forward hook looks at its graph
+            self._tls.screen = True
+            self._last_use = False
+            self._scopes.push(None)
+            return None
         if timer is not None:
             variant, sample = timer.begin(module)
             if variant is not None:
@@ -410,6 +455,9 @@ class AutocastHooks:
 
     def _post(self, module: nn.Module, args: tuple, output):
         entry = self._scopes.pop()
+        if getattr(self._tls, "screen", False):
+            self._tls.screen = False
+            self._screen(output)
         if entry is None:
             return None
         ctx, sample = entry
@@ -428,6 +476,21 @@ class AutocastHooks:
         if sample is not None:
             self.timer.end(module, output, sample)
         return output if ctx is not None else None
+
+    def _screen(self, output) -> None:
+        """The trial's first training call ran as written: if its graph holds a custom autograd
+        Function (:func:`custom_functions`), whose backward no retry can cover and may take fp32
+        only, the trial gives up and the model keeps the script's precision (a forward under the
+        switch's bf16 made such a backward raise "expected Float" inside the script's
+        ``loss.backward()``, where plain PyTorch trains: a probe's finding). Never raises."""
+        try:
+            found = custom_functions(output)
+        except Exception as err:  # noqa: BLE001 - a look that fails leaves the trial as it is
+            log.debug("autocast: looking for custom autograd Functions: %s", err)
+            return
+        if found and self.timer is not None:
+            self.timer.give_up(f"its forward runs custom autograd Functions ({', '.join(found[:3])}), whose backward "
+                               "may take fp32 only and cannot be run again; mixed_precision='bf16' forces bf16")
 
     def the_call(self, inner: Callable, model_ref: Callable[[], nn.Module | None] = lambda: None) -> Callable:
         """The model's call wrapped (:func:`~apt_model.base.call_wrapper.wrap_call`): a call that
@@ -505,12 +568,14 @@ class AutocastHooks:
 def attach_autocast(model: nn.Module, device_type: str, dtype: torch.dtype, patches: PatchSet,
                     trial: SpeedTrial | None = None,
                     on_verdict: Callable[[bool, dict], None] | None = None,
-                    device: torch.device | str | None = None, clock: Any = None, channel: Any = None) -> AutocastHooks:
+                    device: torch.device | str | None = None, clock: Any = None, channel: Any = None,
+                    screen: bool = False) -> AutocastHooks:
     """Run ``model``'s forward under autocast; the hooks are removed when ``patches`` is restored.
 
     Arguments as for :class:`AutocastHooks`; returns the attached hooks object.
     """
-    hooks = AutocastHooks(device_type, dtype, trial, on_verdict, device=device, clock=clock, channel=channel)
+    hooks = AutocastHooks(device_type, dtype, trial, on_verdict, device=device, clock=clock, channel=channel,
+                          screen=screen)
     patches.add_handle(model.register_forward_pre_hook(hooks.pre), f"autocast pre-hook {type(model).__name__}")
     patches.add_handle(model.register_forward_hook(hooks.post, always_call=True), f"autocast hook {type(model).__name__}")
     patches.set_attr(model, "_vb_autocast", hooks, label=f"autocast marker {type(model).__name__}")

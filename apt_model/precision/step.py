@@ -109,7 +109,7 @@ class PrecisionStep(FeatureStep):
         agreement = ctx.session.services.get("agreement")
         channel = agreement.channel(model, self.name) if agreement is not None and trial else None
         hooks = attach_autocast(model, ctx.device.type, getattr(torch, dname), patches, trial, on_verdict,
-                                device=ctx.device, channel=channel)
+                                device=ctx.device, channel=channel, screen=True)
         self.hooks.append(hooks)
         ctx.on_first_call(lambda module, args, kwargs: hooks.adopting_call(module, args))
         # the hooks' live call counts, in every decision about this model (the report shows them)

@@ -1665,3 +1665,18 @@ def test_recurrent_cells_are_not_checkpointed(cpu_device):
     finally:
         vb.disable()
     assert feature["chosen"] == "off" and "recurrent cells (GRUCell)" in feature["reason"], feature
+
+
+def test_repeated_blocks_that_are_single_convolutions_are_not_checkpointed(cpu_device):
+    """A detection backbone's ``Sequential`` of ``Conv2d`` layers was checkpointed layer by layer
+    ("4 of 4 Conv2d blocks"): a convolution keeps only its input for backward, as a checkpoint
+    does, so recomputing saved nothing and cost time (a probe's finding)."""
+    body = nn.Sequential(*[nn.Conv2d(8, 8, 3, padding=1) for _ in range(4)])
+    vb.enable("memory", activation_checkpointing=True, **PLAIN)
+    try:
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), body, nn.Flatten(), nn.Linear(512, 2))(
+            torch.randn(2, 3, 8, 8)).sum().backward()
+        ckpt = vb.get_report()["models"][0]["features"]["activation_checkpointing"]
+    finally:
+        vb.disable()
+    assert ckpt["chosen"] == "off" and "single Conv2d layers" in ckpt["reason"], ckpt

@@ -44,6 +44,10 @@ from apt_model.base.feature import Decision
 from apt_model.base.patches import SessionHook
 
 
+#: Layers that keep only their input (and weight) for backward: a list of them alone is no block
+#: list worth checkpointing.
+_INPUT_ONLY = (nn.Linear, nn.modules.conv._ConvNd)
+
 #: How :func:`apply_to_blocks` checkpointed, in the report's words.
 _HOW = {"hf": "Hugging Face activation checkpointing", "wrapped": "torch.utils.checkpoint, non-reentrant",
         "script": "the script's own Hugging Face activation checkpointing, left as it configured it"}
@@ -196,11 +200,13 @@ class ActivationManager:
                                 "not checkpointed in this version (blocks are distinct layers of one class)")
             return Decision(feature, req, "off",
                             "no repeated blocks found (an nn.ModuleList/Sequential of >= 2 layers of one class)")
-        if all(isinstance(m, nn.Linear) and next(m.children(), None) is None for m in blocks.modules):
-            # a linear layer keeps only its input for backward (and not even that when its weight is
-            # frozen), and a checkpoint keeps its block's input: recomputing it saves nothing.
-            # Until 2026-11-28 such blocks were checkpointed (and counted in the report even where
-            # FP4 storage then replaced a frozen one, leaving its checkpoint on the layer it removed)
+        if all(isinstance(m, _INPUT_ONLY) and next(m.children(), None) is None for m in blocks.modules):
+            # a linear or convolution layer keeps only its input for backward (and not even that when
+            # its weight is frozen), and a checkpoint keeps its block's input: recomputing it saves
+            # nothing. Until 2026-11-28 such blocks were checkpointed (and counted in the report even
+            # where FP4 storage then replaced a frozen one, leaving its checkpoint on the layer it
+            # removed); single convolutions until 2026-11-29 (a detection backbone's Sequential of
+            # Conv2d layers: a probe's finding)
             return Decision(feature, req, "off", f"the repeated blocks in {blocks.name or 'the model'} are single "
                             f"{blocks.kind} layers, which keep no activation a checkpoint would not keep: nothing to save")
         if all(isinstance(m, nn.RNNCellBase) for m in blocks.modules):

@@ -307,6 +307,38 @@ def test_memory_mode_leaves_a_momentum_copy_inside_the_trained_module_in_full_pr
     assert converted == ["momentum.2"], converted
 
 
+def test_a_frozen_weight_another_module_holds_is_not_stored_in_fp4(cpu_device):
+    """A LoRA policy's frozen base shared with a reference model outside it (``ref.weight =
+    policy.base.weight``): memory mode stored the base in FP4 and emptied the shared weight, so the
+    reference's next call raised "mat2 must be a matrix, got 1-D tensor" (a probe's finding). A
+    weight a module outside the model holds is a tied weight: left as it is, with the reason."""
+    class Policy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base, self.adapter = nn.Linear(128, 128), nn.Linear(128, 128)
+
+        def forward(self, x):
+            return self.base(x) + self.adapter(x)
+
+    torch.manual_seed(0)
+    policy = Policy()
+    policy.base.requires_grad_(False)
+    reference = nn.Linear(128, 128)
+    reference.weight, reference.bias = policy.base.weight, policy.base.bias
+    x = torch.randn(4, 128)
+    want = reference(x)
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        policy(x).square().mean().backward()
+        fp4 = vb.get_report()["models"][0]["features"]["fp4"]
+        got = reference(x)
+    finally:
+        vb.disable()
+    assert torch.equal(got, want)
+    assert not isinstance(policy.base, FP4Linear) and policy.base.weight is reference.weight
+    assert any("tied weight: held by a Linear outside the model" in c["reason"] for c in fp4["skipped"]), fp4
+
+
 def test_a_checkpoint_saved_with_fp4_layers_loads_into_the_plain_model(cpu_device):
     """Memory mode's FP4 layers listed their packed buffers in ``state_dict()``: a checkpoint saved
     during training could not be loaded into the model's own class without the switch ("Missing

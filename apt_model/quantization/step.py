@@ -19,6 +19,7 @@ paging: it shrinks frozen weights.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 
 import torch
@@ -71,6 +72,33 @@ def copies_of_trainable(model: nn.Module, candidates: list[Candidate]) -> dict[i
     return out
 
 
+def held_outside(model: nn.Module, candidates: list[Candidate]) -> dict[int, str]:
+    """The candidates whose weight ``Parameter`` a module outside ``model`` also holds (in its
+    parameters or as an attribute: a reference model sharing a LoRA policy's frozen base), by ``id``
+    of the candidate's module, with that module's class name. FP4 storage empties the weight it
+    releases, so that module's next call crashed ("mat2 must be a matrix, got 1-D tensor": a
+    probe's finding, 2026-11-29). One pass over the garbage collector's objects (a fraction of a
+    second in a large process, once per model adopted with FP4). Never raises."""
+    weights = {id(c.module.weight): c for c in candidates if isinstance(getattr(c.module, "weight", None), torch.Tensor)}
+    if not weights:
+        return {}
+    inside = {id(m) for m in model.modules()}
+    out: dict[int, str] = {}
+    try:
+        for obj in gc.get_objects():
+            # type(), not isinstance(): a lazy proxy (torch.distributed.reduce_op) warns when asked its class
+            if not issubclass(type(obj), nn.Module) or id(obj) in inside:
+                continue
+            held = list((obj.__dict__.get("_parameters") or {}).values()) + list(vars(obj).values())
+            for t in held:
+                c = weights.get(id(t))
+                if c is not None and id(c.module) not in out and t is c.module.weight:
+                    out[id(c.module)] = type(obj).__name__
+    except Exception as err:  # noqa: BLE001 - a look that fails leaves the plan as it is
+        log.debug("fp4: looking for weights held outside the model: %s", err)
+    return out
+
+
 def _skip_summary(skipped: list[Candidate]) -> str:
     counts: dict[str, list[str]] = {}
     for c in skipped:
@@ -116,6 +144,12 @@ class FP4Step(FeatureStep):
                 f"the model's parameters are {', '.join(wrapped)} (sharded by FSDP2's fully_shard or another "
                 "tensor-subclass wrapper before the switch adopted it): FP4 storage converts plain tensors only"), tried)
         plan = plan_fp4(model, policy, "storage")
+        outside = held_outside(model, [c for c in plan if c.convert])
+        for c in plan:
+            if id(c.module) in outside:
+                c.convert = False
+                c.reason = (f"tied weight: held by a {outside[id(c.module)]} outside the model too (a reference model "
+                            "sharing it), which FP4 storage would leave with an emptied weight")
         if by_mode:
             copies = copies_of_trainable(model, [c for c in plan if c.convert])
             for c in plan:

@@ -524,8 +524,9 @@ class Momentum(nn.Module):
 
     def __init__(self, graph_break: bool = False, queue: int = 64):
         super().__init__()
-        self.q = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32))
-        self.k = nn.Sequential(nn.Linear(48, 64), nn.ReLU(), nn.Linear(64, 32)).requires_grad_(False)
+        # batch norm: its running statistics are updated inside its op (the check must not update them)
+        self.q = nn.Sequential(nn.Linear(48, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 32))
+        self.k = nn.Sequential(nn.Linear(48, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 32)).requires_grad_(False)
         self.k.load_state_dict(self.q.state_dict())
         self.register_buffer("queue", F.normalize(torch.randn(32, queue), dim=0))
         self.register_buffer("ptr", torch.zeros(1, dtype=torch.long))
@@ -592,7 +593,7 @@ def test_the_compile_rung_compiles_a_forward_as_one_graph_or_not_at_all(graph_br
     else:
         assert ladder.state in ("warmup", "trial") and not ladder.timeline, ladder.timeline
         assert losses == pytest.approx(expected, rel=1e-4)
-    for name, t in reference.state_dict().items():
+    for name, t in reference.state_dict().items():  # batch norm's statistics too (updated once per call)
         assert torch.allclose(model.state_dict()[name], t, rtol=1e-4, atol=1e-6), name
 
 

@@ -13,8 +13,10 @@ Policy (:class:`CheckedBackend`, a ``torch.compile`` backend wrapping the rung's
 * A graph no input of which is read and then changed in place
   (:func:`~apt_model.compile.overrides.read_then_changed`: plain models, batch norm's running
   statistics, an EMA update ``p_ema.mul_(d).add_(p)``) is compiled and used unchecked, as before.
-* Otherwise the compiled graph and the captured one (run eagerly) are run on the capture's inputs,
-  with the inputs the graph changes in place cloned for each run (so the check changes no state),
+* Otherwise the compiled graph and the captured one (run eagerly) are run on the call's inputs,
+  every tensor but the parameters the graph does not change cloned for each run (so the check
+  changes no state: until a review the same day, batch norm's running statistics, updated inside
+  its op, were updated by both check runs),
   from one random state, with gradients on; then each is differentiated with the same random
   output gradients. Every output, every changed input, and the gradient of every input that
   requires one must agree within :data:`RELATIVE_TOLERANCE` (the norm of the difference over the
@@ -85,11 +87,21 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
+def _isolated_input(x: Any, i: int, changed: set[int]) -> Any:
+    """An input for one check run: a parameter the graph does not change, shared; any other tensor
+    (buffers: batch norm updates its running statistics inside its op, where :func:`changed_in_place`
+    cannot see it; the user's inputs) cloned, with its ``requires_grad``; sizes made concrete."""
+    if not isinstance(x, torch.Tensor):
+        return concrete_size(x)
+    if isinstance(x, torch.nn.Parameter) and i not in changed:
+        return x
+    return x.detach().clone().requires_grad_(x.requires_grad)
+
+
 def _run(fn: Callable, inputs: list, changed: set[int], cotangents: list | None):
-    """One run of ``fn``: the inputs it changes in place cloned; returns (outputs, changed inputs
-    after the run, gradients of the inputs that require one, the cotangents used)."""
-    args = [concrete_size(x) if not isinstance(x, torch.Tensor)
-            else x.detach().clone() if i in changed else x for i, x in enumerate(inputs)]
+    """One run of ``fn`` on isolated inputs (:func:`_isolated_input`); returns (outputs, changed
+    inputs after the run, gradients of the inputs that require one, the cotangents used)."""
+    args = [_isolated_input(x, i, changed) for i, x in enumerate(inputs)]
     with torch.enable_grad(), same_draws(inputs):
         out = fn(*args)
     leaves = list(torch.utils._pytree.tree_leaves(out))

@@ -166,14 +166,8 @@ class CallTimer:
             return None, None
         recomputing = in_backward()
         if not (torch.is_grad_enabled() and module.training) or recomputing:
-            if not recomputing and not self.issued:
-                self.untimed += 1
-                if self.untimed > GIVE_UP_FACTOR * self.trial.needed():
-                    # a target network, called only under no_grad and never trained: no verdict
-                    # would ever come, and the report said "on trial" for good (a probe's finding)
-                    self.give_up(f"no training call (grad enabled, train mode) in its first {self.untimed - 1} "
-                                 "calls: a model called only without gradients (a target network) is never timed")
-                    return None, None
+            if not recomputing and self.untimed_call():
+                return None, None
             with self._lock:
                 pending = self._pending
             if self._measured:
@@ -197,6 +191,21 @@ class CallTimer:
         if self.channel is not None:
             self.channel.start()  # rank 0 says it runs this trial (once there is a process group)
         return use, Sample(self._clock().mark(), use)
+
+    def untimed_call(self) -> bool:
+        """A call that is not timed (no grad, or eval mode; not a recomputation), outside
+        :meth:`begin` or in it: before any timed call, the trial gives up once such calls exceed
+        :data:`GIVE_UP_FACTOR` times the calls it needs (a target network or a frozen reference,
+        called only without gradients and never trained: no verdict would ever come, and the
+        report said "on trial" for good: probes' findings). Returns whether it gave up now."""
+        if self.issued or not self.running or self._closed:
+            return False
+        self.untimed += 1
+        if self.untimed <= GIVE_UP_FACTOR * self.trial.needed():
+            return False
+        self.give_up(f"no training call (grad enabled, train mode) in its first {self.untimed - 1} calls: a model "
+                     "called only without gradients (a target network, a frozen reference) is never timed")
+        return True
 
     def _await(self, module: nn.Module) -> tuple[bool | None, None]:
         """A call while rank 0's verdict is awaited: a training call looks for it (and gives up

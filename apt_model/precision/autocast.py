@@ -395,6 +395,8 @@ class AutocastHooks:
             # ones too. Not a model in train mode: a reentrant torch.utils.checkpoint around it runs
             # its forward under no_grad, and its recomputation in backward must run the same
             self.counts["evaluation"] += 1
+            if timer is not None:
+                timer.untimed_call()  # a model only ever evaluated gives its trial up (a frozen reference)
             self._scopes.push(None)
             return None
         training = torch.is_grad_enabled() and module.training and not recomputing

@@ -648,7 +648,8 @@ def test_the_report_counts_a_frozen_teachers_evaluation_calls_as_fp32(cpu_device
         vb.disable()
 
 
-def test_a_target_network_called_only_without_grad_runs_as_written_and_its_trial_ends(cpu_device):
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_a_target_network_called_only_without_grad_runs_as_written_and_its_trial_ends(cpu_device, mode):
     """A DQN/SAC target network (a copy of the online net, called under ``no_grad`` and left in
     train mode, never trained) ran under bf16 autocast for good: the trial times training calls
     only, so it never got a verdict, and every untimed call used autocast (outputs off by bf16's
@@ -662,7 +663,7 @@ def test_a_target_network_called_only_without_grad_runs_as_written_and_its_trial
     try:
         torch.manual_seed(0)
         online = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 2)).to("cpu")
-        target = copy.deepcopy(online).to("cpu")
+        target = copy.deepcopy(online).to("cpu").train(mode == "train")  # a frozen reference: eval mode
         assert target._vb_autocast.trial.running
         x = torch.randn(16, 4)
         for _ in range(4 * target._vb_autocast.trial.needed() + 2):

@@ -215,9 +215,11 @@ class NormalisedExperts(Experts):
         super().__init__(width)
         self.norm = nn.BatchNorm1d(width)
         self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("total", torch.zeros(()))
 
     def forward(self, x):
-        self.seen.add_(x.shape[0])
+        self.seen.add_(x.shape[0])  # in place
+        self.total = self.total + x.sum()  # re-assigned: a new tensor each call
         return super().forward(self.norm(x))
 
 
@@ -225,8 +227,9 @@ class NormalisedExperts(Experts):
 def test_a_retried_call_updates_the_models_buffers_once(cpu_device, how):
     """The retry after a forward that raised under autocast ran the forward's side effects twice:
     a batch norm's running statistics and ``num_batches_tracked``, a running normaliser's count
-    (a probe's finding: 31 observations counted for 30). The early calls' retry starts from the
-    buffers the failed attempt started from; every buffer ends as in plain PyTorch."""
+    (a probe's finding: 31 observations counted for 30), and a buffer the forward re-assigns was
+    left as the failed attempt made it (a review probe's finding). The early calls' retry starts
+    from the buffers the failed attempt started from; every buffer ends as in plain PyTorch."""
     torch.manual_seed(0)
     model = NormalisedExperts()
     plain = copy.deepcopy(model)

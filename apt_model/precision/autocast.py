@@ -174,26 +174,31 @@ def _set_rng_state(device: torch.device, state: tuple) -> None:
 BUFFER_COPY_LIMIT = 64 << 20
 
 
-def _buffer_state(module: nn.Module | None) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
-    """``(buffer, version, copy or None)`` for each dense buffer of ``module`` (copies up to
-    :data:`BUFFER_COPY_LIMIT` bytes in all)."""
+def _buffer_state(module: nn.Module | None) -> list[tuple[nn.Module, str, torch.Tensor, int, torch.Tensor | None]]:
+    """``(owner, name, buffer, version, copy or None)`` for each dense buffer of ``module`` (copies
+    up to :data:`BUFFER_COPY_LIMIT` bytes in all)."""
     out, total = [], 0
-    for b in module.buffers() if module is not None else ():
-        if b.layout is not torch.strided or b.is_inference():
-            continue  # no version counter to watch
-        size = b.numel() * b.element_size()
-        copy = b.detach().clone() if total + size <= BUFFER_COPY_LIMIT else None
-        total += size if copy is not None else 0
-        out.append((b, b._version, copy))
+    for owner in module.modules() if module is not None else ():
+        for name, b in owner._buffers.items():
+            if b is None or b.layout is not torch.strided or b.is_inference():
+                continue  # no version counter to watch
+            size = b.numel() * b.element_size()
+            copy = b.detach().clone() if total + size <= BUFFER_COPY_LIMIT else None
+            total += size if copy is not None else 0
+            out.append((owner, name, b, b._version, copy))
     return out
 
 
 def _restore_buffers(state: list, model_name: str) -> None:
     """Put back the buffers a failed attempt changed (a batch norm's running statistics, a running
-    normaliser's counts), so that its retry changes them once, as plain PyTorch's one call does."""
+    normaliser's counts), so that its retry changes them once, as plain PyTorch's one call does:
+    a buffer the attempt re-assigned (``self.n = self.n + k``) is bound to its old tensor again,
+    one changed in place gets its old values back."""
     repeated = 0
     with torch.no_grad():
-        for b, version, copy in state:
+        for owner, name, b, version, copy in state:
+            if owner._buffers.get(name) is not b:
+                owner._buffers[name] = b  # re-assigned by the attempt (a review probe's finding)
             if copy is None:
                 repeated += b._version != version
             elif not torch.equal(b, copy):

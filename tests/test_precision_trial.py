@@ -742,3 +742,6 @@ def test_a_model_with_a_custom_autograd_function_keeps_the_scripts_precision(cpu
 
     x = torch.randn(2, 32, requires_grad=True)
     assert custom_functions(Gated()(x)) == ["Gate"] and custom_functions(nn.Linear(32, 2)(x)) == []
+    # a model fed by one that runs a custom Function is not blamed for it (a review probe's finding)
+    upstream = Gated()(x)
+    assert custom_functions(nn.Linear(4, 2)(upstream), inputs=(upstream,)) == []

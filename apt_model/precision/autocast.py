@@ -215,15 +215,18 @@ def _restore_buffers(state: list, model_name: str) -> None:
 _OWN_FUNCTIONS = ("torch.", "apt_model.")
 
 
-def custom_functions(output: Any, limit: int = 100_000) -> list[str]:
-    """Names of the custom autograd Functions in the graph that produced ``output``'s tensors: a
-    ``torch.autograd.Function`` defined outside torch and apt_model, or the backward of a custom op
-    registered from Python (``torch.library.custom_op(...).register_autograd``), whose generated
-    Function torch names ``GeneratedBackwardFor_<namespace>_<op>``. At most ``limit`` graph nodes are
-    visited (a walk of the whole graph, once per model)."""
+def custom_functions(output: Any, inputs: Any = (), limit: int = 100_000) -> list[str]:
+    """Names of the custom autograd Functions in the graph that produced ``output``'s tensors from
+    ``inputs``' (the walk stops at the nodes that made the inputs: an upstream model's Functions
+    are not this call's): a ``torch.autograd.Function`` defined outside torch and apt_model, or the
+    backward of a custom op registered from Python (``torch.library.custom_op(...).register_autograd``),
+    whose generated Function torch names ``GeneratedBackwardFor_<namespace>_<op>``. At most
+    ``limit`` graph nodes are visited (once per model). Not seen: Functions inside a re-entrant
+    ``torch.utils.checkpoint`` of the script's (its graph is built only in backward)."""
     found: list[str] = []
     todo = [t.grad_fn for t in output_tensors(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: set[int] = {id(t.grad_fn) for t in output_tensors(inputs)
+                      if isinstance(t, torch.Tensor) and t.grad_fn is not None}
     while todo and len(seen) < limit:
         node = todo.pop()
         if node is None or id(node) in seen:
@@ -464,7 +467,7 @@ class AutocastHooks:
         entry = self._scopes.pop()
         if getattr(self._tls, "screen", False):
             self._tls.screen = False
-            self._screen(output)
+            self._screen(output, args)
         if entry is None:
             return None
         ctx, sample = entry
@@ -484,14 +487,14 @@ class AutocastHooks:
             self.timer.end(module, output, sample)
         return output if ctx is not None else None
 
-    def _screen(self, output) -> None:
+    def _screen(self, output, inputs=()) -> None:
         """The trial's first training call ran as written: if its graph holds a custom autograd
         Function (:func:`custom_functions`), whose backward no retry can cover and may take fp32
         only, the trial gives up and the model keeps the script's precision (a forward under the
         switch's bf16 made such a backward raise "expected Float" inside the script's
         ``loss.backward()``, where plain PyTorch trains: a probe's finding). Never raises."""
         try:
-            found = custom_functions(output)
+            found = custom_functions(output, inputs)
         except Exception as err:  # noqa: BLE001 - a look that fails leaves the trial as it is
             log.debug("autocast: looking for custom autograd Functions: %s", err)
             return

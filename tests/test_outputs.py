@@ -266,3 +266,11 @@ def test_a_distribution_output_comes_back_with_fp32_parameters_in_a_copy():
     assert to_fp32(normal).loc.dtype == torch.float32 and to_fp32(normal).log_prob(torch.zeros(2)).dtype == torch.float32
     plain = torch.distributions.Normal(torch.zeros(2), torch.ones(2))
     assert to_fp32(plain) is plain  # nothing to convert: the same object
+    # nested ones too: Independent, SAC's tanh-squashed Normal, a mixture (a review probe's finding)
+    D = torch.distributions
+    half = D.Normal(torch.zeros(2, 3, dtype=torch.bfloat16), torch.ones(2, 3, dtype=torch.bfloat16))
+    squashed = to_fp32(D.TransformedDistribution(half, [D.transforms.TanhTransform()]))
+    assert squashed.rsample().dtype == torch.float32 and half.loc.dtype == torch.bfloat16
+    assert to_fp32(D.Independent(half, 1)).mean.dtype == torch.float32
+    mixture = D.MixtureSameFamily(D.Categorical(logits=torch.zeros(2, 3, dtype=torch.bfloat16)), half)
+    assert to_fp32(mixture).mean.dtype == torch.float32

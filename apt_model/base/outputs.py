@@ -34,8 +34,12 @@ def output_tensors(output: Any, _depth: int = 0) -> list[torch.Tensor]:
     for leaf in tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
-        elif isinstance(leaf, torch.distributions.Distribution):  # a policy's Categorical(logits=...)
-            found.extend(v for v in vars(leaf).values() if isinstance(v, torch.Tensor))
+        elif isinstance(leaf, torch.distributions.Distribution) and _depth < MAX_DEPTH:  # a policy's Categorical
+            for v in vars(leaf).values():
+                if isinstance(v, torch.Tensor):
+                    found.append(v)
+                elif isinstance(v, torch.distributions.Distribution):  # Independent's base_dist...
+                    found.extend(output_tensors(v, _depth + 1))
         elif _plain_dataclass(leaf) and _depth < MAX_DEPTH:
             for f in dataclasses.fields(leaf):
                 found.extend(output_tensors(getattr(leaf, f.name, None), _depth + 1))
@@ -63,12 +67,16 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
             # a policy network's Categorical(logits=...) / Normal(loc, scale): its parameters (and
             # the values it cached from them) in fp32, in a copy, so log_prob and entropy are fp32
             # as without autocast (they came back bf16: a probe's finding)
-            if not any(_half(v) for v in vars(x).values() if isinstance(v, torch.Tensor)):
+            # nested distributions too: Independent's base_dist, TransformedDistribution's (SAC's
+            # tanh-squashed Normal), MixtureSameFamily's two (a review probe's finding)
+            if not any(_half(t) for t in output_tensors(x)):
                 return x
             new = copy.copy(x)
             for k, v in vars(x).items():
                 if isinstance(v, torch.Tensor) and _half(v):
                     new.__dict__[k] = v.float()
+                elif isinstance(v, torch.distributions.Distribution):
+                    new.__dict__[k] = to_fp32(v, _depth + 1)
             return new
         if _plain_dataclass(x):
             new = copy.copy(x)

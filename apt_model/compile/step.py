@@ -68,11 +68,11 @@ def softmax_callers(model: nn.Module) -> list[str]:
     return sorted(found)
 
 
-#: ``softmax`` as a name of its own (``F.softmax``, ``x.softmax(-1)``, ``self.softmax``), not
-#: ``log_softmax``: a CTC or NLL classifier calls that, and balanced mode captured every one of them
-#: for a rewrite that never applies (seconds of capture, Dynamo's warnings, the forward fast path
-#: off for the session: a probe's finding).
-_SOFTMAX = re.compile(r"(?<![A-Za-z0-9_])softmax\b")
+#: ``softmax`` in any case, also inside a name (``F.softmax``, ``nn.Softmax``, ``masked_softmax``,
+#: ``self.attn_softmax``), but not ``log_softmax`` / ``LogSoftmax``: a CTC or NLL classifier calls
+#: that, and balanced mode captured every one of them for a rewrite that never applies (seconds of
+#: capture, Dynamo's warnings, the forward fast path off for the session: a probe's finding).
+_SOFTMAX = re.compile(r"(?<!log_)(?<!log)softmax", re.IGNORECASE)
 
 
 def profiled_callers(model: nn.Module) -> list[str]:

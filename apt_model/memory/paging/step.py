@@ -157,8 +157,9 @@ class PagingStep(FeatureStep):
             why = str(err).replace(ALWAYS_ADVICE, "")  # it is paged anyway: not a suggestion here
             if warn:
                 log.warning("paging %s anyway, everything of it paged: %s", type(model).__name__, why)
+            room = "what they keep resident" if taken else "the budget"  # they may keep nothing (a review probe's finding)
             plan.reason = (plan.reason.replace("forced by the caller", "everything paged: adopted after other "
-                                               "models, it does not fit what they keep resident", 1) + f" ({why})")
+                                               f"models, it does not fit {room}", 1) + f" ({why})")
             return plan
 
     def _check_capacity(self, model: nn.Module, plan) -> None:

@@ -277,9 +277,12 @@ def test_memory_mode_leaves_a_momentum_copy_inside_the_trained_module_in_full_pr
     silently (or paired tensors of other shapes and raised; a probe's finding). A frozen layer
     equal to a trainable weight of the model is left alone by the mode's default, with the reason;
     ``fp4="storage"`` converts it anyway. Training ends bitwise as without the switch."""
-    def run(**enable):
+    def run(resumed=False, **enable):
         torch.manual_seed(0)
         model = MomentumEncoders()
+        if resumed:  # a resumed run: the checkpoint's momentum copy has drifted from the online weights
+            with torch.no_grad():
+                model.momentum[2].weight.mul_(0.5)
         if enable:
             vb.enable(mixed_precision="off", attention="off", compile="off", banner=False, **enable)
         try:
@@ -305,6 +308,19 @@ def test_memory_mode_leaves_a_momentum_copy_inside_the_trained_module_in_full_pr
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     _, converted, _ = run(mode="memory", fp4="storage")  # asked for by the script: converted
     assert converted == ["momentum.2"], converted
+    # resumed: no longer equal, but a structural copy of the online encoder (a review probe's finding)
+    ref, _, _ = run(resumed=True)
+    got, converted, decision = run(resumed=True, mode="memory")
+    assert converted == [] and all(torch.equal(ref[k], got[k]) for k in ref), decision
+    # a partly frozen stack is no momentum copy: its frozen layer (a numbered step away) is converted
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        stack = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128))
+        stack[0].requires_grad_(False)
+        stack.to("cpu")
+        assert isinstance(stack[0], FP4Linear)
+    finally:
+        vb.disable()
 
 
 def test_a_frozen_weight_another_module_holds_is_not_stored_in_fp4(cpu_device):

@@ -50,8 +50,9 @@ def copies_of_trainable(model: nn.Module, candidates: list[Candidate]) -> dict[i
     in place from the online weights; in FP4 that layer left ``parameters()``, and the usual
     ``zip(online.parameters(), momentum.parameters())`` update skipped it without a word or paired
     tensors of other shapes (a probe's finding, 2026-11-29). Equal means same shape, dtype and
-    device and ``torch.equal``; the leading :data:`_SCREEN` elements are compared first. Never
-    raises (a pair that cannot be compared is no copy)."""
+    device and ``torch.equal`` (the leading :data:`_SCREEN` elements compared first), or the layer
+    sits in a structural copy of the parameter's subtree (:func:`_mirrors`: a resumed run's drifted
+    copy). Never raises (a pair that cannot be compared is no copy)."""
     trainable: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, p in model.named_parameters():
         if p.requires_grad and p.layout is torch.strided and p.device.type != "meta":
@@ -64,12 +65,29 @@ def copies_of_trainable(model: nn.Module, candidates: list[Candidate]) -> dict[i
         for name, p in trainable.get((tuple(w.shape), w.dtype, w.device), ()):
             try:
                 a, b = w.detach().reshape(-1), p.detach().reshape(-1)
-                if torch.equal(a[:_SCREEN], b[:_SCREEN]) and torch.equal(a, b):
+                if (torch.equal(a[:_SCREEN], b[:_SCREEN]) and torch.equal(a, b)) or _mirrors(model, c.name, name):
                     out[id(c.module)] = name
                     break
             except Exception as err:  # noqa: BLE001 - a pair that cannot be compared is no copy
                 log.debug("fp4: comparing %s with %s: %s", c.name, name, err)
     return out
+
+
+def _mirrors(model: nn.Module, layer: str, param: str) -> bool:
+    """Whether the frozen ``layer`` sits in a copy of the subtree holding the trainable ``param``:
+    their paths differ in one named (not numbered) step, ``encoder_k.2`` and ``encoder_q.2.weight``,
+    and the two subtrees there are of one class with the same parameter names and shapes. A momentum
+    copy whose weights have drifted from the online ones (a resumed MoCo: its checkpoint's key
+    encoder is no longer equal) is found so (a review probe's finding); a layer of a partly frozen
+    stack (``layers.0`` against ``layers.5``: a numbered step) is not."""
+    a, b = layer.split("."), param.split(".")[:-1]
+    diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+    if len(a) != len(b) or len(diff) != 1 or a[diff[0]].isdigit() or b[diff[0]].isdigit():
+        return False
+    i = diff[0]
+    left, right = model.get_submodule(".".join(a[:i + 1])), model.get_submodule(".".join(b[:i + 1]))
+    shapes = lambda m: [(n, tuple(p.shape)) for n, p in m.named_parameters()]  # noqa: E731
+    return type(left) is type(right) and shapes(left) == shapes(right)
 
 
 def held_outside(model: nn.Module, candidates: list[Candidate]) -> dict[int, str]:

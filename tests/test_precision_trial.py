@@ -745,3 +745,34 @@ def test_a_model_with_a_custom_autograd_function_keeps_the_scripts_precision(cpu
     # a model fed by one that runs a custom Function is not blamed for it (a review probe's finding)
     upstream = Gated()(x)
     assert custom_functions(nn.Linear(4, 2)(upstream), inputs=(upstream,)) == []
+
+
+def test_a_model_fed_by_keyword_from_one_with_a_custom_function_is_not_blamed_for_it(cpu_device):
+    """The screen stops at the call's inputs; the hooks see no keyword arguments, so a decoder
+    called as ``dec(x, memory=m)`` (Hugging Face style) was blamed for its encoder's custom
+    Function and lost bf16 (a review probe's finding). The call's keyword inputs count too."""
+    class Dec(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, memory=None):
+            return self.lin(x + memory)
+
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, compile="off", banner=False)
+    try:
+        torch.manual_seed(0)
+        enc, dec = Gated().to("cpu"), Dec().to("cpu")
+        opt = torch.optim.SGD(list(enc.parameters()) + list(dec.parameters()), lr=0.1)
+        for _ in range(3):
+            x = torch.randn(8, 32)
+            m = enc(x)
+            loss = dec(torch.zeros_like(m), memory=m).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        models = {m["name"]: m["features"]["mixed_precision"] for m in vb.get_report()["models"]}
+    finally:
+        vb.disable()
+    assert "custom autograd Functions (Gate)" in models["Gated"]["reason"], models
+    assert "custom autograd" not in models["Dec"]["reason"], models

@@ -467,7 +467,8 @@ class AutocastHooks:
         entry = self._scopes.pop()
         if getattr(self._tls, "screen", False):
             self._tls.screen = False
-            self._screen(output, args)
+            self._screen(output, getattr(self._tls, "call_inputs", args))
+            self._tls.call_inputs = None
         if entry is None:
             return None
         ctx, sample = entry
@@ -512,6 +513,8 @@ class AutocastHooks:
         tls = self._tls
 
         def call(*args, **kwargs):
+            if not self._screened:  # the screen stops at the call's inputs, keyword ones too (the hooks see no kwargs)
+                tls.call_inputs = (args, kwargs)
             if not self.active or torch.compiler.is_compiling() or in_backward():
                 # autocast is off for good (a verdict, a failure): nothing to run again; a
                 # recomputation in backward (checkpointing) runs what its forward ran, and stops

@@ -20,6 +20,7 @@ paging: it shrinks frozen weights.
 from __future__ import annotations
 
 import gc
+import re
 import weakref
 
 import torch
@@ -73,21 +74,36 @@ def copies_of_trainable(model: nn.Module, candidates: list[Candidate]) -> dict[i
     return out
 
 
+#: How a momentum (EMA) copy is commonly named: MoCo's ``encoder_k``, BYOL's ``target_encoder``,
+#: a mean teacher's or DINO's ``teacher``, ``ema_model``, ``momentum_encoder``, ``shadow``.
+_COPY_NAME = re.compile(r"(^|_)(k|key|momentum|ema|target|teacher|shadow|avg|averaged|average)($|_)", re.IGNORECASE)
+
+
 def _mirrors(model: nn.Module, layer: str, param: str) -> bool:
-    """Whether the frozen ``layer`` sits in a copy of the subtree holding the trainable ``param``:
-    their paths differ in one named (not numbered) step, ``encoder_k.2`` and ``encoder_q.2.weight``,
-    and the two subtrees there are of one class with the same parameter names and shapes. A momentum
-    copy whose weights have drifted from the online ones (a resumed MoCo: its checkpoint's key
-    encoder is no longer equal) is found so (a review probe's finding); a layer of a partly frozen
-    stack (``layers.0`` against ``layers.5``: a numbered step) is not."""
+    """Whether the frozen ``layer`` sits in a momentum copy of the subtree holding the trainable
+    ``param``: their paths differ in one named (not numbered) step, ``encoder_k.2`` and
+    ``encoder_q.2.weight``; the frozen side's name there is a copy's (:data:`_COPY_NAME`); the two
+    subtrees are modules of one class holding submodules, with the same parameter names and shapes,
+    the copy wholly frozen and the other wholly trainable. A copy whose weights have drifted from
+    the online ones (a resumed MoCo: no longer equal) is found so (a review probe's finding). Not
+    so: a layer of a partly frozen stack (``layers.0`` against ``layers.5``), frozen siblings
+    (``q_proj`` against ``v_proj``, ``fc1`` against ``fc2``), a frozen tower of a dual encoder
+    (``query_encoder`` against ``doc_encoder``): their frozen layers still go to FP4 (a second
+    review's finding)."""
     a, b = layer.split("."), param.split(".")[:-1]
     diff = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
     if len(a) != len(b) or len(diff) != 1 or a[diff[0]].isdigit() or b[diff[0]].isdigit():
         return False
     i = diff[0]
+    if not _COPY_NAME.search(a[i]):
+        return False
     left, right = model.get_submodule(".".join(a[:i + 1])), model.get_submodule(".".join(b[:i + 1]))
+    if type(left) is not type(right) or next(left.children(), None) is None:
+        return False
+    if any(p.requires_grad for p in left.parameters()) or not all(p.requires_grad for p in right.parameters()):
+        return False
     shapes = lambda m: [(n, tuple(p.shape)) for n, p in m.named_parameters()]  # noqa: E731
-    return type(left) is type(right) and shapes(left) == shapes(right)
+    return shapes(left) == shapes(right)
 
 
 def held_outside(model: nn.Module, candidates: list[Candidate]) -> dict[int, str]:
@@ -173,9 +189,9 @@ class FP4Step(FeatureStep):
             for c in plan:
                 if id(c.module) in copies:
                     c.convert = False
-                    c.reason = (f"momentum copy: equal to the trainable {copies[id(c.module)]} (a momentum or EMA "
-                                f"copy, which scripts update in place); the {ctx.config.mode} mode's default leaves "
-                                "it (fp4='storage' stores it in FP4 anyway)")
+                    c.reason = (f"momentum copy: equal to, or a copy's layer of, the trainable "
+                                f"{copies[id(c.module)]} (a momentum or EMA copy, which scripts update in place); "
+                                f"the {ctx.config.mode} mode's default leaves it (fp4='storage' stores it in FP4 anyway)")
         convert = [c for c in plan if c.convert]
         skipped = [c for c in plan if not c.convert]
         if not convert:

@@ -274,3 +274,20 @@ def test_a_distribution_output_comes_back_with_fp32_parameters_in_a_copy():
     assert to_fp32(D.Independent(half, 1)).mean.dtype == torch.float32
     mixture = D.MixtureSameFamily(D.Categorical(logits=torch.zeros(2, 3, dtype=torch.bfloat16)), half)
     assert to_fp32(mixture).mean.dtype == torch.float32
+
+
+def test_an_action_a_returned_distribution_caches_is_left_as_returned():
+    """A SAC policy returns ``(action, dist)`` with ``action = dist.rsample()`` through a
+    ``TanhTransform(cache_size=1)``: ``dist.log_prob(action)`` finds the action in the transform's
+    cache by identity. The fp32 copy of the action missed it and computed ``atanh`` of a
+    bf16-rounded 1.0: infinite, and the policy trained to NaN (a review probe's finding). The cached
+    action is returned as it is; the rest is converted."""
+    D = torch.distributions
+    loc = torch.full((4, 2), 6.0, dtype=torch.bfloat16)  # tanh(6) rounds to 1.0 in bf16
+    dist = D.TransformedDistribution(D.Normal(loc, torch.full((4, 2), 0.1, dtype=torch.bfloat16)),
+                                     [D.transforms.TanhTransform(cache_size=1)])
+    action = dist.rsample()
+    other = torch.ones(3, dtype=torch.bfloat16)
+    got_action, got_dist, got_other = to_fp32((action, dist, other))
+    assert got_action is action and got_other.dtype == torch.float32
+    assert torch.isfinite(got_dist.log_prob(got_action)).all()

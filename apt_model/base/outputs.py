@@ -58,9 +58,11 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
     the walk above does it alone; ``deque`` and ``SimpleNamespace`` outputs came back in bf16."""
     from accelerate.utils.operations import convert_to_fp32
 
+    cached = _transform_caches(output) if _depth == 0 else set()
+
     def leaf(x):
         if isinstance(x, torch.Tensor):
-            return x.float() if _half(x) else x
+            return x.float() if _half(x) and id(x) not in cached else x
         if _depth >= MAX_DEPTH:
             return x
         if isinstance(x, torch.distributions.Distribution):
@@ -100,14 +102,35 @@ def to_fp32(output: Any, _depth: int = 0) -> Any:
                 return x
         return x
 
-    if any(_attributed_dict(x) for x in tree_leaves(output, is_leaf=_attributed_dict)):
-        converted = output  # accelerate would rebuild it with type(m)(dict), dropping its attributes
+    if cached or any(_attributed_dict(x) for x in tree_leaves(output, is_leaf=_attributed_dict)):
+        # accelerate would rebuild it with type(m)(dict), dropping its attributes; or it would convert
+        # a tensor a returned distribution's transform caches (see _transform_caches)
+        converted = output
     else:
         try:
             converted = convert_to_fp32(output)
         except TypeError:
             converted = output  # a mapping accelerate cannot rebuild: the walk below converts it
     return tree_map(leaf, converted, is_leaf=_attributed_dict)  # the leaf copies those itself
+
+
+def _transform_caches(output: Any) -> set[int]:
+    """``id``s of the tensors the transforms of a returned distribution cache (``TanhTransform(
+    cache_size=1)``: a SAC policy returns ``(action, dist)`` with ``action = dist.rsample()``).
+    They are left as they are: ``dist.log_prob(action)`` finds the action in the cache by identity;
+    an fp32 copy missed it and computed ``atanh`` of a bf16-rounded 1.0, infinite, and the policy
+    trained to NaN (a review probe's finding)."""
+    ids: set[int] = set()
+    todo = [x for x in tree_leaves(output) if isinstance(x, torch.distributions.Distribution)]
+    while todo:
+        d = todo.pop()
+        for t in getattr(d, "transforms", None) or ():
+            for parts in (getattr(t, "parts", None) or (t,)):  # a ComposeTransform's parts
+                for cached in getattr(parts, "_cached_x_y", ()) or ():
+                    if isinstance(cached, torch.Tensor):
+                        ids.add(id(cached))
+        todo.extend(v for v in vars(d).values() if isinstance(v, torch.distributions.Distribution))
+    return ids
 
 
 def _slots(cls: type) -> list[str]:

@@ -500,6 +500,13 @@ def test_a_log_softmax_is_no_softmax_for_the_screen():
             return masked_softmax(s, m)
 
     assert softmax_callers(Masked()) == ["Masked"]
+
+    class Commented(nn.Module):
+        def forward(self, x):
+            """Log-softmax scores for CTC."""
+            return F.log_softmax(x, -1)  # CrossEntropyLoss applies the softmax: no attention here
+
+    assert softmax_callers(Commented()) == []  # comments and docstrings are no calls
     vb.enable("balanced", mixed_precision="off", banner=False)
     CTCHead().to("cpu")
     feature = vb.get_report()["models"][0]["features"]["compile"]

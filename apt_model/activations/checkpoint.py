@@ -378,11 +378,8 @@ def _in_modes(fn: Callable, flags: TrainingFlags) -> Callable:
     """``fn`` run with ``flags``' train/eval flags set (the forward: nothing to set; a
     recomputation after the script switched modes: the forward's), and the current ones back after."""
     def run(*args, **kwargs):
-        flipped = flags.restore()
-        try:
+        with _modes_of(flags):
             return fn(*args, **kwargs)
-        finally:
-            flags.flip(flipped)
     return run
 
 

@@ -40,9 +40,9 @@ from apt_model.base.log import get_logger
 from apt_model.compile.overrides import (
     call_name,
     changed_in_place,
-    concrete_size,
     copy_graph_module,
     is_dropout,
+    isolated_inputs,
     read_then_changed,
     same_draws,
 )
@@ -87,21 +87,12 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _isolated_input(x: Any, i: int, changed: set[int]) -> Any:
-    """An input for one check run: a parameter the graph does not change, shared; any other tensor
-    (buffers: batch norm updates its running statistics inside its op, where :func:`changed_in_place`
-    cannot see it; the user's inputs) cloned, with its ``requires_grad``; sizes made concrete."""
-    if not isinstance(x, torch.Tensor):
-        return concrete_size(x)
-    if isinstance(x, torch.nn.Parameter) and i not in changed:
-        return x
-    return x.detach().clone().requires_grad_(x.requires_grad)
-
-
 def _run(fn: Callable, inputs: list, changed: set[int], cotangents: list | None):
-    """One run of ``fn`` on isolated inputs (:func:`_isolated_input`); returns (outputs, changed
-    inputs after the run, gradients of the inputs that require one, the cotangents used)."""
-    args = [_isolated_input(x, i, changed) for i, x in enumerate(inputs)]
+    """One run of ``fn`` on isolated inputs (:func:`~apt_model.compile.overrides.isolated_inputs`:
+    every tensor but the parameters the graph does not change cloned, batch norm's running statistics
+    among them); returns (outputs, changed inputs after the run, gradients of the inputs that require
+    one, the cotangents used)."""
+    args = isolated_inputs(inputs, changed, keep_grad=True)
     with torch.enable_grad(), same_draws(inputs):
         out = fn(*args)
     leaves = list(torch.utils._pytree.tree_leaves(out))

@@ -173,17 +173,25 @@ def _input_accesses(gm: torch.fx.GraphModule) -> tuple[set[int], set[int]]:
     return changed, hazards
 
 
-def _isolated(inputs: list, changed: set[int] = frozenset()) -> list:
+def isolated_inputs(inputs: list, changed: set[int] = frozenset(), keep_grad: bool = False) -> list:
     """The inputs for one verification run: parameters shared (forward does not change them),
     except those in ``changed`` (a step counter or running mean kept as a ``Parameter`` with
     ``requires_grad=False`` and updated in forward: the two check runs updated it twice more, a
-    probe's finding), other tensors (the user's inputs, buffers a forward may update in place)
-    cloned, symbolic sizes made concrete (a graph recaptured for another batch size takes its
-    sizes as inputs: run eagerly with them, ``reshape`` raised "SymIntArrayRef expected to contain
-    only concrete integers" into the script's call; a probe's finding)."""
-    return [concrete_size(x) if not isinstance(x, torch.Tensor)
-            else x if isinstance(x, torch.nn.Parameter) and i not in changed
-            else x.detach().clone() for i, x in enumerate(inputs)]
+    probe's finding), other tensors (the user's inputs, buffers a forward may update in place, also
+    inside an op such as batch norm's) cloned, with their ``requires_grad`` where ``keep_grad``
+    (the compile check differentiates its runs), symbolic sizes made concrete (a graph recaptured
+    for another batch size takes its sizes as inputs: run eagerly with them, ``reshape`` raised
+    "SymIntArrayRef expected to contain only concrete integers" into the script's call; a probe's
+    finding)."""
+    def one(i: int, x):
+        if not isinstance(x, torch.Tensor):
+            return concrete_size(x)
+        if isinstance(x, torch.nn.Parameter) and i not in changed:
+            return x
+        c = x.detach().clone()
+        return c.requires_grad_(x.requires_grad) if keep_grad else c
+
+    return [one(i, x) for i, x in enumerate(inputs)]
 
 
 def same_draws(inputs: list):
@@ -204,9 +212,9 @@ def outputs_match(reference: torch.fx.GraphModule, candidate: torch.fx.GraphModu
     changed = changed_in_place(reference)
     with torch.no_grad():
         with same_draws(inputs):
-            want = dropout_free(reference)(*_isolated(inputs, changed))
+            want = dropout_free(reference)(*isolated_inputs(inputs, changed))
         with same_draws(inputs):
-            got = dropout_free(candidate)(*_isolated(inputs, changed))
+            got = dropout_free(candidate)(*isolated_inputs(inputs, changed))
     want_leaves = torch.utils._pytree.tree_leaves(want)
     got_leaves = torch.utils._pytree.tree_leaves(got)
     if len(want_leaves) != len(got_leaves):

@@ -25,7 +25,6 @@ memory) or ``off``:
 from __future__ import annotations
 
 import re
-
 import weakref
 
 import torch

@@ -472,6 +472,73 @@ assert vb.get_stats()["adopted_models"] == 1
 """)
 
 
+def test_while_quiet_a_ready_root_runs_without_its_exit_hook():
+    """Quiet, the ready roots' exit hooks are out of their ``_forward_hooks`` too, so a model with no
+    other hook takes PyTorch's hook-free call path; they come back, in their places, when the global
+    hook does (a model built), and go with disable()."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+m = Holder()
+script_hook = m.register_forward_hook(lambda mod, a, o: None)  # registered before adoption
+m(x)  # adopted: the exit hook registered after the script's hook
+seen = []
+late = m.register_forward_hook(lambda mod, a, o: seen.append(1))  # and this one after it
+opt = torch.optim.SGD(m.parameters(), 0.1)
+for _ in range(4):
+    m(x).sum().backward()
+    opt.step()
+s = fast_path()
+assert s["quiet"] and s["ready_models"] == 1, s
+ours = [k for k, h in m._forward_hooks.items() if type(h).__module__.startswith("apt_model")]
+assert ours == [] and len(m._forward_hooks) == 2, list(m._forward_hooks.values())
+assert not any(k not in m._forward_hooks for k in m._forward_hooks_always_called)
+new = nn.Linear(4, 4)  # a model built: the global hook and the exit hook come back
+assert hook_in()
+back = [type(h).__module__.split(".")[0] for h in m._forward_hooks.values()]
+assert len(back) == 3 and back[1] == "apt_model", back  # in its place: between the script's two
+assert sum(m._forward_hooks_always_called.values()) == 1
+n = len(seen)
+m(x)
+assert len(seen) == n + 1  # the script's hooks still run
+new(x)
+m(x)
+assert not hook_in() and len(m._forward_hooks) == 2
+vb.disable()
+assert len(m._forward_hooks) == 2 and not m._forward_hooks_always_called  # the script's two only
+""")
+
+
+def test_a_copy_a_ready_roots_forward_makes_while_quiet_is_adopted_after_the_next_step():
+    """Quiet, a ready root's call has no exit hook: a module its forward makes (a teacher copy made
+    late) puts the global hook back at the next optimizer step, and is adopted at its first call
+    after it."""
+    run_quiet("""
+vb.enable("balanced", mixed_precision="off", banner=False)
+
+class Late(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.student = Holder()
+        self.copies, self.calls = [], 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 5:
+            self.copies.append(copy.deepcopy(self.student))
+        return self.student(x)
+
+t = Late()
+opt = torch.optim.SGD(t.parameters(), 0.1)
+for _ in range(5):
+    t(x).sum().backward()
+    assert fast_path()["quiet"] or t.calls < 4
+opt.step()
+assert hook_in()
+t.copies[0](x)
+assert vb.get_stats()["adopted_models"] == 2
+""")
+
+
 def test_a_model_built_while_quiet_is_adopted_at_its_first_call():
     """Building a model puts the hook back (its parameters' registration); a deep copy (an EMA or
     evaluation copy, which registers nothing) too, through unpickling."""

@@ -34,10 +34,14 @@ Policy (:class:`ForwardFastPath`; the transitions are its methods):
     parameter, buffer or submodule (PyTorch's global registration hooks) or unpickled
     (``copy.deepcopy``; ``nn.Module.__setstate__``, patched) from then on
     (:meth:`~ForwardFastPath.new_module`). A new pending module puts the hook back at once, so it
-    is adopted at its first call; one made inside a module's call (a layer a forward builds) when
-    that call ends (a root's) or at the next optimizer step. It leaves the set when seen or freed.
+    is adopted at its first call; one made inside a root's call (a layer a forward builds) at the
+    next optimizer step (or when a warming root's call ends). It leaves the set when seen or freed.
     Parameters written straight into ``module._parameters`` fire no hook: such a module is not
-    noted.
+    noted. While quiet, the ready roots' exit hooks are out of their ``_forward_hooks`` too
+    (:meth:`~ForwardFastPath._exits_aside`; a root that becomes ready while quiet, at once), so a
+    root with no other hook runs PyTorch's hook-free call path as well; they go back in their
+    places when the hook does. So a copy a ready root's forward makes while quiet, and the script
+    calls before the next optimizer step, is adopted at its first call after that step.
 ``off``
     For the rest of the session, from the first ``torch.compile`` / ``Module.compile`` call (the
     script's or the compile ladder's; :meth:`ForwardFastPath.stop`), and from the start of any
@@ -176,6 +180,8 @@ class ForwardFastPath:
         self._pending: weakref.WeakSet = weakref.WeakSet()  # modules with state the switch has not seen yet
         self._pending_len = -1  # len(self._pending) when it was last pruned; -1: prune at the next look
         self._quiet = False  # the hook is out between calls (nothing pending)
+        self._exits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root -> its exit hook's id
+        self._exits_out: list[tuple[weakref.ref, int, Callable, int]] = []  # taken out while quiet
         self._scanned = True  # modules alive before were looked for (False: at the next quiet_ok())
         self.on = True
         self.off_reason: str | None = None
@@ -197,6 +203,7 @@ class ForwardFastPath:
         else:
             self._warming[root] = 0
         handle = root.register_forward_hook(SessionHook(self.root_exit), always_call=True)
+        self._exits[root] = handle.id
         patches.add_handle(handle, f"forward fast path: exit hook of {type(root).__name__}")
 
     def step_aside(self, module: nn.Module) -> None:
@@ -279,6 +286,10 @@ class ForwardFastPath:
             if calls + 1 >= self.warm_calls:
                 self._warming.pop(module, None)
                 self._ready.add(module)
+                if self._quiet:  # ready while quiet: its exit hook goes out now (see _exits_aside)
+                    with self._lock:
+                        if self._quiet:
+                            self._exit_aside(module)
             else:
                 self._warming[module] = calls + 1
         return None
@@ -328,10 +339,11 @@ class ForwardFastPath:
         """``module`` holds state (or submodules) and may be unseen: until the switch has seen it
         (or it is freed), the hook is in place between calls; put back now if ``quiet``. A module
         made inside an adopted model's call (a layer built in its forward, at every call: each
-        would be adopted as a model of its own inside that call) puts it back only when a root's
-        call ends, or at the next optimizer step: so a copy made in a forward and called by the
-        script afterwards is adopted at that call. Made inside another module's call (a loss
-        module that builds its network lazily), it puts the hook back at once, as before."""
+        would be adopted as a model of its own inside that call) puts it back only when a warming
+        root's call ends (a ready root has no exit hook while quiet), or at the next optimizer
+        step: so a copy made in a forward and called by the script after that is adopted at that
+        call. Made inside another module's call (a loss module that builds its network lazily), it
+        puts the hook back at once, as before."""
         if self.on and self._is_seen is not None:
             self._note(module, now=not (self._quiet and _inside_call_of(self._ready, self._warming)))
 
@@ -392,6 +404,42 @@ class ForwardFastPath:
                 return
             if self._away_for is None and not self._quiet and self.on and self._hooks.pop(self._id, None) is not None:
                 self._quiet = True
+                self._exits_aside()
+
+    def _exits_aside(self) -> None:
+        """Entering ``quiet`` (under the lock): take each ready root's exit hook out of its
+        ``_forward_hooks`` (and ``_forward_hooks_always_called``), noting its place, so that a root
+        with no other hook runs PyTorch's hook-free call path too. Put back by :meth:`_exits_back`."""
+        for root in list(self._ready):
+            self._exit_aside(root)
+
+    def _exit_aside(self, root: nn.Module) -> None:
+        hook_id = self._exits.get(root)
+        hooks = root.__dict__.get("_forward_hooks")
+        if hook_id is None or not hooks or hook_id not in hooks:
+            return
+        place = list(hooks).index(hook_id)
+        hook = hooks.pop(hook_id)
+        root.__dict__.get("_forward_hooks_always_called", {}).pop(hook_id, None)
+        self._exits_out.append((weakref.ref(root), hook_id, hook, place))
+
+    def _exits_back(self) -> None:
+        """Leaving ``quiet`` (under the lock): the exit hooks taken out go back in their places
+        (forward hooks run in their dictionary's order; a hook the script added meanwhile keeps
+        its order relative to the others)."""
+        out, self._exits_out = self._exits_out, []
+        for ref, hook_id, hook, place in out:
+            root = ref()
+            if root is None or self._exits.get(root) != hook_id:
+                continue
+            hooks = root.__dict__.get("_forward_hooks")
+            if hooks is None or hook_id in hooks:
+                continue
+            items = list(hooks.items())
+            items.insert(min(place, len(items)), (hook_id, hook))
+            hooks.clear()
+            hooks.update(items)
+            root.__dict__.setdefault("_forward_hooks_always_called", {})[hook_id] = True
 
     def _wake_if_pending(self) -> None:
         """Quiet, and a module was noted without putting the hook back (made inside a call): put
@@ -410,6 +458,8 @@ class ForwardFastPath:
         with self._lock:
             if self._away_for is None and not self._quiet:
                 return
+            if self._quiet:
+                self._exits_back()
             self._away_for = None
             self._quiet = False
             if self._id in self._hooks:
@@ -487,6 +537,7 @@ class ForwardFastPath:
             self.off_reason = self.off_reason or "the switch was disabled"
             self._away_for = None
             self._quiet = False
+            self._exits_out = []  # their handles remove them from the roots (or left out: gone already)
 
     def describe(self) -> dict:
         """The report's figures: ``on``, ``off_reason``, ``warm_calls``, ``ready_models``,

@@ -15,6 +15,8 @@ The rule (docs/architecture.md, "Placement"):
   inside the model's forward. The switch does not silently move those tensors (a copy per step
   the script did not ask for, and a loss built outside the model would then meet a device it
   did not expect); it adds one line to that error naming the model's device and the fix.
+  Only where a mismatch can happen: not for a CPU model on a machine with no accelerator
+  (:func:`hint_useful`), whose calls then skip the hook's cost.
 
 The hint is a forward hook with ``always_call=True``: PyTorch runs such hooks while the exception
 from ``forward`` is being handled, then re-raises it, so the hook sees the exception in
@@ -29,7 +31,10 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet, SessionHook
+
+log = get_logger(__name__)
 
 #: How PyTorch words a device mismatch: the CUDA/ATen checks, and the generic device guard
 #: ("Tensor on device cpu is not on the expected device meta!") other backends raise.
@@ -75,6 +80,26 @@ class DeviceMismatchHint:
         return None
 
 
+def accelerator_present() -> bool:
+    """Whether this process sees an accelerator (``torch.accelerator.is_available()``: CUDA/ROCm,
+    XPU, MPS, or a registered PrivateUse1 backend such as Ascend's); True when that query raises
+    (the hint is then attached, as it always was)."""
+    try:
+        return bool(torch.accelerator.is_available())
+    except Exception as err:  # noqa: BLE001 - a broken vendor plugin: keep the hint
+        log.debug("placement: torch.accelerator.is_available() raised %s: the mismatch hint is kept", err)
+        return True
+
+
+def hint_useful(selected: torch.device, model_device: torch.device) -> bool:
+    """Whether a model on ``model_device``, adopted in a session whose selected device is
+    ``selected``, gets the device-mismatch hint: unless both are the CPU and no accelerator is
+    present, where every tensor a script builds is on the CPU already (a mismatch there is with a
+    ``meta`` tensor, which the hint's advice does not fix). The hint is a forward hook on the model,
+    and any hook takes PyTorch's slower call path for it at every call."""
+    return selected.type != "cpu" or model_device.type != "cpu" or accelerator_present()
+
+
 def attach_mismatch_hint(model: nn.Module, patches: PatchSet) -> None:
     """Attach :class:`DeviceMismatchHint` to ``model``; removed when ``patches`` is restored."""
     handle = model.register_forward_hook(SessionHook(DeviceMismatchHint(model)), always_call=True)
@@ -83,7 +108,8 @@ def attach_mismatch_hint(model: nn.Module, patches: PatchSet) -> None:
 
 class PlacementStep(FeatureStep):
     """The placement feature: records where the model is and why (the script's placement is kept,
-    never changed), and attaches the device-mismatch hint. Always acts (the hint)."""
+    never changed), and attaches the device-mismatch hint where :func:`hint_useful` says it can
+    help. Always acts (the record)."""
 
     name = "placement"
 
@@ -102,5 +128,6 @@ class PlacementStep(FeatureStep):
         return Decision(self.name, str(sel), str(dev), why, act=True)
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
-        attach_mismatch_hint(model, patches)
+        if hint_useful(self.session.selected, ctx.device):
+            attach_mismatch_hint(model, patches)
         return decision

@@ -553,6 +553,57 @@ def test_torch_func_grad_runs_through_checkpointed_and_offloaded_blocks(tmp_path
     assert calls == [1, 1]  # only the plain call was checkpointed
 
 
+def test_per_sample_gradients_with_the_models_buffers_run_under_activation_offload(tmp_path, cpu_device):
+    """PyTorch's per-sample-gradients recipe passes the buffers too: ``vmap(grad(loss))`` over
+    ``functional_call(model, (params, buffers), x)``. The offload's pre-hook asked each buffer for
+    its storage before standing aside, and the transform's wrappers have none: "Cannot access
+    storage of TensorWrapper" at the first step (a probe's finding). Bitwise as plain PyTorch."""
+    from torch.func import functional_call, grad, vmap
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("mu", torch.full((16,), 0.25))
+            self.l1, self.l2 = nn.Linear(16, 64), nn.Linear(64, 1)
+
+        def forward(self, x):
+            return self.l2(torch.tanh(self.l1(x - self.mu)))
+
+    gen = torch.Generator().manual_seed(1)
+    X, Y = torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)
+
+    def train(m):
+        opt = torch.optim.SGD(m.parameters(), lr=0.05)
+
+        def loss(params, buffers, x, y):
+            return F.mse_loss(functional_call(m, (params, buffers), (x.unsqueeze(0),)), y.unsqueeze(0))
+
+        for _ in range(3):
+            params = {k: v.detach() for k, v in m.named_parameters()}
+            buffers = {k: v.detach() for k, v in m.named_buffers()}
+            g = vmap(grad(loss), in_dims=(None, None, 0, 0))(params, buffers, X, Y)
+            for k, p in m.named_parameters():
+                p.grad = g[k].mean(0)
+            opt.step()
+            F.mse_loss(m(X), Y).backward()  # an ordinary call too: the features act there
+            opt.zero_grad()
+        return m
+
+    torch.manual_seed(0)
+    ref = train(Net())
+    torch.manual_seed(0)
+    m = Net()
+    vb.enable("memory", swap_dir=str(tmp_path), activation_budget="4KB", offload_min_bytes=256, **PLAIN)
+    try:
+        m.to("cpu")
+        train(m)
+        feats = vb.get_report()["models"][0]["features"]
+    finally:
+        vb.disable()
+    assert feats["activation_offload"]["chosen"] == "on"
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), m.state_dict().values()))
+
+
 def test_an_interrupted_forward_leaves_no_offload_hooks_behind(tmp_path, cpu_device):
     """A ``KeyboardInterrupt`` skips the forward hook that leaves the offload's saved-tensor hooks:
     they stayed pushed on the thread (every later graph offloaded), after ``disable()`` too. The

@@ -342,9 +342,13 @@ class ActivationManager:
         def enter(module, args):
             # the model's buffers now (a forward may rebind them): tensors on them are not offloaded
             # (dense ones: a sparse buffer, a GCN's adjacency, has no storage to ask, and is never
-            # offloaded; asking raised "Cannot access storage of SparseTensorImpl": a probe's finding)
-            off.module_storages[key] = frozenset(b.untyped_storage().data_ptr() for b in module.buffers()
-                                                 if b.layout is torch.strided)
+            # offloaded; asking raised "Cannot access storage of SparseTensorImpl": a probe's finding).
+            # Only when the hooks will be entered: inside torch.func (functional_call's buffers under
+            # vmap/grad are functorch wrappers) asking raised "Cannot access storage of
+            # TensorWrapper" (a probe's finding: per-sample gradients in memory mode)
+            if torch.is_grad_enabled() and not in_function_transform():
+                off.module_storages[key] = frozenset(b.untyped_storage().data_ptr() for b in module.buffers()
+                                                     if b.layout is torch.strided)
             hooks.enter(module, args)
 
         self.patches.add_undo(lambda: off.module_storages.pop(key, None), "offload: the model's buffers")

@@ -622,8 +622,8 @@ def test_the_report_counts_a_frozen_teachers_evaluation_calls_as_fp32(cpu_device
         assert len(models) == 2
         first, second = (m["features"]["mixed_precision"] for m in models)
         # the teacher was called first: adopted at its first call (run as written), 3 evaluation calls after
-        assert first["chosen"] == "bf16" and first["calls"] == {"autocast": 0, "evaluation": 3, "script": 0}, first
-        assert second["chosen"] == "bf16" and second["calls"] == {"autocast": 3, "evaluation": 0, "script": 0}, second
+        assert first["chosen"] == "bf16" and first["calls"] == {"autocast": 0, "evaluation": 3, "script": 0, "transform": 0}, first
+        assert second["chosen"] == "bf16" and second["calls"] == {"autocast": 3, "evaluation": 0, "script": 0, "transform": 0}, second
         capsys.readouterr()
         vb.print_stats()
         out = capsys.readouterr().out
@@ -776,3 +776,48 @@ def test_a_model_fed_by_keyword_from_one_with_a_custom_function_is_not_blamed_fo
         vb.disable()
     assert "custom autograd Functions (Gate)" in models["Gated"]["reason"], models
     assert "custom autograd" not in models["Dec"]["reason"], models
+
+
+def test_per_sample_gradients_under_torch_func_run_as_written_during_the_trial(cpu_device):
+    """DP-SGD with ``vmap(grad(loss))`` over ``functional_call``: the trial's bf16 autocast inside
+    the transform made its backward raise "expected scalar type BFloat16 but found Float" at the
+    second step (PyTorch's own autocast fails the same there; a probe's finding). Calls inside a
+    ``torch.func`` transform run as written and untimed: bitwise as plain PyTorch, and a model
+    called only there gives its trial up."""
+    from torch.func import functional_call, grad, vmap
+
+    def train(on: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.Tanh(), nn.Linear(32, 1))
+        if on:
+            model.to("cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+        def loss(params, x, y):
+            return F.mse_loss(functional_call(model, params, (x.unsqueeze(0),)), y.unsqueeze(0))
+
+        gen = torch.Generator().manual_seed(1)
+        steps = 4 * model._vb_autocast.trial.needed() + 2 if on else STEPS[0]
+        for _ in range(steps):
+            x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 1, generator=gen)
+            params = {k: v.detach() for k, v in model.named_parameters()}
+            g = vmap(grad(loss), in_dims=(None, 0, 0))(params, x, y)
+            for k, p in model.named_parameters():
+                p.grad = g[k].mean(0)
+            opt.step()
+        STEPS[0] = steps
+        return model
+
+    STEPS = [0]
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, compile="off", attention="off",
+              banner=False)
+    try:
+        got = train(True)
+        hooks = got._vb_autocast
+        feature = vb.get_report()["models"][0]["features"]["mixed_precision"]
+    finally:
+        vb.disable()
+    want = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
+    assert hooks.calls == 0 and hooks.counts["transform"] >= STEPS[0], hooks.counts
+    assert feature["chosen"] == "fp32" and "inside torch.func transforms" in feature["reason"], feature

@@ -154,16 +154,6 @@ def _hf_checkpointing(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def in_function_transform() -> bool:
-    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...) is running on this
-    thread. ``torch.func.grad`` refuses saved-tensor hooks ("torch.func.{grad, vjp, jacrev,
-    hessian} don't yet support saved tensor hooks"), and activation offload and non-reentrant
-    checkpointing are built on them, so both stand aside there (the forward runs as written)."""
-    functorch = getattr(torch._C, "_functorch", None)
-    peek = getattr(functorch, "peek_interpreter_stack", None)
-    return peek is not None and peek() is not None
-
-
 def running_stats_layers(module: nn.Module) -> list[nn.Module]:
     """The layers in ``module`` whose training forward updates running statistics in place: batch
     norm and instance norm with ``track_running_stats`` (buffers ``running_mean`` /
@@ -520,7 +510,7 @@ class CheckpointedForward:
         # recomputing its forward with grad on: timm's set_grad_checkpointing with re-entrant
         # checkpoints) the block runs as written too: checkpointing it again there recomputed every
         # block a second extra time, 1.5x the step for no memory (a probe's finding)
-        if self.inert or not (self.module.training and torch.is_grad_enabled() and not in_function_transform()) \
+        if self.inert or not (self.module.training and torch.is_grad_enabled() and not functional_call.in_function_transform()) \
                 or functional_call.swapped(self.module):
             return self.forward(*args, **kwargs)
         if in_enclosing_checkpoint() or torch._C._current_graph_task_id() != -1:

@@ -30,7 +30,6 @@ from apt_model.activations.checkpoint import (
     checkpointed_by_script,
     choose_blocks,
     find_blocks,
-    in_function_transform,
     other_block_lists,
     parse_policy,
     shared_layer_list,
@@ -38,6 +37,7 @@ from apt_model.activations.checkpoint import (
 from apt_model.activations.offload import ActivationOffloader
 from apt_model.memory.swap import FORKED_CHILD_REASON
 from apt_model.base.forward_scope import ForwardScopes
+from apt_model.base.functional_call import in_function_transform
 from apt_model.base.module_hooks import script_hooks
 from apt_model.base.sizes import format_size
 from apt_model.base.feature import Decision

@@ -19,11 +19,25 @@ from __future__ import annotations
 import contextlib
 import functools
 
+import torch
 import torch.nn as nn
 
 from apt_model.base.log import get_logger
 
 log = get_logger(__name__)
+
+def in_function_transform() -> bool:
+    """Whether a ``torch.func`` transform (``grad``, ``vjp``, ``vmap``...) is running on this
+    thread (functorch's interpreter stack is not empty). The features stand aside there (the
+    forward runs as written): ``torch.func.grad`` refuses saved-tensor hooks ("torch.func.{grad,
+    vjp, jacrev, hessian} don't yet support saved tensor hooks"), which activation offload and
+    non-reentrant checkpointing are built on; and PyTorch's own bf16 autocast inside
+    ``vmap(grad(...))`` fails in the transform's backward ("expected scalar type BFloat16 but found
+    Float"), where no retry can run."""
+    functorch = getattr(torch._C, "_functorch", None)
+    peek = getattr(functorch, "peek_interpreter_stack", None)
+    return peek is not None and peek() is not None
+
 
 _calls = [0]  # functional_call swaps under way, any thread
 _counted = [False]  # whether the wrapper is installed (else swapped() looks at the slots)

@@ -192,19 +192,20 @@ class CallTimer:
             self.channel.start()  # rank 0 says it runs this trial (once there is a process group)
         return use, Sample(self._clock().mark(), use)
 
-    def untimed_call(self) -> bool:
+    def untimed_call(self, kind: str = "called only without gradients (a target network, a frozen reference)") -> bool:
         """A call that is not timed (no grad, or eval mode; not a recomputation), outside
         :meth:`begin` or in it: before any timed call, the trial gives up once such calls exceed
         :data:`GIVE_UP_FACTOR` times the calls it needs (a target network or a frozen reference,
         called only without gradients and never trained: no verdict would ever come, and the
-        report said "on trial" for good: probes' findings). Returns whether it gave up now."""
+        report said "on trial" for good: probes' findings). ``kind`` says how such a model is
+        called, in the reason. Returns whether it gave up now."""
         if self.issued or not self.running or self._closed:
             return False
         self.untimed += 1
         if self.untimed <= GIVE_UP_FACTOR * self.trial.needed():
             return False
         self.give_up(f"no training call (grad enabled, train mode) in its first {self.untimed - 1} calls: a model "
-                     "called only without gradients (a target network, a frozen reference) is never timed")
+                     f"{kind} is never timed")
         return True
 
     def _await(self, module: nn.Module) -> tuple[bool | None, None]:

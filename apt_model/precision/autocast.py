@@ -64,6 +64,7 @@ from torch.overrides import TorchFunctionMode
 
 from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, in_enclosing_checkpoint, watch_compilation
+from apt_model.base.functional_call import in_function_transform
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import output_tensors, to_fp32
 from apt_model.devices.call_timer import CallTimer, in_backward
@@ -291,7 +292,7 @@ class AutocastHooks:
         self.dtype = dtype
         self.on_verdict = on_verdict
         self.active = True
-        self.counts = {"autocast": 0, "evaluation": 0, "script": 0}
+        self.counts = {"autocast": 0, "evaluation": 0, "script": 0, "transform": 0}
         #: the parameters' dtype when the script cast the model away from fp32 after adoption (its
         #: calls then run as written: autocast would compute an fp16 model in bf16, and return fp32)
         self.cast_by_script: torch.dtype | None = None
@@ -394,6 +395,16 @@ class AutocastHooks:
             return None
         if getattr(self._tls, "retrying", False):  # the call wrapper's retry of a call that raised under autocast
             self._as_written(module, recomputing)
+            return None
+        if in_function_transform():
+            # torch.func (vmap(grad(...)) per-sample gradients, DP-SGD): PyTorch's own bf16 autocast
+            # fails in the transform's backward, where no retry can run (a probe's finding, at the
+            # second step of a trial): such calls run as written, untimed, and a model called only
+            # there gives its trial up
+            self.counts["transform"] += 1
+            if timer is not None:
+                timer.untimed_call("called only inside torch.func transforms (per-sample gradients)")
+            self._scopes.push(None)
             return None
         if not torch.is_grad_enabled() and not module.training:
             # evaluation and generation (a model in eval mode under no_grad / inference_mode) run as

@@ -253,6 +253,8 @@ def format_stats(report: dict) -> str:
                          f"{calls.get('evaluation', 0)} evaluation calls as written in fp32"] if chosen in ("bf16", "fp16") else []
                 if calls.get("script"):
                     parts.append(f"{calls['script']} under the script's own precision (its autocast, or parameters it cast)")
+                if parts and calls.get("transform"):
+                    parts.append(f"{calls['transform']} inside torch.func transforms as written")
                 reason += f" [calls so far: {', '.join(parts)}]"
             lines.append(f"    {feat:<{name_w}}{chosen:<{chosen_w}}{reason}")
     return "\n".join(lines)

@@ -31,7 +31,6 @@ from torch.nn.parameter import is_lazy
 from torch.nn.utils.parametrize import ParametrizationList
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from apt_model.activations.checkpoint import in_function_transform
 from apt_model.base import functional_call
 from apt_model.base.version import __version__
 from apt_model.devices.rank_agreement import RankAgreement
@@ -806,7 +805,7 @@ def _global_pre_hook(module: nn.Module, args: tuple):
         if st.fast_path is not None:
             st.fast_path.step_aside(module)  # an adopted model past its first calls: until its call ends
         return None
-    if in_function_transform() or functional_call.swapped(module):
+    if functional_call.in_function_transform() or functional_call.swapped(module):
         # torch.func (grad, vmap), or functional_call outside them: the module's parameters are
         # the transform's wrappers or the caller's tensors for now, not its own; it is adopted at
         # its first ordinary call (inside a transform the features stand aside anyway)

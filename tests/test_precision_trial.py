@@ -821,3 +821,57 @@ def test_per_sample_gradients_under_torch_func_run_as_written_during_the_trial(c
     assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
     assert hooks.calls == 0 and hooks.counts["transform"] >= STEPS[0], hooks.counts
     assert feature["chosen"] == "fp32" and "inside torch.func transforms" in feature["reason"], feature
+
+
+def test_the_scripts_hooks_on_layers_end_the_trial_with_autocast_off(cpu_device):
+    """Per-sample gradients the Opacus way: forward hooks keep each Linear's input, full backward
+    hooks its gradient output, and the script builds each layer's gradient from the two. Under the
+    trial's autocast they were bf16: the script's einsum raised, or its ``p.grad = ...`` did (a
+    probe's finding). Hooks the script puts on the model's layers (here after adoption) end the
+    trial with autocast off: bitwise as plain PyTorch, and the report names the hooks."""
+    def train(on: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 1))
+        if on:
+            model.to("cpu")
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        acts, gouts = {}, {}
+        for m in model:
+            if isinstance(m, nn.Linear):
+                m.register_forward_hook(lambda mod, i, o: acts.__setitem__(mod, i[0].detach()))
+                m.register_full_backward_hook(lambda mod, gi, go: gouts.__setitem__(mod, go[0].detach()))
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x, y = torch.randn(16, 16, generator=gen), torch.randn(16, 1, generator=gen)
+            opt.zero_grad()
+            F.mse_loss(model(x), y, reduction="sum").backward()
+            for m in acts:
+                per_sample = torch.einsum("bo,bi->boi", gouts[m], acts[m])
+                factor = (1.0 / (per_sample.flatten(1).norm(dim=1) + 1e-6)).clamp(max=1.0)
+                m.weight.grad = torch.einsum("b,boi->oi", factor, per_sample) / 16
+            opt.step()
+        return model
+
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, compile="off", attention="off",
+              banner=False)
+    try:
+        got = train(True)
+        hooks = got._vb_autocast
+        feature = vb.get_report()["models"][0]["features"]["mixed_precision"]
+    finally:
+        vb.disable()
+    want = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(want.state_dict().values(), got.state_dict().values()))
+    assert hooks.calls == 0, hooks.counts
+    assert feature["chosen"] == "fp32" and "forward hook on 0" in feature["reason"], feature
+
+
+def test_hooks_torch_defines_are_not_the_scripts_activation_hooks():
+    """``spectral_norm``'s pre-hook computes the weight from parameters: not counted with
+    ``skip_torch``; a script's hook is."""
+    from apt_model.base.module_hooks import script_hooks
+
+    model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.ReLU())
+    assert script_hooks(model) == ["forward pre-hook on 0"] and script_hooks(model, skip_torch=True) == []
+    model[1].register_forward_hook(lambda m, i, o: None)
+    assert script_hooks(model, skip_torch=True) == ["forward hook on 1"]

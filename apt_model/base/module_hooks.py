@@ -1,7 +1,8 @@
 """The script's module hooks, told apart from the switch's own.
 
 Features whose mechanism changes when a module's hooks run decline where the script's hooks sit
-inside a model: the compile ladder (``torch.compile`` traces submodule hooks once and, by default,
+inside a model: the autocast trial (the hooks would see bf16 activations and gradients:
+:mod:`apt_model.precision.autocast`), the compile ladder (``torch.compile`` traces submodule hooks once and, by default,
 never sees hooks added later: :mod:`apt_model.compile.hooks`) and activation checkpointing (a
 block's recomputation in backward runs the forward hooks of the layers inside it a second time:
 :mod:`apt_model.activations.checkpoint`).
@@ -35,24 +36,36 @@ def is_switch_hook(fn: Callable) -> bool:
     return owner == "apt_model" or owner.startswith("apt_model.")
 
 
+def is_torch_hook(fn: Callable) -> bool:
+    """Whether ``fn`` is a hook object or function defined in torch itself (``spectral_norm``'s
+    and ``weight_norm``'s pre-hooks, ``torch.nn.utils.prune``'s methods): they compute a layer's
+    weight from its parameters, and never see the activations."""
+    owner = getattr(fn, "__module__", None) or type(fn).__module__ or ""
+    return owner == "torch" or owner.startswith("torch.")
+
+
 def script_hooks(model: nn.Module, kinds: tuple[str, ...] = tuple(HOOK_DICTS), limit: int = 3,
-                 include_root: bool = False, include_global: bool = True) -> list[str]:
+                 include_root: bool = False, include_global: bool = True, skip_torch: bool = False) -> list[str]:
     """The script's hooks of the given ``kinds`` (names of :data:`HOOK_DICTS`) on ``model``'s
     submodules (the model itself too with ``include_root``: by default not, its hooks run around
-    its forward) and, with ``include_global``, the global module hooks of the same kinds; at most
-    ``limit`` descriptions plus a count of the rest (``["forward hook on blocks.0.mlp.0", "full
-    backward hook on ...", "2 more"]``). Empty when there are none."""
+    its forward) and, with ``include_global``, the global module hooks of the same kinds (with
+    ``skip_torch``, not those torch defines: :func:`is_torch_hook`); at most ``limit``
+    descriptions plus a count of the rest (``["forward hook on blocks.0.mlp.0", "full backward
+    hook on ...", "2 more"]``). Empty when there are none."""
+    def theirs(fn) -> bool:
+        return not is_switch_hook(fn) and not (skip_torch and is_torch_hook(fn))
+
     found = []
     for name, kind in GLOBAL_HOOK_DICTS.items() if include_global else ():
         if name.replace("_global", "") in kinds:
-            found += [kind] * sum(not is_switch_hook(fn) for fn in getattr(module_mod, name, {}).values())
+            found += [kind] * sum(theirs(fn) for fn in getattr(module_mod, name, {}).values())
     for qual, sub in model.named_modules():
         if sub is model and not include_root:
             continue
         for attr in kinds:
             hooks = getattr(sub, attr, None)
             if hooks:
-                found += [f"{HOOK_DICTS[attr]} on {qual}"] * sum(not is_switch_hook(fn) for fn in hooks.values())
+                found += [f"{HOOK_DICTS[attr]} on {qual}"] * sum(theirs(fn) for fn in hooks.values())
     if len(found) > limit:
         found = found[:limit] + [f"{len(found) - limit} more"]
     return found

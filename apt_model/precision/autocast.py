@@ -65,6 +65,7 @@ from torch.overrides import TorchFunctionMode
 from apt_model.base.call_wrapper import wrap_call
 from apt_model.base.forward_scope import ForwardScopes, eagerly, in_enclosing_checkpoint, watch_compilation
 from apt_model.base.functional_call import in_function_transform
+from apt_model.base.module_hooks import script_hooks
 from apt_model.base.log import get_logger
 from apt_model.base.outputs import output_tensors, to_fp32
 from apt_model.devices.call_timer import CallTimer, in_backward
@@ -443,6 +444,14 @@ class AutocastHooks:
             return None
         use, sample = True, None
         self._script_calls = 0
+        if timer is not None and training and timer.running:
+            hooks = script_hooks(module, skip_torch=True)
+            if hooks:
+                # per-sample gradients built from captured activations and gradient outputs
+                # (Opacus's way), feature taps: under autocast they saw bf16 tensors, and the
+                # script's einsum of the two raised, or its p.grad = ... did (a probe's finding)
+                timer.give_up(f"the script's hooks on the model's layers ({', '.join(hooks)}) would see bf16 "
+                              "activations and gradients under autocast")
         if timer is not None and training and timer.running and not self._screened:
             self._screened = True  # this call runs as written; its forward hook looks at its graph
             self._tls.screen = True

@@ -613,6 +613,65 @@ def test_a_subclass_that_overrides_step_is_refused_one_that_keeps_it_trains_bitw
         assert_same(state, snapshot(ref_m, ref_opt))
 
 
+class _Lion(torch.optim.Optimizer):
+    """A hand-written Lion (no built-in base): each parameter's update reads its own gradient and
+    momentum only, which its author declares with ``vb_per_parameter``."""
+
+    vb_per_parameter = True
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99)):
+        super().__init__(params, dict(lr=lr, betas=betas))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for g in self.param_groups:
+            b1, b2 = g["betas"]
+            for p in g["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["m"] = torch.zeros_like(p)
+                p.add_(torch.sign(st["m"] * b1 + p.grad * (1 - b1)), alpha=-g["lr"])
+                st["m"].mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+def test_an_optimizer_of_its_own_that_declares_per_parameter_steps_trains_bitwise(tmp_path):
+    """``vb_per_parameter = True`` was read only on subclasses of the built-in optimizers: a
+    hand-written Lion declaring it, as the refusal's advice said, was still refused (a probe's
+    finding). Declared, it is stepped in chunks, bitwise; undeclared, it is refused, naming the
+    attribute."""
+    ref_m = model()
+    ref_opt = _Lion(ref_m.parameters())
+    ref = train(ref_m, ref_opt, 3, clip=0.5)
+    m = model()
+    opt = _Lion(m.parameters())
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m.to("cpu")
+        got = train(m, opt, 3, clip=0.5)
+        moved = vb.get_stats()["levels"][0]["misses"]
+        state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    assert got == ref and moved > 0
+    assert_same(state, snapshot(ref_m, ref_opt))
+
+    class Undeclared(_Lion):
+        vb_per_parameter = False
+
+    m = model()
+    opt = Undeclared(m.parameters())
+    vb.enable("balanced", swap_dir=str(tmp_path), **FORCE)
+    try:
+        m.to("cpu")
+        m(torch.randint(0, 256, (2, 32))).sum().backward()
+        with pytest.raises(RuntimeError, match="not known to update each parameter independently.*vb_per_parameter = True"):
+            opt.step()
+    finally:
+        vb.disable()
+
+
 @pytest.mark.parametrize("step_in_backward", ["on", "off"])
 def test_the_optimizers_own_step_hooks_run_with_its_parameters(tmp_path, step_in_backward):
     """Hooks registered on the optimizer (``register_step_pre_hook`` / ``..._post_hook``) ran,

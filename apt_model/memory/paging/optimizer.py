@@ -87,13 +87,16 @@ def steps_per_parameter(opt: torch.optim.Optimizer) -> tuple[bool, str]:
     parameters: stepped in chunks, it gave other results, silently, until 2026-11-26. A subclass
     whose author knows its step still updates each parameter alone (it counts calls, logs, injects
     a fault) says so with the attribute ``vb_per_parameter = True``; the step then runs once per
-    chunk, so side effects in it run once per chunk too."""
+    chunk, so side effects in it run once per chunk too. So does any other ``Optimizer`` whose step
+    updates each parameter from its own gradient and state alone (a hand-written Adam or Lion, LARS's
+    per-parameter trust ratio): until 2026-11-29 the attribute was read only on subclasses of the
+    built-ins, and such an optimizer was refused with advice that did not work (a probe's finding)."""
+    if getattr(opt, "vb_per_parameter", False) is True:
+        return True, ""  # the script says its step updates each parameter alone
     mro = type(opt).__mro__
     base = next((c for c in mro if c in PER_PARAMETER), None)
     if base is None:
         return False, "it is not known to update each parameter independently"
-    if getattr(opt, "vb_per_parameter", False) is True:
-        return True, ""  # the script says its subclass's step keeps the base's per-parameter update
     for cls in mro[:mro.index(base)]:
         # torch wraps a class's ``step`` for its profiler and hooks in the first instance's
         # __init__, setting it on the subclass: a wrapper around the base's own step is no override
@@ -312,9 +315,10 @@ class OptimizerPaging:
             raise PagedOptimizerError(
                 f"{cls.__module__}.{cls.__qualname__} steps parameters of a paged model (whose parameters, gradients "
                 f"or optimizer states are paged) but {why}, so it cannot be stepped in chunks; "
-                f"use one of {names} (or a subclass that keeps their step, or set vb_per_parameter = True on "
-                "a subclass whose step still updates each parameter alone), or turn paging off "
-                "(enable(paging='off'))"
+                f"use one of {names} (or a subclass that keeps their step), set the class attribute "
+                "vb_per_parameter = True on an optimizer whose step updates each parameter from its own gradient "
+                "and state alone (a hand-written Adam or Lion; not SAM or LBFGS, whose step reads every parameter's "
+                "gradient), or turn paging off (enable(paging='off'))"
             )
         self.known.add(opt)
         # its pages go when it does (another optimizer may later get its id): see retire_dead

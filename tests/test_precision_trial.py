@@ -875,3 +875,25 @@ def test_hooks_torch_defines_are_not_the_scripts_activation_hooks():
     assert script_hooks(model) == ["forward pre-hook on 0"] and script_hooks(model, skip_torch=True) == []
     model[1].register_forward_hook(lambda m, i, o: None)
     assert script_hooks(model, skip_torch=True) == ["forward hook on 1"]
+
+
+def test_a_model_of_complex_parameters_only_keeps_its_precision(cpu_device):
+    """A model whose parameters are all complex (a spectral filter) has no real floating-point
+    parameter for autocast to act on: its report read bf16 (a probe's finding); it reads its
+    dtype now, and no autocast is attached."""
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(9, dtype=torch.complex64))
+
+        def forward(self, x):
+            return torch.fft.irfft(torch.fft.rfft(x) * self.w, n=16)
+
+    vb.enable("balanced", mixed_precision="bf16", compile="off", banner=False)
+    try:
+        model = Spectral().to("cpu")
+        feature = vb.get_report()["models"][0]["features"]["mixed_precision"]
+        assert not hasattr(model, "_vb_autocast")
+    finally:
+        vb.disable()
+    assert feature["chosen"] == "complex64" and "none real floating point" in feature["reason"], feature

@@ -2,8 +2,9 @@
 
 Decision (per adopted model):
 
-* ``mixed_precision=off``, parameters not fp32 (the script manages precision), or autocast not
-  available for the device type: ``fp32`` (or the parameters' dtype), nothing attached;
+* ``mixed_precision=off``, parameters not fp32 (the script manages precision; complex-valued
+  parameters only: autocast casts none), or autocast not available for the device type: ``fp32``
+  (or the parameters' dtype), nothing attached;
 * the low-precision dtype must compute on the device (support probe) and its speed probe must
   have run;
 * ``auto``: bf16 only (fp16 needs loss scaling in the loop), and only where the probe at the
@@ -51,6 +52,12 @@ class PrecisionStep(FeatureStep):
         if pdt is not None and pdt != torch.float32:
             name = str(pdt).replace("torch.", "")
             return Decision(self.name, req, name, f"parameters are {name}: the script manages precision")
+        if pdt is None:
+            kinds = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters()})
+            if kinds:  # complex-valued (or integer) parameters only: the report read bf16 (a probe's finding)
+                return Decision(self.name, req, kinds[0] if len(kinds) == 1 else "as written",
+                                f"parameters are {', '.join(kinds)}, none real floating point: autocast would "
+                                "cast none of them; the script's precision is kept")
         if not torch.amp.is_autocast_available(dev.type):
             return Decision(self.name, req, "fp32", f"autocast is not available for device type {dev.type}")
         want = "bf16" if req == "auto" else req

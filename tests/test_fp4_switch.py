@@ -307,8 +307,14 @@ def test_memory_mode_leaves_a_momentum_copy_inside_the_trained_module_in_full_pr
     assert any("momentum copy: equal to, or a copy's layer of, the trainable online.2.weight" in c["reason"]
                for c in decision["skipped"]), decision
     assert all(torch.equal(ref[k], got[k]) for k in ref)
-    _, converted, _ = run(mode="memory", fp4="storage")  # asked for by the script: converted
-    assert converted == ["momentum.2"], converted
+    vb.enable("memory", fp4="storage", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:  # asked for by the script: converted; the zip update then meets the held, empty weight: loud
+        model = MomentumEncoders().to("cpu")
+        assert [n for n, m in model.named_modules() if isinstance(m, FP4Linear)] == ["momentum.2"]
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            model(torch.randn(8, 16))
+    finally:
+        vb.disable()
     # resumed: no longer equal, but a structural copy of the online encoder (a review probe's finding)
     ref, _, _ = run(resumed=True)
     got, converted, decision = run(resumed=True, mode="memory")
@@ -426,29 +432,94 @@ def test_a_frozen_layer_holding_nan_is_skipped_not_a_failed_adoption(cpu_device)
         vb.disable()
 
 
-def test_unfreezing_a_layer_stored_in_fp4_says_its_weight_stays_frozen(cpu_device, caplog):
-    """A layer the switch stored in FP4 cannot train its weight (packed, not a Parameter):
-    unfreezing it trained only its bias, and nothing said so. It is logged once now, whether the
-    script unfreezes the module or loops over ``parameters()``; a layer whose bias was trainable
-    from the start (frozen weight, trained bias) says nothing."""
+def _fp4_rounded(linear: nn.Linear) -> None:
+    """Give ``linear`` the values its weight has once stored in NVFP4 (the plain reference)."""
+    from apt_model.quantization import quantize
+
+    with torch.no_grad():
+        linear.weight.copy_(quantize(linear.weight, "nvfp4").dequantize(linear.weight.dtype))
+
+
+def test_progressive_unfreezing_trains_a_layer_stored_in_fp4(cpu_device, caplog):
+    """A frozen layer the switch stored in FP4, unfrozen later (train the head, then the base: the
+    usual fine-tuning schedule), trained only its bias, with a warning (until 2026-11-29: a probe
+    found default memory mode diverging from step 12). The released weight Parameter is listed in
+    ``parameters()`` as before; made trainable, it gets the FP4-rounded values back at the layer's
+    next call and trains like ``nn.Linear``. Bitwise as plain PyTorch started from those values,
+    with the optimizer built over ``model.parameters()`` after adoption (the same parameter count)."""
     import logging
 
+    def run(on: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
+        m[0].requires_grad_(False)
+        if not on:
+            _fp4_rounded(m[0])
+        else:
+            vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+        try:
+            m.to("cpu")
+            converted = isinstance(m[0], FP4Linear)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            assert len(opt.param_groups[0]["params"]) == 4
+            gen = torch.Generator().manual_seed(1)
+            losses = []
+            for step in range(6):
+                if step == 3:
+                    for p in m[0].parameters():
+                        p.requires_grad_(True)
+                x, y = torch.randn(16, 128, generator=gen), torch.randint(0, 2, (16,), generator=gen)
+                loss = F.cross_entropy(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            state = {k: v.clone() for k, v in m.state_dict().items()}
+        finally:
+            if on:
+                vb.disable()
+        return losses, state, converted
+
+    want, ref, _ = run(False)
+    with caplog.at_level(logging.WARNING, logger="apt_model"):
+        got, state, converted = run(True)
+    assert converted and "stays frozen" not in caplog.text
+    assert got == want
+    assert ref.keys() == state.keys() and all(torch.equal(ref[k], state[k]) for k in ref)
+
+
+def test_writes_into_a_layer_stored_in_fp4_reach_it(cpu_device):
+    """``layer.weight`` of a layer stored in FP4 was a fresh copy, so in-place edits (``copy_`` of
+    pretrained values, ``nn.init``, ``.data =``) went nowhere, silently; ``reset_parameters``
+    raised AttributeError and assigning a Parameter raised KeyError (a probe's finding). Writes now
+    re-quantize the layer; an assigned Parameter makes it compute like ``nn.Linear``."""
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128), nn.Linear(128, 2))
+    m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 2))
     m[0].requires_grad_(False)
-    m[1].weight.requires_grad_(False)  # bias trained from the start
+    pretrained = torch.randn(128, 128) * 0.05
     vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
     try:
         m.to("cpu")
-        assert isinstance(m[0], FP4Linear) and isinstance(m[1], FP4Linear)
-        with caplog.at_level(logging.WARNING, logger="apt_model"):
-            m(torch.randn(2, 128))
-            assert "stays frozen" not in caplog.text
-            for p in m.parameters():
-                p.requires_grad_(True)
-            m(torch.randn(2, 128))
-            m(torch.randn(2, 128))
+        layer = m[0]
+        assert isinstance(layer, FP4Linear)
+        with torch.no_grad():
+            layer.weight.copy_(pretrained)
+        rounded = nn.Linear(128, 128)
+        with torch.no_grad():
+            rounded.weight.copy_(pretrained)
+        _fp4_rounded(rounded)
+        assert torch.equal(layer.weight, rounded.weight)
+        nn.init.zeros_(layer.weight)
+        assert layer.weight.abs().max() == 0 and layer(torch.randn(2, 128)).sub(layer.bias).abs().max() == 0
+        layer.weight.data = pretrained
+        assert torch.equal(layer.weight, rounded.weight)
+        torch.manual_seed(3)
+        layer.reset_parameters()
+        torch.manual_seed(3)
+        fresh = nn.Linear(128, 128)
+        _fp4_rounded(fresh)
+        assert torch.equal(layer.weight, fresh.weight) and torch.equal(layer.bias, fresh.bias)
+        layer.weight = nn.Parameter(pretrained.clone(), requires_grad=False)
+        assert layer.dense and torch.equal(layer(torch.ones(1, 128)), F.linear(torch.ones(1, 128), pretrained, layer.bias))
     finally:
         vb.disable()
-    warned = [r for r in caplog.records if "stays frozen" in r.getMessage()]
-    assert len(warned) == 1 and "FP4Linear(128->128)" in warned[0].getMessage()

@@ -25,6 +25,8 @@ state dict (a ``weight`` key) quantizes that weight.
 from __future__ import annotations
 
 import contextlib
+import math
+import weakref
 
 import torch
 import torch.nn as nn
@@ -82,6 +84,93 @@ class _FrozenFP4Linear(torch.autograd.Function):
         return grad_x, grad_bias, None, None
 
 
+class PackedWeightView(torch.Tensor):
+    """What :attr:`FP4Linear.weight` returns for a packed layer: the dequantized weight, whose
+    in-place changes are written back into the layer's FP4 codes.
+
+    Until 2026-11-29 ``layer.weight`` was a fresh copy and a write into it went nowhere: ``with
+    torch.no_grad(): layer.weight.copy_(pretrained)``, ``nn.init.zeros_(layer.weight)`` and
+    ``layer.weight.data = w`` left the layer unchanged, without a word (a probe's finding). Now an
+    in-place operation on the view, on a view of it (``w[0]``, ``w.view_as(q)``, ``w.data``) or a
+    ``.data`` assignment re-quantizes the layer from the written values (FP4 rounding applies, as
+    for ``load_state_dict``). Other results are plain tensors; pickling or copying the view gives a
+    plain tensor. Only reads and writes through ``layer.weight`` pay the check
+    (``__torch_function__``), never the layer's forward.
+    """
+
+    @staticmethod
+    def of(dense: torch.Tensor, owner: "FP4Linear") -> "PackedWeightView":
+        view = dense.as_subclass(PackedWeightView)
+        view._fp4_owner = weakref.ref(owner)
+        view._fp4_base = dense
+        return view
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        views = [a for a in _flat(args) + _flat(tuple(kwargs.values())) if isinstance(a, PackedWeightView)]
+        with torch._C.DisableTorchFunctionSubclass():
+            before = [a._version for a in views]
+            if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and views and args[0] is views[0]:
+                # layer.weight.data = w (a method wrapper made at each access: told by its descriptor)
+                out = func(*args, **kwargs)
+                views[0]._write_back(args[1])
+                return out
+            out = func(*args, **kwargs)
+            changed = [v for v, ver in zip(views, before) if v._version != ver]
+            for v in changed:
+                v._write_back(v._fp4_base)
+            return _keep_views(out, views)
+
+    def _write_back(self, values: torch.Tensor) -> None:
+        owner = self.__dict__.get("_fp4_owner")
+        layer = owner() if owner is not None else None
+        if layer is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                layer.set_weight(values.detach().reshape(layer.out_features, layer.in_features)
+                                 .to(layer.weight_dtype))
+
+    def __reduce_ex__(self, proto):
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).clone().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).clone()
+
+
+_DATA = torch._C.TensorBase.data  # the getset descriptor behind Tensor.data
+
+
+def _flat(items) -> list:
+    out = []
+    for a in items:
+        if isinstance(a, (list, tuple)):
+            out += _flat(a)
+        else:
+            out.append(a)
+    return out
+
+
+def _keep_views(out, views: list[PackedWeightView]):
+    """``out`` with each tensor that shares a view's memory made a view too (same layer, same
+    base): writes into it reach the layer; any other tensor is returned plain."""
+    if isinstance(out, (list, tuple)):
+        return type(out)(_keep_views(o, views) for o in out) if not hasattr(out, "_fields") else out
+    if not isinstance(out, torch.Tensor) or isinstance(out, PackedWeightView):
+        return out
+    try:
+        ptr = out.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return out
+    for v in views:
+        if ptr == v._fp4_base.untyped_storage().data_ptr():
+            view = out.as_subclass(PackedWeightView)
+            view._fp4_owner, view._fp4_base = v._fp4_owner, v._fp4_base
+            return view
+    return out
+
+
 class FP4Linear(nn.Module):
     """A linear layer whose frozen weight is stored in FP4 (MXFP4 or NVFP4).
 
@@ -98,6 +187,16 @@ class FP4Linear(nn.Module):
 
     Input ``(..., in_features)``; output ``(..., out_features)`` in the compute dtype (the input's,
     or autocast's).
+
+    The original weight Parameter (:meth:`hold_released`, as the switch does): the released
+    ``nn.Linear`` weight (an empty tensor, the same object an optimizer may hold) is this layer's
+    ``weight`` entry of ``parameters()``, so the layer lists as many parameters, in the same order,
+    as the ``nn.Linear`` it replaced (an optimizer built over ``model.parameters()`` after the
+    switch converted the layer loads and saves the same state dicts as without it). Made trainable
+    (``requires_grad_(True)`` on the layer, the model or that Parameter), the layer is *unfrozen*
+    at its next call: the Parameter gets the dequantized values back (FP4-rounded) and the layer
+    computes like ``nn.Linear`` from then on (dense), so progressive unfreezing trains it. A
+    Parameter assigned to ``layer.weight`` makes the layer dense too.
 
     Raises:
         ValueError: bad format, scale rule or compute choice.
@@ -118,6 +217,7 @@ class FP4Linear(nn.Module):
         self.register_buffer("weight_scales", torch.zeros(out_features, padded // block, dtype=torch.uint8, device=device))
         ts = torch.zeros((), dtype=torch.float32, device=device) if self.format == "nvfp4" else None
         self.register_buffer("weight_tensor_scale", ts)
+        self._parameters["weight"] = None  # the slot of the nn.Linear's weight, before the bias (hold_released)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features, device=device), requires_grad=False)
         else:
@@ -145,19 +245,66 @@ class FP4Linear(nn.Module):
         return layer
 
     def requires_grad_(self, requires_grad: bool = True):
-        """As ``nn.Module.requires_grad_`` (the bias); unfreezing logs that the FP4 weight stays frozen."""
-        if requires_grad:
+        """As ``nn.Module.requires_grad_``: the bias, and the held weight Parameter (which unfreezes
+        the layer at its next call); without one, unfreezing logs that the FP4 weight stays frozen."""
+        if requires_grad and self._parameters.get("weight") is None:
             self._warn_unfrozen()
         return super().requires_grad_(requires_grad)
 
     def _warn_unfrozen(self) -> None:
         """Say once, through logging, that this layer was unfrozen but its weight cannot train:
-        it is packed FP4, not a Parameter (only the bias trains). Silent until 2026-11-26."""
+        it is packed FP4 and no weight Parameter is held (only the bias trains)."""
         if not getattr(self, "_warned_unfrozen", False):
             self._warned_unfrozen = True
             log.warning("FP4Linear(%d->%d) was unfrozen, but its weight is stored in FP4 and stays frozen: only "
-                        "its bias trains. Train it with fp4='off', or unfreeze it before the model is adopted.",
+                        "its bias trains (no weight Parameter is held: hold_released()).",
                         self.in_features, self.out_features)
+
+    def hold_released(self, param: nn.Parameter) -> None:
+        """List ``param`` — the replaced ``nn.Linear``'s weight, released to an empty tensor
+        (:func:`~apt_model.quantization.footprint.release_parameter`) — as this layer's ``weight``
+        parameter (see the class docstring).
+
+        Raises:
+            ValueError: ``param`` is not an empty, frozen ``nn.Parameter``.
+        """
+        if not isinstance(param, nn.Parameter) or param.numel() != 0 or param.requires_grad:
+            raise ValueError("hold_released: expects the released (empty) frozen nn.Parameter of the replaced layer")
+        self._parameters["weight"] = param
+
+    @property
+    def dense(self) -> bool:
+        """Whether the layer computes from a full weight Parameter (unfrozen, or one assigned) rather
+        than from its FP4 codes."""
+        w = self._parameters.get("weight")
+        return w is not None and w.numel() > 0
+
+    def _unfreeze(self, w: nn.Parameter) -> None:
+        with torch.no_grad():
+            w.data = self.fp4_weight.dequantize(self.weight_dtype).to(self.weight_data.device)
+        log.info("FP4Linear(%d->%d) was unfrozen: its weight is a trainable Parameter again, holding the "
+                 "FP4-rounded values, and the layer computes as nn.Linear from now on", self.in_features,
+                 self.out_features)
+
+    def reset_parameters(self) -> None:
+        """As ``nn.Linear.reset_parameters``, with the same random draws (Kaiming-uniform weight, then
+        the bias): a packed layer stores the new weight in FP4 (a probe's finding: a re-initialising
+        loop raised AttributeError on the layers the switch had converted)."""
+        w = self._parameters.get("weight") if self.dense else torch.empty(
+            self.out_features, self.in_features, dtype=self.weight_dtype, device=self.weight_data.device)
+        nn.init.kaiming_uniform_(w, a=math.sqrt(5))
+        if not self.dense:
+            self.set_weight(w)
+        if self.bias is not None:
+            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The weight as a plain tensor ``(out_features, in_features)`` in :attr:`weight_dtype`: the
+        Parameter where the layer is dense, else its FP4 codes dequantized (a new tensor)."""
+        if self.dense:
+            return self._parameters["weight"]
+        return self.fp4_weight.dequantize(self.weight_dtype)
 
     def set_weight(self, weight: torch.Tensor) -> None:
         """Quantize ``weight`` ``(out_features, in_features)`` into this layer's buffers (replacing them)."""
@@ -179,8 +326,12 @@ class FP4Linear(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        """The dequantized weight in :attr:`weight_dtype` (a new tensor on every access, no gradient)."""
-        return self.fp4_weight.dequantize(self.weight_dtype)
+        """The weight ``(out_features, in_features)``: the Parameter where the layer is dense, else the
+        dequantized codes in :attr:`weight_dtype` (a new :class:`PackedWeightView` on every access,
+        no gradient; writing into it re-quantizes the layer)."""
+        if self.dense:
+            return self._parameters["weight"]
+        return PackedWeightView.of(self.fp4_weight.dequantize(self.weight_dtype), self)
 
     def weight_nbytes(self) -> int:
         """Bytes of the packed weight (codes, scales, tensor scale)."""
@@ -212,7 +363,13 @@ class FP4Linear(nn.Module):
         return True, why
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is not None and self.bias.requires_grad and not getattr(self, "_bias_trainable", True):
+        w = self._parameters.get("weight")
+        if w is not None:
+            if w.numel() == 0 and w.requires_grad:
+                self._unfreeze(w)  # progressive unfreezing reached the held weight: it trains from now on
+            if w.numel() > 0:
+                return F.linear(x, w, self.bias)
+        elif self.bias is not None and self.bias.requires_grad and not getattr(self, "_bias_trainable", True):
             self._warn_unfrozen()  # p.requires_grad_() over model.parameters() reached only the bias
         dtype = _compute_dtype(x)
         rows = x.numel() // max(1, x.shape[-1])
@@ -251,8 +408,39 @@ class FP4Linear(nn.Module):
         dtype = getattr(torch, state.get("weight_dtype", "float32"), torch.float32)
         self.weight_dtype = dtype
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """Packed: the codes, scales, bias and extra state (never the held empty Parameter). Dense:
+        ``weight`` and ``bias``, as ``nn.Linear``."""
+        if self.dense:
+            w = self._parameters["weight"]
+            destination[prefix + "weight"] = w if keep_vars else w.detach()
+            if self.bias is not None:
+                destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+            return
+        held = self._parameters.get("weight")
+        self._parameters["weight"] = None
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._parameters["weight"] = held
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
+        if self.dense:  # as nn.Linear: the weight into the Parameter; packed entries are not needed
+            n = len(missing_keys)
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                          unexpected_keys, error_msgs)
+            packed = {prefix + k for k in ("weight_data", "weight_scales", "weight_tensor_scale", "_extra_state")}
+            missing_keys[n:] = [k for k in missing_keys[n:] if k not in packed]
+            return
+        held = self._parameters.get("weight")
+        self._parameters["weight"] = None
+        try:
+            self._load_packed(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        finally:
+            self._parameters["weight"] = held
+
+    def _load_packed(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
         extra = state_dict.get(prefix + "_extra_state")
         if isinstance(extra, dict):
             theirs = (extra.get("format"), extra.get("scale_rule"), extra.get("in_features"), extra.get("out_features"))
@@ -283,7 +471,7 @@ class FP4Linear(nn.Module):
             return False
         if tuple(w.shape) != (self.out_features, self.in_features):
             return False
-        return torch.equal(w.to(self.weight_data.device), self.weight)
+        return torch.equal(w.to(self.weight_data.device), self.fp4_weight.dequantize(self.weight_dtype))
 
 
 def state_dict_as_linear(module: FP4Linear, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -294,7 +482,8 @@ def state_dict_as_linear(module: FP4Linear, state_dict: dict, prefix: str, local
     into the FP4 layer keeps its codes when the weight is its own (see ``_load_from_state_dict``)."""
     for name in ("weight_data", "weight_scales", "weight_tensor_scale", "_extra_state"):
         state_dict.pop(prefix + name, None)
-    state_dict[prefix + "weight"] = module.weight
+    weight = module.dense_weight()
+    state_dict[prefix + "weight"] = weight if not isinstance(weight, nn.Parameter) else weight.detach()
     if prefix + "bias" in state_dict and hasattr(state_dict, "move_to_end"):
         state_dict.move_to_end(prefix + "bias")
 

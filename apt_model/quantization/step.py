@@ -219,6 +219,7 @@ class FP4Step(FeatureStep):
                                f"fp4: {c.name} state_dict as nn.Linear")
         for c, new in built:
             released = release_parameter(c.module.weight)
+            new.hold_released(c.module.weight)  # listed in parameters() as before; unfrozen, it trains again
             before += released["bytes"]
             after += new.weight_nbytes()
             if released["freed"] is False:
@@ -264,5 +265,5 @@ def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
         if getattr(p, attr, None) is n:
             setattr(p, attr, o)
         if o.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
-            o.weight.data = n.weight  # in the dtype and on the device the layer has now (model.to())
+            o.weight.data = n.dense_weight()  # in the dtype and on the device the layer has now (model.to())
     return undo

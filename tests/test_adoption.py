@@ -134,6 +134,9 @@ def test_multihead_attention_takes_the_sdpa_path_unless_weights_are_asked_for():
     torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-4)
     out2, w2 = mha(q, q, q, need_weights=True)
     assert w2 is not None and torch.allclose(w2, ref_w)
+    # asking how the weights come back asks for them (a probe's finding: a loss on per-head maps)
+    per_head = mha(q, q, q, average_attn_weights=False)[1]
+    assert per_head is not None and per_head.shape == (2, 4, 10, 10)
     vb.disable()
     assert mha(q, q, q)[1] is not None
 

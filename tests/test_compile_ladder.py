@@ -676,3 +676,106 @@ def test_the_compile_check_refuses_a_graph_that_disagrees_at_its_first_call_and_
         assert isinstance(raised.value, CompileCheckError) and why in str(raised.value), raised.value
         assert checked.checked == 1 and why in checked.failures[0]
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the call did not run
+
+
+def _same_relu(gm):
+    """A rewrite that matches every relu and changes nothing (torch.relu -> F.relu)."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (F.relu, torch.relu):
+            node.target = F.relu
+            sites.append(node.name)
+    gm.recompile()
+    return sites
+
+
+def _gelu_for_relu(gm):
+    """A rewrite that changes the result (relu -> gelu)."""
+    sites = []
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in (F.relu, torch.relu):
+            node.target = F.gelu
+            sites.append(node.name)
+    gm.recompile()
+    return sites
+
+
+class _CheckpointedDropout(nn.Module):
+    """The script's own non-reentrant checkpoint around a block with dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.drop, self.l2 = nn.Linear(16, 64), nn.Dropout(0.5), nn.Linear(64, 16)
+
+    def block(self, h):
+        return h + self.l2(self.drop(torch.relu(self.l1(h))))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False).pow(2).mean()
+
+
+@pytest.mark.parametrize("rewrite", ["none matched", "one matched"])
+def test_the_scripts_checkpoint_with_dropout_keeps_its_gradients_under_the_override_rung(rewrite):
+    """Dynamo captures the script's checkpoint as a higher-order op whose eager implementation does
+    not preserve the random state; the override rung runs graphs eagerly, so the recomputation drew
+    other dropout masks: the same loss, other gradients, in every warm-up and trial call (a probe's
+    finding, balanced mode's defaults). Its checkpoints now run as the script wrote them: bitwise."""
+    from apt_model.compile.overrides import OverrideBackend
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _CheckpointedDropout()
+    x = torch.randn(8, 16)
+
+    def step(fn):
+        torch.manual_seed(123)
+        model.zero_grad()
+        loss = fn(x)
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    want = step(model)
+    backend = OverrideBackend({"same": _same_relu} if rewrite == "one matched" else {})
+    got = step(torch.compile(model, backend=backend))
+    torch._dynamo.reset()
+    assert torch.equal(want[0], got[0]) and all(torch.equal(a, b) for a, b in zip(want[1], got[1]))
+    assert bool(backend.sites) == (rewrite == "one matched") and not backend.rejected
+
+
+def test_a_rewrite_rejected_inside_a_checkpointed_body_does_not_run():
+    """The reference graph shared its checkpointed bodies with the rewritten one: the check
+    compared rewritten with rewritten, and a rejected rewrite still ran (a probe's finding)."""
+    from apt_model.compile.overrides import OverrideBackend
+
+    torch._dynamo.reset()
+    model = _CheckpointedDropout().eval()  # no dropout: the check compares the bodies' relu
+    x = torch.randn(8, 16)
+    backend = OverrideBackend({"wrong": _gelu_for_relu})
+    got = torch.compile(model, backend=backend)(x)
+    torch._dynamo.reset()
+    assert torch.equal(got, model(x))
+    assert len(backend.rejected) == 1 and "not used: output 0 differs" in backend.rejected[0] and not backend.sites
+
+
+def test_a_graph_that_returns_infinities_passes_the_check_when_they_agree():
+    """A float causal mask among a graph's outputs (-inf above the diagonal): |inf - inf| is NaN,
+    and the check failed every such graph, "differs by up to nan" (a probe's finding)."""
+    from apt_model.compile.overrides import OverrideBackend
+
+    class Masked(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            mask = torch.full((4, 4), float("-inf")).triu(1)
+            return torch.relu(self.lin(x)) + mask.exp(), mask
+
+    torch._dynamo.reset()
+    backend = OverrideBackend({"same": _same_relu})
+    model = Masked()
+    x = torch.randn(4, 4)
+    out, mask = torch.compile(model, backend=backend)(x)
+    torch._dynamo.reset()
+    assert backend.sites and not backend.rejected, backend.rejected
+    assert torch.equal(out, model(x)[0]) and torch.equal(mask, model(x)[1])

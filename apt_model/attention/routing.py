@@ -55,7 +55,8 @@ _ROUTED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 class _NoWeights:
     """Forward pre-hook of a routed ``nn.MultiheadAttention``: ``need_weights=False`` (SDPA) unless
-    the caller passed it (5th positional or keyword). In a training call (train mode, grad enabled)
+    the caller passed it (5th positional or keyword) or ``average_attn_weights`` (which asks how the
+    weights come back: a caller that uses them; a probe's finding). In a training call (train mode, grad enabled)
     only once ``reuse`` (the session's :class:`~apt_model.base.graph_reuse.GraphReuseWatch`; None:
     always) is ready without ``create_graph``: SDPA's fused kernels have no second derivative, and
     the math path torch takes with ``need_weights=True`` does (a WGAN-GP critic with attention
@@ -72,8 +73,8 @@ class _NoWeights:
     def __call__(self, module: nn.MultiheadAttention, args: tuple, kwargs: dict):
         if module not in _ROUTED:  # a copy, or after disable(): as plain PyTorch
             return None
-        if len(args) >= 5 or "need_weights" in kwargs:
-            return None
+        if len(args) >= 5 or "need_weights" in kwargs or "average_attn_weights" in kwargs:
+            return None  # the caller says how it wants the weights (average_attn_weights: per head): it gets them
         reuse = self.reuse
         if reuse is not None and module.training and torch.is_grad_enabled() \
                 and not reuse.ready_without(("create_graph",)):

@@ -2858,3 +2858,50 @@ def test_the_plan_of_a_frozen_model_counts_its_forward_reads_only():
     assert a.read_bytes_per_step >= 3 * p_bytes and "forward only" not in a.reason
     assert (b.read_bytes_per_step, b.write_bytes_per_step) == (p_bytes, 0) and "forward only" in b.reason
 
+
+
+def test_parameters_unfrozen_after_the_plan_are_counted_against_the_budget(tmp_path, caplog):
+    """The plan counts the gradients and optimizer states of the parameters trainable at adoption:
+    progressive unfreezing later grew them about 100x, resident, counted nowhere, the report
+    unchanged (a probe's finding). What the plan keeps resident of the unfrozen parameters is
+    counted from their first gradient on (the report's kept bytes), said once; training stays
+    bitwise as plain PyTorch."""
+    import logging
+
+    def run(paged: bool):
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(16, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 4))
+        for layer in list(m)[:-1]:
+            layer.requires_grad_(False)
+        if paged:
+            vb.enable("memory", swap_dir=str(tmp_path), device_budget="64KB", fp4="off", mixed_precision="off",
+                      attention="off", compile="off", activation_checkpointing=False, activation_offload=False,
+                      banner=False)
+        try:
+            m.to("cpu")
+            opt = torch.optim.AdamW(m[-1].parameters(), lr=1e-2)
+            gen = torch.Generator().manual_seed(1)
+            kept = []
+            for step in range(6):
+                if step == 3:
+                    m.requires_grad_(True)
+                    opt.add_param_group({"params": [p for layer in list(m)[:-1] for p in layer.parameters()]})
+                x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+                loss = F.cross_entropy(m(x), y)
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                if paged:
+                    kept.append(vb.get_report()["memory"]["paging"]["pager"]["kept_bytes"])
+            return {k: v.clone() for k, v in m.state_dict().items()}, kept
+        finally:
+            if paged:
+                vb.disable()
+
+    ref, _ = run(False)
+    with caplog.at_level(logging.WARNING, logger="apt_model"):
+        got, kept = run(True)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    trainable = sum(p.numel() * 4 for p in got.values())
+    assert kept[2] < 0.1 * trainable <= 3 * trainable <= kept[-1], kept  # gradients and Adam's two states
+    assert caplog.text.count("frozen when its paging plan was made have become trainable") == 1

@@ -513,6 +513,9 @@ class PagedModel:
         page = self.session.param_pages.get(id(p))
         if page is not None:
             self.session.unpin_for_backward(page)
+        planned = getattr(self, "planned_trainable", None)
+        if planned is not None and id(p) not in planned and p.grad is not None:
+            self.session.trainable_grew(self, p)  # unfrozen after the plan: counted now
         self.session.in_backward(self.session.after_grad_accumulate, p, self.names[id(p)], self.page_grads)
 
     # ------------------------------------------------------------------ report

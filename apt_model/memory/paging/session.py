@@ -309,6 +309,7 @@ class PagingSession:
         self.retire_dead()
         pm = PagedModel(self, model, page_params, page_grads)
         pm.state_factor = state_factor
+        pm.planned_trainable = {id(p) for p in model.parameters() if p.requires_grad}
         pm.kept = self._keep_resident(model, page_params, page_grads, state_factor)
         pm.install(self.patches)
         if pm.shared:
@@ -389,6 +390,37 @@ class PagingSession:
         kept = {"parameters": 0 if page_params else p_bytes, "gradients": 0 if page_grads else t_bytes,
                 "optimizer states": 0 if self.optimizers.page_states else int(state_factor * t_bytes)}
         return {k: v for k, v in kept.items() if v}
+
+    def trainable_grew(self, pm: PagedModel, p: nn.Parameter) -> None:
+        """``p``, frozen when ``pm``'s plan was made, received a gradient (progressive unfreezing):
+        what the plan keeps resident of it — its gradient where the plan keeps gradients, its
+        optimizer states where states are not paged — is counted now, so the pages get the budget
+        minus that (level 0 as a whole keeps the budget where they can make room), and the report
+        says so. Until 2026-11-29 such gradients and states were resident and counted nowhere: four
+        times the training state over the budget, with the report unchanged (a probe's finding).
+        The plan is not made again (gradients kept resident stay so); said once per model."""
+        pm.planned_trainable.add(id(p))
+        nbytes = p.numel() * p.element_size()
+        grew = {}
+        if not pm.page_grads:
+            grew["gradients"] = nbytes
+        if not self.optimizers.page_states:
+            grew["optimizer states"] = int(pm.state_factor * nbytes)
+        for key, n in grew.items():
+            pm.kept[key] = pm.kept.get(key, 0) + n
+        pm.grown = getattr(pm, "grown", 0) + sum(grew.values())
+        total = self._fit_kept()
+        if grew and not getattr(pm, "said_grown", False):
+            pm.said_grown = True
+            log.warning("parameters of %s frozen when its paging plan was made have become trainable: the plan keeps "
+                        "their %s resident, counted against the level-0 budget from now on; it is not made again. "
+                        "Unfreeze before the model is adopted to have them planned", type(pm.model).__name__,
+                        " and ".join(grew))
+        if total >= self.level_budget and not getattr(pm, "said_full", False):
+            pm.said_full = True
+            log.warning("the training state kept resident (%s, after parameters of %s were unfrozen) fills the "
+                        "level-0 budget %s: pages get no room and every paged tensor will be loaded over it",
+                        format_size(total), type(pm.model).__name__, format_size(self.level_budget))
 
     def _keep_shared(self, pm: PagedModel, labels: list[str]) -> None:
         """Count the parameters ``pm`` could not page — their storage is held by other tensors too

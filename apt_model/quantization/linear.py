@@ -480,10 +480,11 @@ def state_dict_as_linear(module: FP4Linear, state_dict: dict, prefix: str, local
     order, instead of the packed buffers. The switch puts it on the layers it converts, so a
     checkpoint saved while it is on loads into the model's own class without it; loading one back
     into the FP4 layer keeps its codes when the weight is its own (see ``_load_from_state_dict``)."""
+    if module.dense:
+        return  # unfrozen: its own entries are nn.Linear's already (the Parameter itself with keep_vars)
     for name in ("weight_data", "weight_scales", "weight_tensor_scale", "_extra_state"):
         state_dict.pop(prefix + name, None)
-    weight = module.dense_weight()
-    state_dict[prefix + "weight"] = weight if not isinstance(weight, nn.Parameter) else weight.detach()
+    state_dict[prefix + "weight"] = module.dense_weight()
     if prefix + "bias" in state_dict and hasattr(state_dict, "move_to_end"):
         state_dict.move_to_end(prefix + "bias")
 

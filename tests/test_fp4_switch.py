@@ -370,7 +370,7 @@ def test_a_frozen_weight_another_module_holds_is_not_stored_in_fp4(cpu_device):
         vb.disable()
     assert torch.equal(got, want)
     assert not isinstance(policy.base, FP4Linear) and policy.base.weight is reference.weight
-    assert any("tied weight: held by a Linear outside the model" in c["reason"] for c in fp4["skipped"]), fp4
+    assert any("held outside the model too: by a Linear" in c["reason"] for c in fp4["skipped"]), fp4
 
 
 def test_a_checkpoint_saved_with_fp4_layers_loads_into_the_plain_model(cpu_device):
@@ -521,5 +521,216 @@ def test_writes_into_a_layer_stored_in_fp4_reach_it(cpu_device):
         assert torch.equal(layer.weight, fresh.weight) and torch.equal(layer.bias, fresh.bias)
         layer.weight = nn.Parameter(pretrained.clone(), requires_grad=False)
         assert layer.dense and torch.equal(layer(torch.ones(1, 128)), F.linear(torch.ones(1, 128), pretrained, layer.bias))
+    finally:
+        vb.disable()
+
+
+def _frozen_base(seed=0):
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 5))
+    m[0].requires_grad_(False)
+    return m
+
+
+def test_unfreezing_fills_the_weight_at_once_for_an_optimizer_built_right_after(cpu_device):
+    """The held weight got its values only at the layer's next call: an optimizer built right
+    after the unfreezing read an empty tensor, so nanoGPT's ``p.dim() >= 2`` weight-decay rule put
+    it in the no-decay group (silently other training), and Adagrad's state, made at construction,
+    raised at its first step (a probe's finding). Made trainable, it is filled at once."""
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m = _frozen_base().to("cpu")
+        assert isinstance(m[0], FP4Linear) and m[0]._parameters["weight"].numel() == 0
+        m.requires_grad_(True)
+        decay = [tuple(p.shape) for p in m.parameters() if p.dim() >= 2]
+        assert decay == [(128, 128), (5, 128)], decay
+        opt = torch.optim.Adagrad(m.parameters(), lr=0.1)
+        F.cross_entropy(m(torch.randn(4, 128)), torch.tensor([0, 1, 2, 3])).backward()
+        opt.step()
+        assert type(m[0]._parameters["weight"]) is nn.Parameter
+    finally:
+        vb.disable()
+
+
+@pytest.mark.parametrize("where", ["unfrozen, then an inference_mode evaluation", "adopted under inference_mode"])
+def test_inference_mode_never_makes_a_converted_layer_untrainable(cpu_device, where):
+    """The values an unfreezing filled in during an ``inference_mode`` evaluation were inference
+    tensors: the layer never trained; and a model first called (adopted) under ``inference_mode``
+    (a zero-shot evaluation before fine-tuning) had inference codes and weights, which raised when
+    unfrozen (a probe's findings). Both train now, bitwise as plain PyTorch from FP4-rounded values."""
+    def run(on):
+        m = _frozen_base()
+        if not on:
+            _fp4_rounded(m[0])
+        else:
+            vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+        try:
+            x, y = torch.randn(8, 128, generator=torch.Generator().manual_seed(1)), torch.arange(8) % 5
+            if where == "adopted under inference_mode":
+                with torch.inference_mode():
+                    m(x)  # the model's first call: adopted (converted) here
+            else:
+                m.to("cpu")  # adopted (converted) frozen
+            if on:
+                assert isinstance(m[0], FP4Linear)
+            m.requires_grad_(True)
+            if where != "adopted under inference_mode":
+                with torch.inference_mode():
+                    m(x)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for _ in range(3):
+                opt.zero_grad()
+                F.cross_entropy(m(x), y).backward()
+                opt.step()
+            return [p.detach().clone() for p in m.parameters()]
+        finally:
+            if on:
+                vb.disable()
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_forward_that_reads_the_weight_of_an_unfrozen_layer_trains_it(cpu_device):
+    """A merged-LoRA style forward, ``F.linear(x, base.weight + B @ A, base.bias)``, read the
+    packed layer's gradient-free view after unfreezing: the base never trained (a probe's finding)."""
+    class Merged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.base = nn.Linear(128, 128)
+            self.a, self.b = nn.Parameter(torch.randn(4, 128) * 0.01), nn.Parameter(torch.zeros(128, 4))
+
+        def forward(self, x):
+            return F.linear(x, self.base.weight + self.b @ self.a, self.base.bias)
+
+    def run(on):
+        torch.manual_seed(0)
+        m = Merged()
+        m.base.requires_grad_(False)
+        if not on:
+            _fp4_rounded(m.base)
+        else:
+            vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+        try:
+            m.to("cpu")
+            if on:
+                assert isinstance(m.base, FP4Linear)
+            m.base.weight.requires_grad_(False)  # reading it frozen is fine
+            m.requires_grad_(True)
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            x = torch.randn(8, 128, generator=torch.Generator().manual_seed(1))
+            for _ in range(3):
+                opt.zero_grad()
+                m(x).square().mean().backward()
+                opt.step()
+            return [p.detach().clone() for p in m.parameters()]
+        finally:
+            if on:
+                vb.disable()
+
+    want, got = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+def test_a_frozen_layer_another_model_or_the_script_calls_is_not_stored_in_fp4(cpu_device):
+    """FP4 storage empties the original layer's weight: a frozen encoder shared by two models, or
+    called by the script through its own variable, crashed with "mat2 must be a matrix" (a probe's
+    finding). Such a layer is held outside the model, and left alone."""
+    torch.manual_seed(0)
+    enc = nn.Linear(128, 128).requires_grad_(False)
+    a = nn.Sequential(enc, nn.ReLU(), nn.Linear(128, 2))
+    b = nn.Sequential(enc, nn.Tanh(), nn.Linear(128, 3))
+    x = torch.randn(4, 128)
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        a.to("cpu")
+        b.to("cpu")
+        assert a[0] is enc and b[0] is enc
+        assert enc(x).shape == (4, 128) and b(x).shape == (4, 3)
+        fp4 = vb.get_report()["models"][0]["features"]["fp4"]
+        assert any("held outside the model too" in c["reason"] for c in fp4["skipped"]), fp4
+    finally:
+        vb.disable()
+
+
+class _LoRA(nn.Module):
+    """A hand-written LoRA wrapper around a base layer."""
+
+    def __init__(self, base):
+        super().__init__()
+        self.base = base
+        self.a = nn.Parameter(torch.randn(4, base.in_features) * 0.01)
+        self.b = nn.Parameter(torch.zeros(base.out_features, 4))
+
+    def forward(self, x):
+        return self.base(x) + x @ self.a.t() @ self.b.t()
+
+
+def test_disable_puts_back_a_converted_layer_that_the_script_wrapped_after_adoption(cpu_device):
+    """A LoRA wrapper put around a converted layer after adoption kept an FP4Linear after
+    ``disable()``: the undo put the nn.Linear back only where the FP4 layer had been put (a probe's
+    finding). It is put back wherever the layer is now, and the report gives the converted
+    layers' real shapes (it read [0], taken after the release)."""
+    m = _frozen_base()
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m.to("cpu")
+        fp4 = vb.get_report()["models"][0]["features"]["fp4"]
+        m[0] = _LoRA(m[0])
+        x = torch.randn(2, 128)
+        before = m(x)
+    finally:
+        vb.disable()
+    assert [c["shape"] for c in fp4["converted"]] == [[128, 128]], fp4["converted"]
+    assert type(m[0].base) is nn.Linear and m[0].base.weight.shape == (128, 128)
+    assert torch.equal(m(x), before)
+
+
+def test_values_written_into_a_converted_layer_are_rounded_and_said_so_unless_it_was_unfrozen_first(cpu_device, caplog):
+    """A fine-tuned checkpoint loaded into a model whose layers were converted frozen was rounded to
+    FP4 without a word (a probe's finding: a resumed run differed from the uninterrupted one). It
+    is said once now; unfrozen before the load, the layer keeps the values exactly."""
+    import logging
+
+    tuned = _frozen_base(seed=5).state_dict()
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m = _frozen_base().to("cpu")
+        with caplog.at_level(logging.WARNING, logger="apt_model"):
+            m.load_state_dict(tuned)
+        assert "were rounded to FP4" in caplog.text
+        assert not torch.equal(m[0].weight, tuned["0.weight"])
+        exact = _frozen_base().to("cpu")
+        exact.requires_grad_(True)
+        exact.load_state_dict(tuned)
+        assert torch.equal(exact[0].weight, tuned["0.weight"])
+    finally:
+        vb.disable()
+
+
+def test_a_converted_layer_is_an_nn_linear_for_the_scripts_grouping_and_unfreezes_through_its_weight(cpu_device):
+    """minGPT's ``configure_optimizers`` sorts ``weight``s by ``isinstance(m, nn.Linear)`` and
+    asserts every parameter landed in a group: the converted layer's held weight, on a module that
+    was no ``nn.Linear``, failed it; and ``layer.weight.requires_grad = True``, the usual way to
+    unfreeze one layer, set the flag on a temporary copy and did nothing, silently (a review
+    probe's findings). A converted layer is an ``nn.Linear`` subclass now, and the flag set
+    through its ``weight`` unfreezes it."""
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m = _frozen_base().to("cpu")
+        assert isinstance(m[0], FP4Linear) and isinstance(m[0], nn.Linear)
+        decay, no_decay = set(), set()
+        for mn, mod in m.named_modules():
+            for pn, _ in mod.named_parameters(recurse=False):
+                full = f"{mn}.{pn}" if mn else pn
+                if pn.endswith("bias"):
+                    no_decay.add(full)
+                elif pn.endswith("weight") and isinstance(mod, nn.Linear):
+                    decay.add(full)
+        assert decay | no_decay == {n for n, _ in m.named_parameters()}
+        m[0].weight.requires_grad = True
+        assert m[0].dense and m[0].weight.requires_grad and m[0].weight.shape == (128, 128)
+        m[0].weight.requires_grad_(False)  # the Parameter's own flag now: frozen again, dense
+        assert not m[0].weight.requires_grad
     finally:
         vb.disable()

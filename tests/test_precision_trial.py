@@ -897,3 +897,28 @@ def test_a_model_of_complex_parameters_only_keeps_its_precision(cpu_device):
     finally:
         vb.disable()
     assert feature["chosen"] == "complex64" and "none real floating point" in feature["reason"], feature
+
+
+def test_a_hook_on_the_model_itself_ends_the_trial_too(cpu_device):
+    """A forward hook on the model keeping its logits for a metric got them in bf16 during the
+    trial (``.numpy()`` raised "Got unsupported ScalarType BFloat16": a review probe's finding):
+    the model's own hooks end the trial as its layers' do."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 4))
+    kept = {}
+    vb.enable("balanced", autocast_min_speedup=0.01, autocast_trial_calls=4, compile="off", attention="off",
+              banner=False)
+    try:
+        model.to("cpu")
+        model.register_forward_hook(lambda m, a, out: kept.__setitem__("logits", out.detach()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(6):
+            opt.zero_grad()
+            F.cross_entropy(model(torch.randn(8, 16)), torch.arange(8) % 4).backward()
+            opt.step()
+            assert kept["logits"].dtype == torch.float32
+            kept["logits"].numpy()
+        feature = vb.get_report()["models"][0]["features"]["mixed_precision"]
+    finally:
+        vb.disable()
+    assert feature["chosen"] == "fp32" and "forward hook on" in feature["reason"], feature

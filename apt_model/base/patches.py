@@ -212,6 +212,12 @@ def _inert_hook():
 _SESSION = [1]
 
 
+def current_session() -> int:
+    """The number of the switch session hooks made now belong to (it changes at each ``disable()``):
+    for notes said once per session."""
+    return _SESSION[0]
+
+
 #: The hook dictionaries of a module a :class:`SessionHook` can sit in: the call hooks
 #: (:data:`~apt_model.base.module_hooks.HOOK_DICTS`) and the state-dict ones.
 MODULE_HOOK_DICTS = (*HOOK_DICTS, "_state_dict_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks",

@@ -445,11 +445,12 @@ class AutocastHooks:
         use, sample = True, None
         self._script_calls = 0
         if timer is not None and training and timer.running:
-            hooks = script_hooks(module, skip_torch=True)
+            hooks = script_hooks(module, skip_torch=True, include_root=True)
             if hooks:
                 # per-sample gradients built from captured activations and gradient outputs
                 # (Opacus's way), feature taps: under autocast they saw bf16 tensors, and the
-                # script's einsum of the two raised, or its p.grad = ... did (a probe's finding)
+                # script's einsum of the two raised, or its p.grad = ... did (a probe's finding);
+                # the model's own hooks too: a hook keeping the logits got bf16 (a review's finding)
                 timer.give_up(f"the script's hooks on the model's layers ({', '.join(hooks)}) would see bf16 "
                               "activations and gradients under autocast")
         if timer is not None and training and timer.running and not self._screened:

@@ -31,8 +31,10 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from apt_model.base.log import get_logger
+from apt_model.base.patches import current_session
 from apt_model.quantization.mxfp4 import check_scale_rule
 from apt_model.quantization.native import native_fp4_matmul, native_support, shape_problem
 from apt_model.quantization.tensor import FORMATS, FP4Tensor, check_format, quantize
@@ -111,6 +113,10 @@ class PackedWeightView(torch.Tensor):
         views = [a for a in _flat(args) + _flat(tuple(kwargs.values())) if isinstance(a, PackedWeightView)]
         with torch._C.DisableTorchFunctionSubclass():
             before = [a._version for a in views]
+            if views and args[0] is views[0] and _sets_requires_grad(func):
+                # layer.weight.requires_grad = True (or requires_grad_()): the layer's, not this copy's
+                views[0]._set_requires_grad(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+                return views[0] if func is torch.Tensor.requires_grad_ else None
             if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and views and args[0] is views[0]:
                 # layer.weight.data = w (a method wrapper made at each access: told by its descriptor)
                 out = func(*args, **kwargs)
@@ -129,6 +135,19 @@ class PackedWeightView(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 layer.set_weight(values.detach().reshape(layer.out_features, layer.in_features)
                                  .to(layer.weight_dtype))
+
+    def _set_requires_grad(self, value: bool) -> None:
+        owner = self.__dict__.get("_fp4_owner")
+        layer = owner() if owner is not None else None
+        if layer is None:
+            return
+        held = layer._parameters.get("weight")
+        if held is not None:
+            held.requires_grad_(bool(value))
+            if value:
+                layer._unfreeze(held)  # (torch functions are off here: HeldWeight would not see the flag)
+        elif value:
+            layer._warn_unfrozen()
 
     def __reduce_ex__(self, proto):
         with torch._C.DisableTorchFunctionSubclass():
@@ -171,8 +190,47 @@ def _keep_views(out, views: list[PackedWeightView]):
     return out
 
 
-class FP4Linear(nn.Module):
+class HeldWeight(nn.Parameter):
+    """The class of a converted layer's released weight Parameter while it is held empty
+    (:meth:`FP4Linear.hold_released`): made trainable (``p.requires_grad = True``,
+    ``p.requires_grad_()``, ``model.requires_grad_()``), it unfreezes its layer at once — the
+    values come back, FP4-rounded — and becomes an ``nn.Parameter`` again (the same object). At
+    once, not at the layer's next call: an optimizer built right after the unfreezing sorts
+    parameters by shape (``p.dim() >= 2`` gets weight decay) or makes its state at construction
+    (Adagrad), and read an empty tensor until 2026-11-29 (a probe's finding)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+            held = args[0] if args and isinstance(args[0], HeldWeight) else None
+            if held is not None and held.requires_grad and _sets_requires_grad(func):
+                layer = _HOLDERS.get(held)
+                if layer is not None:
+                    layer._unfreeze(held)
+        return out
+
+
+#: Held weight -> its layer (weakly both ways: a copy of the Parameter, by deepcopy or pickling, has
+#: no entry, and its layer unfreezes it at its next call or ``weight`` read instead).
+_HOLDERS = WeakIdKeyDictionary()
+
+
+def _sets_requires_grad(func) -> bool:
+    if func is torch.Tensor.requires_grad_:
+        return True
+    return getattr(func, "__self__", None) is _REQUIRES_GRAD and getattr(func, "__name__", "") == "__set__"
+
+
+_REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the getset descriptor behind Tensor.requires_grad
+
+
+class FP4Linear(nn.Linear):
     """A linear layer whose frozen weight is stored in FP4 (MXFP4 or NVFP4).
+
+    An ``nn.Linear`` subclass (since 2026-11-29), so that a script's ``isinstance(m, nn.Linear)``
+    loops (minGPT's weight-decay groups, re-initialisation, adapter injection) still find the
+    layers the switch converted; it does not run ``nn.Linear.__init__`` (no full weight is made).
 
     Args:
         in_features, out_features: as ``nn.Linear``.
@@ -205,7 +263,7 @@ class FP4Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, format: str = "nvfp4",
                  scale_rule: str = "floor", compute: str = "emulated", weight_dtype: torch.dtype = torch.float32,
                  device=None):
-        super().__init__()
+        nn.Module.__init__(self)
         self.format = check_format(format)
         self.scale_rule = check_scale_rule(scale_rule) if self.format == "mxfp4" else None
         self.compute = _check_compute(compute)
@@ -270,6 +328,9 @@ class FP4Linear(nn.Module):
         """
         if not isinstance(param, nn.Parameter) or param.numel() != 0 or param.requires_grad:
             raise ValueError("hold_released: expects the released (empty) frozen nn.Parameter of the replaced layer")
+        if type(param) is nn.Parameter:
+            param.__class__ = HeldWeight  # the same object: an optimizer holding it keeps it
+        _HOLDERS[param] = self
         self._parameters["weight"] = param
 
     @property
@@ -280,8 +341,14 @@ class FP4Linear(nn.Module):
         return w is not None and w.numel() > 0
 
     def _unfreeze(self, w: nn.Parameter) -> None:
-        with torch.no_grad():
-            w.data = self.fp4_weight.dequantize(self.weight_dtype).to(self.weight_data.device)
+        if w.numel() != 0:
+            return
+        # not inside the caller's inference_mode: its tensors could never train again (a probe's finding)
+        with torch.inference_mode(False), torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            w.data = self.fp4_weight.dequantize(self.weight_dtype).to(self.weight_data.device).clone()
+        if type(w) is HeldWeight:
+            w.__class__ = nn.Parameter
+        _HOLDERS.pop(w, None)
         log.info("FP4Linear(%d->%d) was unfrozen: its weight is a trainable Parameter again, holding the "
                  "FP4-rounded values, and the layer computes as nn.Linear from now on", self.in_features,
                  self.out_features)
@@ -312,6 +379,8 @@ class FP4Linear(nn.Module):
             raise ValueError(f"weight shape {tuple(weight.shape)} does not match "
                              f"({self.out_features}, {self.in_features})")
         q = quantize(weight.detach(), self.format, self.scale_rule or "floor")
+        if not self.weight_data.is_meta:  # a write into a converted layer, not its conversion
+            _note_rounding(self, weight, q)
         self.weight_data = q.data
         self.weight_scales = q.scales
         self.weight_tensor_scale = q.tensor_scale
@@ -329,6 +398,9 @@ class FP4Linear(nn.Module):
         """The weight ``(out_features, in_features)``: the Parameter where the layer is dense, else the
         dequantized codes in :attr:`weight_dtype` (a new :class:`PackedWeightView` on every access,
         no gradient; writing into it re-quantizes the layer)."""
+        held = self._parameters.get("weight")
+        if held is not None and held.numel() == 0 and held.requires_grad:
+            self._unfreeze(held)  # made trainable without passing through requires_grad (a copy's flag)
         if self.dense:
             return self._parameters["weight"]
         return PackedWeightView.of(self.fp4_weight.dequantize(self.weight_dtype), self)
@@ -455,6 +527,7 @@ class FP4Linear(nn.Module):
             # this layer's own dequantized weight (its state dict in nn.Linear form) keeps its codes
             q = self.fp4_weight if self._holds(w) else quantize(w.to(self.weight_data.device), self.format,
                                                                 self.scale_rule or "floor")
+            _note_rounding(self, w, q)
             state_dict[prefix + "weight_data"] = q.data
             state_dict[prefix + "weight_scales"] = q.scales
             if q.tensor_scale is not None:
@@ -472,6 +545,36 @@ class FP4Linear(nn.Module):
         if tuple(w.shape) != (self.out_features, self.in_features):
             return False
         return torch.equal(w.to(self.weight_data.device), self.fp4_weight.dequantize(self.weight_dtype))
+
+
+_ROUNDED = [0]  # the switch session in which a write rounded to FP4 was said (0: none yet)
+
+
+def _note_rounding(layer: FP4Linear, w: torch.Tensor, q: FP4Tensor) -> None:
+    """Say, once per switch session, that values written into ``layer`` (a state dict loaded, a write
+    into its weight) were rounded to FP4. A fine-tuned checkpoint loaded into a model whose layers
+    were converted frozen, or a LoRA merge into the base, lost its precision silently (a probe's
+    finding); unfrozen before the write, the layer keeps the values exactly."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            got = q.dequantize(w.dtype).to(w.device)
+            changed = not torch.equal(got, w)
+            worst = (got - w).abs().max().item() if changed and w.numel() else 0.0
+    except Exception as err:  # noqa: BLE001 - a note must not break a load
+        log.debug("FP4Linear: rounding check: %s", err)
+        return
+    if not changed:
+        return
+    if _ROUNDED[0] != current_session():
+        _ROUNDED[0] = current_session()
+        log.warning("values written into FP4Linear(%d->%d) (a state dict loaded, or a write into its weight) were "
+                    "rounded to FP4: it stores its frozen weight in FP4 (largest change %.3g). To keep such values "
+                    "exact, make the layer trainable before writing (it then holds a full-precision weight), or use "
+                    "fp4='off'. Said once per session; later layers are logged at DEBUG", layer.in_features, layer.out_features,
+                    worst)
+    else:
+        log.debug("values written into FP4Linear(%d->%d) were rounded to FP4 (largest change %.3g)",
+                  layer.in_features, layer.out_features, worst)
 
 
 def state_dict_as_linear(module: FP4Linear, state_dict: dict, prefix: str, local_metadata) -> None:

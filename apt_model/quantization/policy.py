@@ -221,7 +221,7 @@ def plan_fp4(model: nn.Module, policy: FP4Policy | dict | None = None, use: str 
     parents = {id(child): (m, attr) for m in model.modules() for attr, child in m.named_children()}
     out = []
     for name, m in model.named_modules():
-        if not isinstance(m, (nn.Linear, nn.Embedding)) or isinstance(m, FP4QATLinear):
+        if not isinstance(m, (nn.Linear, nn.Embedding)) or isinstance(m, (FP4QATLinear, FP4Linear)):
             continue
         parent, attr = parents.get(id(m), (None, ""))
         convert, reason = _judge(name, parent, m, policy, use, shared)

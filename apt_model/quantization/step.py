@@ -20,7 +20,9 @@ paging: it shrinks frozen weights.
 from __future__ import annotations
 
 import gc
+import os
 import re
+import sys
 import weakref
 
 import torch
@@ -116,6 +118,7 @@ def held_outside(model: nn.Module, candidates: list[Candidate]) -> dict[int, str
     weights = {id(c.module.weight): c for c in candidates if isinstance(getattr(c.module, "weight", None), torch.Tensor)}
     if not weights:
         return {}
+    layers = {id(c.module): c for c in candidates}
     inside = {id(m) for m in model.modules()}
     out: dict[int, str] = {}
     try:
@@ -128,9 +131,34 @@ def held_outside(model: nn.Module, candidates: list[Candidate]) -> dict[int, str
                 c = weights.get(id(t))
                 if c is not None and id(c.module) not in out and t is c.module.weight:
                     out[id(c.module)] = type(obj).__name__
+            # the layer itself in another model (two models built around one encoder: a probe's finding)
+            for child in (obj.__dict__.get("_modules") or {}).values():
+                c = layers.get(id(child))
+                if c is not None and child is c.module and id(c.module) not in out:
+                    out[id(c.module)] = type(obj).__name__
+        _held_by_the_script(layers, out)
     except Exception as err:  # noqa: BLE001 - a look that fails leaves the plan as it is
         log.debug("fp4: looking for weights held outside the model: %s", err)
     return out
+
+
+def _held_by_the_script(layers: dict[int, Candidate], out: dict[int, str]) -> None:
+    """Candidate layers the script's own frames on the stack name (``enc = nn.Linear(...)`` before
+    ``model = nn.Sequential(enc, ...)``, then ``enc(x)`` called directly: its emptied weight crashed,
+    a probe's finding): noted in ``out`` as held by ``variable 'enc'``. Frames of torch and
+    apt_model are skipped."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if not (path.startswith(_SKIP_DIRS) or "/torch/" in path):
+            for name, value in list(frame.f_locals.items()):
+                c = layers.get(id(value))
+                if c is not None and value is c.module and id(c.module) not in out:
+                    out[id(c.module)] = f"variable {name!r} of the script"
+        frame = frame.f_back
+
+
+_SKIP_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # apt_model itself
 
 
 def _skip_summary(skipped: list[Candidate]) -> str:
@@ -182,8 +210,8 @@ class FP4Step(FeatureStep):
         for c in plan:
             if id(c.module) in outside:
                 c.convert = False
-                c.reason = (f"tied weight: held by a {outside[id(c.module)]} outside the model too (a reference model "
-                            "sharing it), which FP4 storage would leave with an emptied weight")
+                c.reason = (f"held outside the model too: by a {outside[id(c.module)]} (a reference model sharing it, "
+                            "a variable the script calls it by), which FP4 storage would leave with an emptied weight")
         if by_mode:
             copies = copies_of_trainable(model, [c for c in plan if c.convert])
             for c in plan:
@@ -203,6 +231,13 @@ class FP4Step(FeatureStep):
                         act=True, plan=(policy, convert, skipped, compute, native_why))
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
+        # a model adopted at a call under inference_mode (a zero-shot evaluation first): the codes,
+        # and the released weights, made there were inference tensors, which can never be unfrozen
+        # ("Setting requires_grad=True on inference tensor outside InferenceMode": a probe's finding)
+        with torch.inference_mode(False):
+            return self._apply(model, ctx, patches, decision)
+
+    def _apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         policy, convert, skipped, compute, native_why = decision.plan
         layers, before, after, not_freed = [], 0, 0, []
         # in three passes, so that a failure before the last leaves every original weight as it
@@ -217,6 +252,7 @@ class FP4Step(FeatureStep):
             # checkpoints saved meanwhile load into the model's own class without the switch
             patches.add_handle(new.register_state_dict_post_hook(state_dict_as_linear),
                                f"fp4: {c.name} state_dict as nn.Linear")
+        summaries = {id(c): c.summary() for c, _ in built}  # before the release: the weight's shape
         for c, new in built:
             released = release_parameter(c.module.weight)
             new.hold_released(c.module.weight)  # listed in parameters() as before; unfrozen, it trains again
@@ -224,7 +260,7 @@ class FP4Step(FeatureStep):
             after += new.weight_nbytes()
             if released["freed"] is False:
                 not_freed.append(c.name)
-            layers.append({**c.summary(), "format": policy.format, "bytes_before": released["bytes"],
+            layers.append({**summaries[id(c)], "format": policy.format, "bytes_before": released["bytes"],
                            "bytes_after": new.weight_nbytes(), "freed": released["freed"]})
         try:
             release_free_memory()
@@ -264,6 +300,11 @@ def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
         o = original[n]
         if getattr(p, attr, None) is n:
             setattr(p, attr, o)
+        else:  # wrapped after adoption (a LoRA wrapper holding it as its base): put back where it is now
+            for mod in p.modules():
+                for name, child in list(mod._modules.items()):
+                    if child is n:
+                        mod._modules[name] = o
         if o.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
             o.weight.data = n.dense_weight()  # in the dtype and on the device the layer has now (model.to())
     return undo

@@ -734,3 +734,19 @@ def test_a_converted_layer_is_an_nn_linear_for_the_scripts_grouping_and_unfreeze
         assert not m[0].weight.requires_grad
     finally:
         vb.disable()
+
+
+def test_disable_gives_the_restored_nn_linear_the_parameter_the_fp4_layer_holds(cpu_device):
+    """A Parameter the script assigned to a converted layer (or loaded with ``assign=True`` into an
+    unfrozen one) was dropped by ``disable()``: the restored ``nn.Linear`` kept the original, and an
+    optimizer holding the new one no longer trained the model (a review probe's finding)."""
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        m = _frozen_base().to("cpu")
+        new = nn.Parameter(torch.randn(128, 128))
+        m[0].weight = new
+        assert m[0].dense
+        assert "PackedWeightView" not in repr(_frozen_base().to("cpu")[0].weight)  # printed as a tensor
+    finally:
+        vb.disable()
+    assert type(m[0]) is nn.Linear and m[0].weight is new

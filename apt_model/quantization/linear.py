@@ -157,6 +157,10 @@ class PackedWeightView(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return self.as_subclass(torch.Tensor).clone()
 
+    def __repr__(self, *, tensor_contents=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            return repr(self.as_subclass(torch.Tensor))  # printed as the tensor it stands for
+
 
 _DATA = torch._C.TensorBase.data  # the getset descriptor behind Tensor.data
 

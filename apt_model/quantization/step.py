@@ -305,6 +305,12 @@ def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):
                 for name, child in list(mod._modules.items()):
                     if child is n:
                         mod._modules[name] = o
-        if o.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
+        if n.dense:  # unfrozen, or given a Parameter of the script's: the nn.Linear gets the one it holds
+            w = n._parameters["weight"]
+            if o.weight is not w:
+                o.weight = w
+        elif o.weight.numel() == 0:  # give the original Parameter object its (FP4-rounded) values back,
             o.weight.data = n.dense_weight()  # in the dtype and on the device the layer has now (model.to())
+        if n.bias is not o.bias:  # a bias the script assigned to the FP4 layer
+            o.bias = n.bias
     return undo

@@ -319,21 +319,11 @@ def test_the_override_rung_uses_a_rewrite_only_after_it_matched_the_captured_gra
     """A rewrite that changes the result (relu -> gelu) is rejected by the verification on the
     first call's inputs; the model's outputs stay the eager ones and the rung is not applicable."""
     torch._dynamo.reset()
-
-    def wrong(gm):
-        sites = []
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and node.target in (F.relu, torch.relu):
-                node.target = F.gelu
-                sites.append(node.name)
-        gm.recompile()
-        return sites
-
     torch.manual_seed(2)
     model, ref = Net(), Net()
     ref.load_state_dict(model.state_dict())
     records = []
-    ladder, patches = ladder_for(model, [override_rung({"wrong": wrong})], records)
+    ladder, patches = ladder_for(model, [override_rung({"wrong": _gelu_for_relu})], records)
     losses = train(model, WARMUP_CALLS + 1)
     assert losses == pytest.approx(train(ref, WARMUP_CALLS + 1), rel=1e-6)
     (entry,) = ladder.timeline

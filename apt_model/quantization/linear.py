@@ -113,11 +113,12 @@ class PackedWeightView(torch.Tensor):
         views = [a for a in _flat(args) + _flat(tuple(kwargs.values())) if isinstance(a, PackedWeightView)]
         with torch._C.DisableTorchFunctionSubclass():
             before = [a._version for a in views]
-            if views and args[0] is views[0] and _sets_requires_grad(func):
+            if views and args and args[0] is views[0] and _sets_requires_grad(func):
                 # layer.weight.requires_grad = True (or requires_grad_()): the layer's, not this copy's
                 views[0]._set_requires_grad(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
                 return views[0] if func is torch.Tensor.requires_grad_ else None
-            if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and views and args[0] is views[0]:
+            if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and views and args \
+                    and args[0] is views[0]:
                 # layer.weight.data = w (a method wrapper made at each access: told by its descriptor)
                 out = func(*args, **kwargs)
                 views[0]._write_back(args[1])

@@ -234,7 +234,9 @@ class PagedModel:
         """Register ``p`` with the model (and the session) and, where the plan pages parameters
         and nothing else holds its storage, give it a page; returns the page (None: resident)."""
         page = None
-        if self.page_params:
+        # an empty parameter (a layer stored in FP4 holds its released weight so) has nothing to
+        # page, and a page of it made the state dict's entry its empty alias (a probe's finding)
+        if self.page_params and p.numel() > 0:
             if not p.untyped_storage().resizable():  # e.g. memory-mapped weights: own a copy
                 with torch.no_grad():
                     p.data = p.data.clone()

@@ -210,13 +210,14 @@ class HeldWeight(nn.Parameter):
             out = func(*args, **(kwargs or {}))
             held = args[0] if args and isinstance(args[0], HeldWeight) else None
             if held is not None and held.requires_grad and _sets_requires_grad(func):
-                layer = _HOLDERS.get(held)
+                ref = _HOLDERS.get(held)
+                layer = ref() if ref is not None else None
                 if layer is not None:
                     layer._unfreeze(held)
         return out
 
 
-#: Held weight -> its layer (weakly both ways: a copy of the Parameter, by deepcopy or pickling, has
+#: Held weight -> a weak reference to its layer (weakly both ways: a copy of the Parameter, by deepcopy or pickling, has
 #: no entry, and its layer unfreezes it at its next call or ``weight`` read instead).
 _HOLDERS = WeakIdKeyDictionary()
 
@@ -335,7 +336,7 @@ class FP4Linear(nn.Linear):
             raise ValueError("hold_released: expects the released (empty) frozen nn.Parameter of the replaced layer")
         if type(param) is nn.Parameter:
             param.__class__ = HeldWeight  # the same object: an optimizer holding it keeps it
-        _HOLDERS[param] = self
+        _HOLDERS[param] = weakref.ref(self)  # weakly: the layer holds the key (a strong value kept both)
         self._parameters["weight"] = param
 
     @property

@@ -217,8 +217,9 @@ class HeldWeight(nn.Parameter):
         return out
 
 
-#: Held weight -> a weak reference to its layer (weakly both ways: a copy of the Parameter, by deepcopy or pickling, has
-#: no entry, and its layer unfreezes it at its next call or ``weight`` read instead).
+#: Held weight -> a weak reference to its layer (weakly both ways: a copy of the Parameter, by
+#: deepcopy or pickling, has no entry, and its layer unfreezes it at its next call or ``weight``
+#: read instead).
 _HOLDERS = WeakIdKeyDictionary()
 
 

@@ -64,14 +64,16 @@ class _SavedTensorHooks:
         self.defer_to_outer = defer_to_outer
         self._scopes = ForwardScopes()  # per thread; an interrupted call's hooks are left at the next call
 
+    @staticmethod
+    def stands_aside() -> bool:
+        """Whether a call starting now runs as written: without grad nothing is saved for a backward
+        (entering the hooks only cost time: a batch-1 policy forward of an RL loop took 1.5x its
+        plain time in memory mode, a probe's finding), and torch.func refuses saved-tensor hooks."""
+        return not torch.is_grad_enabled() or in_function_transform()
+
     def enter(self, *_):
         self._scopes.unwind()  # first: our own hooks an interrupt left entered are no script's
-        if not torch.is_grad_enabled():
-            # nothing is saved for a backward: entering the hooks only cost time (a batch-1 policy
-            # forward of an RL loop took 1.5x its plain time in memory mode: a probe's finding)
-            self._scopes.push(None)
-            return
-        if in_function_transform():  # torch.func refuses saved-tensor hooks: the forward runs as written
+        if self.stands_aside():
             self._scopes.push(None)
             return
         if self.defer_to_outer and torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
@@ -346,7 +348,7 @@ class ActivationManager:
             # Only when the hooks will be entered: inside torch.func (functional_call's buffers under
             # vmap/grad are functorch wrappers) asking raised "Cannot access storage of
             # TensorWrapper" (a probe's finding: per-sample gradients in memory mode)
-            if torch.is_grad_enabled() and not in_function_transform():
+            if not hooks.stands_aside():
                 off.module_storages[key] = frozenset(b.untyped_storage().data_ptr() for b in module.buffers()
                                                      if b.layout is torch.strided)
             hooks.enter(module, args)

@@ -190,7 +190,9 @@ _LIBRARY_DIRS = tuple(sorted({p for k in ("stdlib", "platstdlib", "purelib", "pl
                               if (p := sysconfig.get_paths().get(k))}))
 
 
-def _is_script_file(path: str) -> bool:
+def is_script_file(path: str) -> bool:
+    """Whether ``path`` is one of the script's own source files: not generated (``<...>``), not torch's
+    or apt_model's, not the standard library's or an installed package's."""
     name = path.replace("\\", "/")
     return (bool(path) and not path.startswith("<") and "/torch/" not in name and "/apt_model/" not in name
             and "site-packages/" not in name and "dist-packages/" not in name and not path.startswith(_LIBRARY_DIRS))
@@ -208,7 +210,7 @@ def _script_files(extra: Iterable[str | None] = (), stack: bool = True) -> list[
         out.append(getattr(sys.modules.get("__main__"), "__file__", None) or "")
     out.extend(p for p in extra if p)
     seen: set[str] = set()
-    return [p for p in out if _is_script_file(p) and not (p in seen or seen.add(p))]
+    return [p for p in out if is_script_file(p) and not (p in seen or seen.add(p))]
 
 
 def _differentiates_twice(path: str) -> str | None:

@@ -24,7 +24,10 @@ memory) or ``off``:
 """
 from __future__ import annotations
 
+import io
 import re
+import textwrap
+import tokenize
 import weakref
 
 import torch
@@ -71,10 +74,6 @@ def _names(source: str) -> list[str]:
     """The names in ``source`` (Python tokens: no comment, docstring or string: "the softmax" in a
     comment made a ``log_softmax`` classifier a candidate again: a review probe's finding); the
     source's words where it does not tokenize."""
-    import io
-    import textwrap
-    import tokenize
-
     try:
         return [t.string for t in tokenize.generate_tokens(io.StringIO(textwrap.dedent(source)).readline)
                 if t.type == tokenize.NAME]

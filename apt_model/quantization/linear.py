@@ -31,6 +31,7 @@ import weakref
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from apt_model.base.log import get_logger
@@ -110,15 +111,14 @@ class PackedWeightView(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        views = [a for a in _flat(args) + _flat(tuple(kwargs.values())) if isinstance(a, PackedWeightView)]
+        views = [a for a in tree_leaves((args, kwargs)) if isinstance(a, PackedWeightView)]
         with torch._C.DisableTorchFunctionSubclass():
             before = [a._version for a in views]
             if views and args and args[0] is views[0] and _sets_requires_grad(func):
                 # layer.weight.requires_grad = True (or requires_grad_()): the layer's, not this copy's
                 views[0]._set_requires_grad(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
                 return views[0] if func is torch.Tensor.requires_grad_ else None
-            if getattr(func, "__self__", None) is _DATA and func.__name__ == "__set__" and views and args \
-                    and args[0] is views[0]:
+            if views and args and args[0] is views[0] and _is_setter(func, _DATA):
                 # layer.weight.data = w (a method wrapper made at each access: told by its descriptor)
                 out = func(*args, **kwargs)
                 views[0]._write_back(args[1])
@@ -129,17 +129,19 @@ class PackedWeightView(torch.Tensor):
                 v._write_back(v._fp4_base)
             return _keep_views(out, views)
 
-    def _write_back(self, values: torch.Tensor) -> None:
+    def _layer(self) -> "FP4Linear | None":
         owner = self.__dict__.get("_fp4_owner")
-        layer = owner() if owner is not None else None
+        return owner() if owner is not None else None
+
+    def _write_back(self, values: torch.Tensor) -> None:
+        layer = self._layer()
         if layer is not None:
             with torch._C.DisableTorchFunctionSubclass():
                 layer.set_weight(values.detach().reshape(layer.out_features, layer.in_features)
                                  .to(layer.weight_dtype))
 
     def _set_requires_grad(self, value: bool) -> None:
-        owner = self.__dict__.get("_fp4_owner")
-        layer = owner() if owner is not None else None
+        layer = self._layer()
         if layer is None:
             return
         held = layer._parameters.get("weight")
@@ -164,16 +166,6 @@ class PackedWeightView(torch.Tensor):
 
 
 _DATA = torch._C.TensorBase.data  # the getset descriptor behind Tensor.data
-
-
-def _flat(items) -> list:
-    out = []
-    for a in items:
-        if isinstance(a, (list, tuple)):
-            out += _flat(a)
-        else:
-            out.append(a)
-    return out
 
 
 def _keep_views(out, views: list[PackedWeightView]):
@@ -223,10 +215,14 @@ class HeldWeight(nn.Parameter):
 _HOLDERS = WeakIdKeyDictionary()
 
 
+def _is_setter(func, descriptor) -> bool:
+    """Whether ``func`` (what ``__torch_function__`` gets for ``t.attr = v``: a method wrapper made at
+    each access) is ``descriptor``'s ``__set__``."""
+    return getattr(func, "__self__", None) is descriptor and getattr(func, "__name__", "") == "__set__"
+
+
 def _sets_requires_grad(func) -> bool:
-    if func is torch.Tensor.requires_grad_:
-        return True
-    return getattr(func, "__self__", None) is _REQUIRES_GRAD and getattr(func, "__name__", "") == "__set__"
+    return func is torch.Tensor.requires_grad_ or _is_setter(func, _REQUIRES_GRAD)
 
 
 _REQUIRES_GRAD = torch._C.TensorBase.requires_grad  # the getset descriptor behind Tensor.requires_grad
@@ -340,6 +336,17 @@ class FP4Linear(nn.Linear):
         _HOLDERS[param] = weakref.ref(self)  # weakly: the layer holds the key (a strong value kept both)
         self._parameters["weight"] = param
 
+    def _dense_param(self) -> nn.Parameter | None:
+        """The weight Parameter the layer computes from, None while it computes from its codes; a
+        held weight made trainable without passing through ``requires_grad`` (a copy's flag) is
+        unfrozen first."""
+        w = self._parameters.get("weight")
+        if w is None:
+            return None
+        if w.numel() == 0 and w.requires_grad:
+            self._unfreeze(w)
+        return w if w.numel() > 0 else None
+
     @property
     def dense(self) -> bool:
         """Whether the layer computes from a full weight Parameter (unfrozen, or one assigned) rather
@@ -405,11 +412,9 @@ class FP4Linear(nn.Linear):
         """The weight ``(out_features, in_features)``: the Parameter where the layer is dense, else the
         dequantized codes in :attr:`weight_dtype` (a new :class:`PackedWeightView` on every access,
         no gradient; writing into it re-quantizes the layer)."""
-        held = self._parameters.get("weight")
-        if held is not None and held.numel() == 0 and held.requires_grad:
-            self._unfreeze(held)  # made trainable without passing through requires_grad (a copy's flag)
-        if self.dense:
-            return self._parameters["weight"]
+        w = self._dense_param()
+        if w is not None:
+            return w
         return PackedWeightView.of(self.fp4_weight.dequantize(self.weight_dtype), self)
 
     def weight_nbytes(self) -> int:
@@ -442,13 +447,11 @@ class FP4Linear(nn.Linear):
         return True, why
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self._parameters.get("weight")
+        w = self._dense_param()  # progressive unfreezing reached the held weight: it trains from now on
         if w is not None:
-            if w.numel() == 0 and w.requires_grad:
-                self._unfreeze(w)  # progressive unfreezing reached the held weight: it trains from now on
-            if w.numel() > 0:
-                return F.linear(x, w, self.bias)
-        elif self.bias is not None and self.bias.requires_grad and not getattr(self, "_bias_trainable", True):
+            return F.linear(x, w, self.bias)
+        if self._parameters.get("weight") is None and self.bias is not None and self.bias.requires_grad \
+                and not getattr(self, "_bias_trainable", True):
             self._warn_unfrozen()  # p.requires_grad_() over model.parameters() reached only the bias
         dtype = _compute_dtype(x)
         rows = x.numel() // max(1, x.shape[-1])

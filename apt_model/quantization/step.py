@@ -20,7 +20,6 @@ paging: it shrinks frozen weights.
 from __future__ import annotations
 
 import gc
-import os
 import re
 import sys
 import weakref
@@ -29,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.graph_reuse import is_script_file
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
 from apt_model.base.sizes import format_size
@@ -145,20 +145,17 @@ def held_outside(model: nn.Module, candidates: list[Candidate]) -> dict[int, str
 def _held_by_the_script(layers: dict[int, Candidate], out: dict[int, str]) -> None:
     """Candidate layers the script's own frames on the stack name (``enc = nn.Linear(...)`` before
     ``model = nn.Sequential(enc, ...)``, then ``enc(x)`` called directly: its emptied weight crashed,
-    a probe's finding): noted in ``out`` as held by ``variable 'enc'``. Frames of torch and
-    apt_model are skipped."""
+    a probe's finding): noted in ``out`` as held by ``variable 'enc'``. Only the script's own
+    frames (:func:`~apt_model.base.graph_reuse.is_script_file`) are read."""
     frame = sys._getframe(1)
     while frame is not None:
-        path = frame.f_code.co_filename
-        if not (path.startswith(_SKIP_DIRS) or "/torch/" in path):
+        if is_script_file(frame.f_code.co_filename):
             for name, value in list(frame.f_locals.items()):
                 c = layers.get(id(value))
                 if c is not None and value is c.module and id(c.module) not in out:
                     out[id(c.module)] = f"variable {name!r} of the script"
         frame = frame.f_back
 
-
-_SKIP_DIRS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)  # apt_model itself
 
 
 def _skip_summary(skipped: list[Candidate]) -> str:

@@ -790,3 +790,44 @@ def test_nn_init_through_a_converted_layers_weight_reaches_it(cpu_device):
         assert torch.all(m[0].weight == 0.5)
     finally:
         vb.disable()
+
+
+def test_layers_frozen_after_adoption_are_named_at_the_next_step(cpu_device, caplog):
+    """The common fine-tuning order moves the model first and freezes the base after: adoption (at
+    ``.to()``) saw every layer trainable, so memory mode stored none in FP4, and the report said
+    only "trainable weight" (a gap named in the 2026-11-29 note). At the next optimizer step the
+    layers frozen since are named, in a warning and in the report, with the fix; the check runs
+    once: its optimizer hook is gone after it. Training is unchanged (nothing is converted then)."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    def run(enable: bool):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
+        if enable:
+            vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+        try:
+            hooks_before = len(_global_optimizer_pre_hooks)
+            model = model.to("cpu")
+            model[0].requires_grad_(False)  # frozen after adoption
+            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            gen = torch.Generator().manual_seed(1)
+            for _ in range(3):
+                loss = model(torch.randn(8, 128, generator=gen)).square().mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+            hooks_after = len(_global_optimizer_pre_hooks) + len(opt._optimizer_step_pre_hooks)
+            fp4 = vb.get_report()["models"][0]["features"]["fp4"] if enable else None
+        finally:
+            if enable:
+                vb.disable()
+        return model.state_dict(), fp4, hooks_before, hooks_after
+
+    ref, _, _, _ = run(False)
+    with caplog.at_level("WARNING", logger="apt_model"):
+        got, fp4, before, after = run(True)
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
+    assert fp4["chosen"] == "off" and fp4["frozen_after_adoption"] == ["0"], fp4
+    assert "frozen after the model was adopted (to()) stay dense: 0" in fp4["reason"], fp4["reason"]
+    assert "Freeze them before the model is moved with .to()" in caplog.text
+    assert after == before, "the one-off check's optimizer hook stayed registered"

@@ -26,8 +26,9 @@ import weakref
 
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from apt_model.base.feature import AdoptionContext, Decision, FeatureStep
+from apt_model.base.feature import AdoptionContext, Decision, FeatureStep, ModelRecord, StepSession
 from apt_model.base.graph_reuse import is_script_file
 from apt_model.base.log import get_logger
 from apt_model.base.patches import PatchSet
@@ -170,9 +171,25 @@ def _skip_summary(skipped: list[Candidate]) -> str:
 
 
 class FP4Step(FeatureStep):
-    """Feature ``fp4`` (``off``, ``native``, ``storage``, ``all``); see the module docstring."""
+    """Feature ``fp4`` (``off``, ``native``, ``storage``, ``all``); see the module docstring.
+
+    Adoption decides once, from the weights frozen at that moment. A fine-tuning script often
+    moves the model first and freezes the base after (``model.to(device)``, then
+    ``requires_grad_(False)``): those layers stay dense. Until 2026-11-29 nothing said so: the
+    report read "no layer to convert: trainable weight". Layers that were trainable at adoption
+    are now looked at again at the next optimizer step (:meth:`_at_step`, a global step pre-hook
+    registered only while such a model waits, then removed); those the policy would store in FP4
+    now are named in a warning and in the report (``frozen_after_adoption``), with the fix. They
+    are not converted then: the features adopted after FP4 (paging's plan, a captured graph of the
+    compile ladder) were made over their dense weights.
+    """
 
     name = "fp4"
+
+    def __init__(self, session: StepSession):
+        super().__init__(session)
+        self._watched: list[tuple[weakref.ref, ModelRecord, object, frozenset, FP4Policy, bool]] = []
+        self._hook = None
 
     def decide(self, model: nn.Module, ctx: AdoptionContext) -> Decision:
         req = ctx.config.fp4
@@ -203,6 +220,7 @@ class FP4Step(FeatureStep):
                 f"the model's parameters are {', '.join(wrapped)} (sharded by FSDP2's fully_shard or another "
                 "tensor-subclass wrapper before the switch adopted it): FP4 storage converts plain tensors only"), tried)
         plan = plan_fp4(model, policy, "storage")
+        self._watch(model, ctx, plan, policy, by_mode)
         outside = held_outside(model, [c for c in plan if c.convert])
         for c in plan:
             if id(c.module) in outside:
@@ -226,6 +244,56 @@ class FP4Step(FeatureStep):
         chosen = "storage+native" if compute == "auto" else "storage"
         return Decision(self.name, req, chosen, f"{len(convert)} layer(s) to store in {policy.format.upper()}", tried,
                         act=True, plan=(policy, convert, skipped, compute, native_why))
+
+    def _watch(self, model: nn.Module, ctx: AdoptionContext, plan: list[Candidate], policy: FP4Policy,
+               by_mode: bool) -> None:
+        """Look at ``model``'s layers that are trainable now again at the next optimizer step (the
+        class docstring). Bookkeeping only: the model is not changed."""
+        trainable = frozenset(id(c.module) for c in plan if not c.convert and c.reason.startswith("trainable weight"))
+        if not trainable:
+            return
+        self._watched.append((weakref.ref(model), ctx.record, ctx.record_later, trainable, policy, by_mode))
+        if self._hook is None:
+            self._hook = register_optimizer_step_pre_hook(self._at_step)
+            self.session.patches.add_handle(self._hook, "fp4: layers frozen after adoption, looked at the next step")
+
+    def _at_step(self, opt, args, kwargs) -> None:
+        """The optimizer step pre-hook of :meth:`_watch`: name the watched models' layers frozen
+        since their adoption that FP4 storage would take now, then remove itself. Never raises."""
+        if torch.compiler.is_compiling():
+            return
+        watched, self._watched = self._watched, []
+        hook, self._hook = self._hook, None
+        if hook is not None:
+            _remove_after_global_pre_hooks(opt, hook)
+        for ref, rec, record_later, ids, policy, by_mode in watched:
+            try:
+                model = ref()
+                if model is not None:
+                    self._note_frozen_after(model, rec, record_later, ids, policy, by_mode)
+            except Exception as err:  # noqa: BLE001 - a diagnostic must never break training
+                log.debug("fp4: looking at layers frozen after adoption: %s", err)
+
+    def _note_frozen_after(self, model: nn.Module, rec: ModelRecord, record_later, ids: frozenset,
+                           policy: FP4Policy, by_mode: bool) -> None:
+        now = [c for c in plan_fp4(model, policy, "storage") if c.convert and id(c.module) in ids]
+        outside = held_outside(model, now)
+        now = [c for c in now if id(c.module) not in outside]
+        if by_mode:
+            copies = copies_of_trainable(model, now)
+            now = [c for c in now if id(c.module) not in copies]
+        if not now:
+            return
+        names = [c.name for c in now]
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        note = (f"{len(names)} nn.Linear layer(s) frozen after the model was adopted ({rec.trigger}) stay dense: "
+                f"{shown}; FP4 storage is decided at adoption. Freeze them before the model is moved with .to() "
+                "or first called")
+        log.warning("fp4: %s: %s", rec.name, note)
+        entry = rec.features.get(self.name, {})
+        details = {k: v for k, v in entry.items() if k not in ("requested", "chosen", "reason")}
+        record_later(Decision(self.name, entry.get("requested", "off"), entry.get("chosen", "off"),
+                              f"{entry.get('reason', '')}; {note}", details={**details, "frozen_after_adoption": names}))
 
     def apply(self, model: nn.Module, ctx: AdoptionContext, patches: PatchSet, decision: Decision) -> Decision:
         # a model adopted at a call under inference_mode (a zero-shot evaluation first): the codes,
@@ -281,6 +349,21 @@ class FP4Step(FeatureStep):
             "converted": layers, "skipped": [c.summary() for c in skipped],
             "bytes_before": before, "bytes_after": after, "bytes_saved": before - after,
         })
+
+
+def _remove_after_global_pre_hooks(opt: torch.optim.Optimizer, handle) -> None:
+    """Remove the global optimizer step pre-hook ``handle`` from inside that hook. PyTorch is then
+    iterating over the global pre-hooks' dictionary: removing one there raised "OrderedDict mutated
+    during iteration" when hooks registered later followed it (the paging session's). So a pre-hook
+    of ``opt`` itself, which runs once the global ones are done, removes it, then itself: the newest
+    entry of ``opt``'s dictionary, whose removal ends that iteration cleanly (were another added
+    since, it stays and tries again at the next step)."""
+    def remove(o, args, kwargs):
+        handle.remove()
+        if next(reversed(o._optimizer_step_pre_hooks), None) == own.id:
+            own.remove()
+
+    own = opt.register_step_pre_hook(remove)
 
 
 def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):

@@ -139,7 +139,7 @@ def test_armed_no_gradient_is_read_back_for_the_step(tmp_path, mode, capsys):
         assert any(cat is Category.STATE and ph == "backward" for cat, ph in loads)  # states come up in backward
     else:
         assert rep == {"state": "off", "reason": "paging_step_in_backward=off", "steps_in_backward": 0,
-                       "rolled_back": 0, "trial": {"in": [], "after": []}}
+                       "rolled_back": 0, "relearned": 0, "trial": {"in": [], "after": []}}
         assert "paged optimizer step: after backward (0 in backward, 0 rolled back): paging_step_in_backward=off" \
             in printed
         assert grad_loads and set(grad_loads) == {"optimizer"}
@@ -826,3 +826,36 @@ def test_a_parameter_outside_the_paged_models_is_named_by_its_shape_in_the_reaso
     assert got == ref
     assert rep["state"] == "off", rep
     assert "a parameter of shape (3,)" in rep["reason"] and "did not see arrive in backward" in rep["reason"], rep
+
+
+def test_a_new_optimizer_made_mid_run_is_learned_again(tmp_path):
+    """A script that makes a new optimizer mid-run (after unfreezing, after an LR finder) dropped
+    the one the step inside backward was armed for: it turned off for good ("the optimizer it was
+    armed for is gone"), a gap named in the 2026-11-29 note. It learns the new one's loop at the
+    next iteration and is armed for it; training stays bitwise."""
+    import gc
+
+    def loop(m, opt):
+        losses = _loop(m, opt, 3)
+        del opt
+        gc.collect()  # the old optimizer is gone
+        new = make_opt(m, "adamw")
+        return losses + _loop(m, new, 4, seed=2), new
+
+    ref_m = model()
+    ref, ref_opt = loop(ref_m, make_opt(ref_m, "adamw"))
+    m = model()
+    _enable(tmp_path)
+    try:
+        m.to("cpu")
+        got, opt = loop(m, make_opt(m, "adamw"))
+        rep = _report()
+        got_state = snapshot(m, opt)
+    finally:
+        vb.disable()
+    assert got == ref
+    assert_same(got_state, snapshot(ref_m, ref_opt))
+    # armed for the first (2 steps in backward), learned again at the new one's first step,
+    # then armed for it: its last 3 steps ran in backward
+    assert rep["state"] == "armed" and rep["relearned"] == 1, rep
+    assert rep["steps_in_backward"] == 5 and rep["rolled_back"] == 0, rep

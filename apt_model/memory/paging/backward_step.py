@@ -57,6 +57,7 @@ State machine (one per paging session; ``vb.get_report()["memory"]["paging"]["st
     armed    --a gradient lands in backward-->    pending    (that parameter stepped now)
     pending  --optimizer.step(), nothing changed--> armed    (committed)
     pending  --anything else-->                   off        (rolled back: the usual step runs)
+    trial | armed --a gradient lands, the optimizer is gone--> learning (again, for the next one)
 
 What it cannot catch: a forward that reads a parameter through ``.data`` or ``.detach()`` and
 whose backward needs that value *after* the parameter's own gradient was accumulated. Autograd
@@ -173,6 +174,7 @@ class BackwardStep:
         self._stepping = False  # inside our own step of a parameter
         self.steps_in_backward = 0
         self.rolled_back = 0
+        self.relearned = 0  # times it learned again for a new optimizer (the armed one was gone)
         self.clock = time.perf_counter
         self._plan: list[str] = []  # the trial's modes for the coming iterations
         self._current = "in"  # the mode of the iteration under way (trial)
@@ -207,12 +209,13 @@ class BackwardStep:
                 self.order.append(id(p))
             self._grads[id(p)] = self._fingerprint(p)
             return
-        if self.state == "trial" and self._current == "after":
-            return  # this iteration of the trial measures the step after backward
         opt = self._opt() if self._opt is not None else None
         if opt is None:
-            self._turn_off("the optimizer it was armed for is gone")
+            self._relearn("the optimizer it was armed for is gone (a new one made mid-run)")
+            self.grad_landed(p)  # learned: this is the new iteration's first gradient
             return
+        if self.state == "trial" and self._current == "after":
+            return  # this iteration of the trial measures the step after backward
         pending = self.pending
         if pending is not None and pending.task != task:
             self.abandon("a second backward ran before optimizer.step() (gradient accumulation)")
@@ -553,6 +556,25 @@ class BackwardStep:
             self._plan = list(TRIAL)
             self._current = self._plan.pop(0)
 
+    def _relearn(self, why: str) -> None:
+        """The armed optimizer was garbage-collected (a script that makes a new optimizer after
+        unfreezing, or after an LR finder): learn again from the iteration under way, for whichever
+        optimizer steps next. Called at this iteration's first landed gradient: its backward began
+        while armed, so what :meth:`backward_call` rules out (a kept graph, a nested backward, a
+        module used twice) would have turned the feature off already. Until 2026-11-29 it turned
+        off for good. Only a dead optimizer: one alive that another's step came between (a GAN's
+        two) still turns it off, or the two would roll each other back at every step."""
+        log.info("paging: the step inside backward learns again: %s", why)
+        self.state, self.reason = "learning", f"learning again from the next optimizer step: {why}"
+        self.relearned += 1
+        self._opt, self._group_of, self._mapped_task = None, {}, None
+        self._tasks.clear()
+        self._grads.clear()
+        self._clipped, self._modified = False, None
+        self._keeps_graph = self._nested = self._learn_reused = False
+        self._plan, self._current, self._last_end = [], "in", None
+        self.trial = {"in": [], "after": []}
+
     def _step_ended(self, step: int) -> None:
         """After every paged ``optimizer.step()``: time the iteration that ended, and during the
         trial choose the next one's mode, or decide (the armed optimizer's steps only)."""
@@ -612,10 +634,12 @@ class BackwardStep:
             self.abandon("the paging session closed before optimizer.step()")
 
     def report(self) -> dict:
-        """``{"state", "reason", "steps_in_backward", "rolled_back", "trial"}`` (see the module
-        docstring); ``trial``: the trial's seconds per iteration, ``{"in": [...], "after": [...]}``."""
+        """``{"state", "reason", "steps_in_backward", "rolled_back", "relearned", "trial"}`` (see the
+        module docstring); ``relearned``: times it learned again for a new optimizer; ``trial``: the
+        trial's seconds per iteration, ``{"in": [...], "after": [...]}``."""
         return {"state": "pending" if self.pending is not None else self.state, "reason": self.reason,
                 "steps_in_backward": self.steps_in_backward, "rolled_back": self.rolled_back,
+                "relearned": self.relearned,
                 "trial": {k: [round(t, 4) for t in v] for k, v in self.trial.items()}}
 
 

@@ -289,7 +289,7 @@ def test_swap_folder_disappearing_mid_run_is_reported(tmp_path):
     from apt_model.switch.controller import session as vb_session
 
     off = vb_session().activations.offloader
-    off.io._writer.submit(lambda: None).result()  # let queued writes land
+    off.io.submit_write(0, lambda: None).result()  # let queued writes land
     assert off.stats.to_disk_bytes > 0
     for child in tmp_path.iterdir():
         shutil.rmtree(child)

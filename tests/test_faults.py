@@ -1146,19 +1146,19 @@ def _plain_and_paged(tmp_path, plain_batches, paged_batches):
 
 
 def test_an_interrupt_just_after_a_read_was_queued_frees_no_memory_the_read_writes(tmp_path, monkeypatch, cpu_device):
-    """A KeyboardInterrupt right after the read job was queued (inside ThreadPoolExecutor.submit)
-    made the pager give the page's memory back while the reader thread still wrote into it: heap
+    """A KeyboardInterrupt right after the read job was queued (inside the pool's submit) made the
+    pager give the page's memory back while the reader thread still wrote into it: heap
     corruption, then a segfault or abort (3 runs of 3). The read is taken back or waited for first;
     training goes on exactly as plain training that skipped the interrupted step."""
-    import concurrent.futures.thread as cft
+    from apt_model.memory.io_engine import DaemonThreadPool
 
     data = batches(6)
     plain, popt, m, opt = _plain_and_paged(tmp_path, data[:2] + data[3:], data[:2])
     try:
         read_into = SwapSpace.read_into
         monkeypatch.setattr(SwapSpace, "read_into", lambda self, key, view: (time.sleep(0.2), read_into(self, key, view))[1])
-        armed = _interrupt_once(monkeypatch, cft.ThreadPoolExecutor, "_adjust_thread_count",
-                                lambda pool: any(t.name.startswith("vb-swap-read") for t in pool._threads))
+        armed = _interrupt_once(monkeypatch, DaemonThreadPool, "_grow",
+                                lambda pool: any(t.name.startswith("vb-swap-read") for t in pool.threads))
         with pytest.raises(KeyboardInterrupt):
             one_step(m, opt, data[2])
         assert not armed[0]

@@ -367,3 +367,111 @@ def test_a_relative_swap_dir_survives_a_change_of_working_directory(tmp_path, mo
         assert bytes(out) == b"y" * 4096
     finally:
         space.close()
+
+
+@pytest.mark.parametrize("replacement", ["folder", "fifo", "device"])
+def test_a_swap_file_replaced_by_no_regular_file_is_a_corruption_error(space, replacement):
+    """A folder, or a link to a device, in place of a swap file raised a bare OSError ("Invalid
+    argument") that no ``except SwapError`` catches; a FIFO blocked the reader's open forever
+    (a probe's finding, 2026-11-29). Each is a SwapCorruptionError naming the file, at once."""
+    rec = space.write("p", memoryview(os.urandom(10_000)))
+    os.unlink(rec.path)
+    if replacement == "folder":
+        os.mkdir(rec.path)
+    elif replacement == "fifo":
+        os.mkfifo(rec.path)
+    else:
+        os.symlink("/dev/zero", rec.path)
+    t0 = time.monotonic()
+    with pytest.raises(SwapCorruptionError, match=str(rec.path)):
+        space.read_into("p", memoryview(bytearray(10_000)))
+    assert time.monotonic() - t0 < 5
+
+
+def test_a_full_disk_reports_the_room_when_the_write_failed_and_the_settings_to_change(tmp_path, monkeypatch):
+    """The free bytes were measured after the failed file and the stale ones were removed, so the
+    message could say a write of 32 KiB failed with 556 KiB free; a file-size limit (``ulimit -f``)
+    read as a full disk with 84 GB free (a probe's finding). Now the room is read as the write
+    failed, the settings are named, and a file-size limit is said to be one."""
+    s = SwapSpace(tmp_path)
+    monkeypatch.setattr(s, "free_bytes", lambda: 777)
+
+    def fail(code):
+        def pwrite(*a, **k):
+            raise OSError(code, os.strerror(code))
+        return pwrite
+
+    monkeypatch.setattr(swap_mod.os, "pwrite", fail(errno.ENOSPC))
+    with pytest.raises(SwapFullError, match=r"needs 1000 bytes, 777 bytes were free there when it failed.*VB_SWAP_DIR"):
+        s.write("c", memoryview(bytearray(1000)))
+    monkeypatch.setattr(swap_mod.os, "pwrite", fail(errno.EFBIG))
+    with pytest.raises(SwapFullError, match=r"file-size limit \(ulimit -f, RLIMIT_FSIZE\)"):
+        s.write("c", memoryview(bytearray(1000)))
+    monkeypatch.undo()
+    s.close()
+
+
+def test_the_default_swap_dir_is_one_per_user_and_other_users_folders_are_left_alone(tmp_path, monkeypatch):
+    """One default folder for every user was made by the first, writable by that user only: every
+    other user's ``enable()`` raised ConfigError, even where nothing would page. And in a shared
+    swap dir, another user's folder (mode 700) made the stale-folder scan raise PermissionError
+    out of ``enable()`` (a probe's finding, 2026-11-29)."""
+    monkeypatch.delenv("VB_SWAP_DIR", raising=False)
+    assert swap_mod.default_swap_root().name == f"apt_model-swap-{os.getuid()}"
+    theirs = tmp_path / f"vb-{os.getpid()}-1-abcd1234"
+    theirs.mkdir()
+    real_exists = swap_mod.Path.exists
+
+    def exists(self, *a, **k):  # what a folder another user keeps at mode 700 answers (root reads anything)
+        if self.parent == theirs:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_exists(self, *a, **k)
+
+    monkeypatch.setattr(swap_mod.Path, "exists", exists)
+    assert clean_stale_folders(tmp_path) == []
+    assert real_exists(theirs)  # kept: not ours to judge
+
+
+STUCK_READ = r"""
+import os, sys, time, threading, torch, torch.nn as nn, torch.nn.functional as F
+torch.set_num_threads(1)
+import apt_model.optimization.vb_global as vb
+from apt_model.memory import swap as swap_mod
+from apt_model.memory.swap import SwapTimeoutError
+vb.enable("balanced", paging="always", device_budget="16KB", attention="off", mixed_precision="off",
+          compile="off", banner=False, swap_dir=sys.argv[1], paging_step_in_backward="off")
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+opt = torch.optim.AdamW(m.parameters())
+def step():
+    opt.zero_grad(); F.mse_loss(m(torch.randn(8, 32)), torch.randn(8, 32)).backward(); opt.step()
+step()
+swap_mod.SwapSpace.read_into = lambda self, key, out: threading.Event().wait()  # a disk that stops answering
+try:
+    step()
+except SwapTimeoutError as err:
+    print("TIMEOUT", flush=True)
+t0 = time.monotonic()
+try:
+    vb.disable()
+except Exception as err:
+    print("DISABLE", type(err).__name__, flush=True)
+print(f"DISABLED_IN {time.monotonic() - t0:.1f}", flush=True)
+"""
+
+
+def test_a_read_that_never_returns_neither_keeps_the_process_alive_nor_makes_disable_wait_per_page(tmp_path):
+    """A read stuck in the kernel (a stalled network mount): the SwapTimeoutError came on time, but
+    the process could never exit (ThreadPoolExecutor joins its workers at exit) and ``disable()``
+    waited the limit again for every page (a probe's finding, 2026-11-29). The I/O threads are
+    daemon threads now, and once every reader is stuck past the limit, waits give up at once."""
+    script = tmp_path / "stuck.py"
+    script.write_text(STUCK_READ)
+    (tmp_path / "swap").mkdir()
+    env = {**clean_env(), "VB_DEVICE": "cpu", "VB_CONFIG": "none", "VB_SWAP_TIMEOUT": "1"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "swap")], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert "TIMEOUT" in proc.stdout, proc.stdout + proc.stderr
+    took = float(proc.stdout.split("DISABLED_IN ")[1].split()[0])
+    assert took < 6, proc.stdout  # a few waits of the 1 s limit at most, not one per page
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -96,8 +96,7 @@ def measure_disk(folder: str | os.PathLike, mb: int = 64, threads: int = 2, info
             probe): the message says the probe could not run and how much room there is.
         SwapError / SwapTimeoutError: the probe's I/O failed or did not finish in time.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
+    from apt_model.memory.io_engine import DaemonThreadPool
     from apt_model.memory.swap import SwapFullError, SwapSpace
 
     space = SwapSpace(folder)
@@ -125,27 +124,29 @@ def measure_disk(folder: str | os.PathLike, mb: int = 64, threads: int = 2, info
     data = memoryview(bytearray(os.urandom(page)))
     outs = [memoryview(bytearray(page)) for _ in range(n)]
     limit = wait_timeout()
-    ex = ThreadPoolExecutor(threads, thread_name_prefix="vb-bw-disk")
-    stuck = False
+    # daemon threads: one stuck in the disk must not keep the process from exiting (io_engine.py)
+    pool = DaemonThreadPool(threads, "vb-bw-disk")
     try:
         def run(what, fn):
-            try:
-                list(ex.map(fn, range(n), timeout=limit))
-            except TimeoutError:
-                raise timeout_error(
-                    f"waited {limit:g} s for the disk bandwidth probe to {what} {n} files of {page} bytes in "
-                    f"{space.folder}; raise {ENV} if the disk is just slow"
-                ) from None
+            futures = [pool.submit(lambda i=i: fn(i)) for i in range(n)]
+            deadline = time.monotonic() + limit
+            for fut in futures:
+                try:
+                    fut.result(timeout=max(0.0, deadline - time.monotonic()))
+                except TimeoutError:
+                    raise timeout_error(
+                        f"waited {limit:g} s for the disk bandwidth probe to {what} {n} files of {page} bytes in "
+                        f"{space.folder}; raise {ENV} if the disk is just slow"
+                    ) from None
 
         w = _median_time(lambda: run("write", lambda i: space.write(f"bw{i}", data)), reps=2)
         r = _median_time(lambda: run("read", lambda i: space.read_into(f"bw{i}", outs[i])), reps=2)
     except BaseException as err:
-        stuck = True  # a failed or timed-out probe may leave I/O threads busy: never wait for them
         if isinstance(err, SwapFullError):
             raise SwapFullError(f"the disk bandwidth probe could not write its {n * page} bytes: {err}") from err
         raise
     finally:
-        ex.shutdown(wait=not stuck)  # never join threads stuck in the disk
+        pool.shutdown()  # never joined: a failed or timed-out probe may leave a thread stuck in the disk
         space.close()
     return {"write": n * page / w / 1e9, "read": n * page / r / 1e9}
 
@@ -158,7 +159,7 @@ def measure_bandwidths(device: torch.device, swap_folder: str | os.PathLike, ref
         "disk_probe": {"probe_bytes", "note"}, "seconds": float}`` — ``disk`` is None when the swap
         folder's disk had too little room for a probe (``disk_probe["note"]`` says so).
     """
-    from apt_model.memory.swap import SwapFullError
+    from apt_model.memory.swap import SwapError
 
     key = (str(device), str(Path(swap_folder).resolve().parent))
     with _lock:
@@ -172,7 +173,10 @@ def measure_bandwidths(device: torch.device, swap_folder: str | os.PathLike, ref
         probe: dict = {}
         try:
             out["disk"] = {k: round(v, 3) for k, v in measure_disk(swap_folder, info=probe).items()}
-        except SwapFullError as err:  # no room for a probe: no figure, never a failed adoption
+        except SwapError as err:  # no room for a probe, or its I/O failed: no figure, never a failed adoption
+            # (until 2026-11-29 only a full disk was caught: a file-size limit made the probe's write
+            # fail with EINVAL, and training stopped there: a probe's finding). Paging meets the same
+            # disk later, with its own errors where they apply.
             out["disk"] = None
             probe["note"] = f"not measured: {err}"
             log.warning("swap disk bandwidth not measured: %s", err)

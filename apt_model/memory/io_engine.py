@@ -15,9 +15,10 @@ reported with a :class:`~apt_model.memory.swap.SwapTimeoutError`, not joined for
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable
 
 from apt_model.memory.interrupts import shielded
@@ -101,17 +102,89 @@ class JobTicket:
         return done.wait(timeout)
 
 
+class DaemonThreadPool:
+    """Up to ``threads`` daemon threads running submitted jobs in order, each job's outcome in a
+    ``concurrent.futures.Future``: ``ThreadPoolExecutor`` without its join at interpreter exit.
+
+    ``ThreadPoolExecutor`` joins its workers before the interpreter exits (before ``atexit``
+    handlers run). A swap read that never returns — a stalled network or FUSE mount, a FIFO in
+    place of a swap file — left a worker blocked in the kernel: after the
+    :class:`~apt_model.memory.swap.SwapTimeoutError`, which was raised on time, the process could
+    never exit (a probe's finding, 2026-11-29). Daemon threads are not joined: a thread stuck so
+    ends with the process. A job that is running when the interpreter exits is cut off, which for
+    the swap level only loses files that exit deletes anyway.
+
+    Threads start as jobs arrive (one more per submit while under ``threads``) and are named
+    ``<prefix>_<n>``. :meth:`shutdown` lets the jobs already queued run, then stops the threads.
+    """
+
+    def __init__(self, threads: int, prefix: str):
+        if threads < 1:
+            raise ValueError(f"threads={threads!r}: a pool needs at least 1 thread")
+        self.max_threads = threads
+        self._prefix = prefix
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self.threads: list[threading.Thread] = []
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn()``; its result or exception goes to the returned future.
+
+        Raises:
+            RuntimeError: the pool was shut down.
+        """
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"the {self._prefix} thread pool is shut down: no new jobs")
+            self._jobs.put((fut, fn))
+            self._grow()
+        return fut
+
+    def _grow(self) -> None:
+        """One more thread while under ``max_threads`` (called at each submit, the lock held)."""
+        if len(self.threads) < self.max_threads:
+            t = threading.Thread(target=self._work, name=f"{self._prefix}_{len(self.threads)}", daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _work(self) -> None:
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                self._jobs.put(None)  # the next thread stops too
+                return
+            fut, fn = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn()
+            except BaseException as err:  # noqa: BLE001 - handed to whoever waits on the future
+                fut.set_exception(err)
+            else:
+                fut.set_result(result)
+            del item, fut, fn  # the job's memory (a page's storage) is not held while idle
+
+    def shutdown(self) -> None:
+        """No new jobs; the threads stop once the queued ones ran (no wait here)."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._jobs.put(None)
+
+
 class _Direction:
     """One direction's thread pool and what it is doing (jobs queued, job per thread)."""
 
     def __init__(self, name: str, threads: int):
         self.name = name
         self.pid = os.getpid()  # the pool's threads exist in this process only (not in a forked child)
-        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"vb-swap-{name}")
+        self.pool = DaemonThreadPool(threads, f"vb-swap-{name}")
         self.stats = IOStats()
         self._lock = threading.Lock()
         self.queued = 0  # submitted, not started
-        self.running: dict[str, str] = {}  # thread name -> label of the job it runs
+        self.running: dict[str, tuple[str, float]] = {}  # thread name -> (label of the job it runs, its start)
 
     def submit(self, nbytes: int, fn: Callable[[], Any], label: str, ticket: JobTicket | None = None) -> Future:
         if os.getpid() != self.pid:
@@ -136,10 +209,10 @@ class _Direction:
 
         def counted():
             me = threading.current_thread().name
+            t0 = time.perf_counter()
             with self._lock:
                 self.queued -= 1
-                self.running[me] = label
-            t0 = time.perf_counter()
+                self.running[me] = (label, time.monotonic())
             try:
                 out = fn()
             finally:
@@ -152,15 +225,31 @@ class _Direction:
             self.queued += 1
         try:
             return self.pool.submit(job)
+        except RuntimeError:  # shut down: the engine is closed
+            with self._lock:
+                self.queued -= 1
+            from apt_model.memory.swap import SwapError
+
+            raise SwapError(f"{label}: the swap I/O threads were closed (the paging session ended)") from None
         except BaseException:
             with self._lock:
                 self.queued -= 1
             raise
 
     def describe(self) -> str:
+        now = time.monotonic()
         with self._lock:
-            running = ", ".join(f"{t} on {label}" for t, label in sorted(self.running.items())) or "none running"
+            running = ", ".join(f"{t} on {label} for {now - t0:.3g} s"
+                                for t, (label, t0) in sorted(self.running.items())) or "none running"
             return f"{self.name} queue: {self.queued} waiting, {running}"
+
+    def stalled(self, limit: float) -> bool:
+        """Whether every thread of this direction runs a job it started more than ``limit`` seconds
+        ago: no job queued behind them can start (a disk that stopped answering)."""
+        now = time.monotonic()
+        with self._lock:
+            busy = [t0 for _, t0 in self.running.values()]
+        return len(busy) >= self.pool.max_threads and all(now - t0 > limit for t0 in busy)
 
 
 class IOEngine:
@@ -173,8 +262,6 @@ class IOEngine:
     def __init__(self, readers: int = 2, writers: int = 2):
         self._read = _Direction("read", readers)
         self._write = _Direction("write", writers)
-        self._reader = self._read.pool  # the executors, for callers that queue a marker job
-        self._writer = self._write.pool
         self.read_stats = self._read.stats
         self.write_stats = self._write.stats
         self._closed = False
@@ -197,28 +284,40 @@ class IOEngine:
         return self._write.submit(nbytes, fn, label, ticket)
 
     def describe(self) -> str:
-        """The queues now, for error messages: ``"read queue: 1 waiting, vb-swap-read_0 on ...; write queue: ..."``."""
+        """The queues now, for error messages: ``"read queue: 1 waiting, vb-swap-read_0 on ... for 3.2 s;
+        write queue: ..."``."""
         return f"{self._read.describe()}; {self._write.describe()}"
+
+    def stalled(self) -> bool:
+        """Whether a direction's threads are all stuck in jobs older than the wait limit (see
+        :meth:`_Direction.stalled`): a wait for a job of the engine then gives up at once instead of
+        after the limit again (``disable()`` after a swap disk stopped answering waited the limit
+        once per page: 40 minutes for 21 pages, a probe's finding)."""
+        limit = wait_timeout()
+        return self._read.stalled(limit) or self._write.stalled(limit)
 
     def close(self) -> None:
         """Finish queued jobs and stop the threads, waiting at most the wait limit in all.
 
         Raises:
             SwapTimeoutError: threads still busy after the limit (named, with their jobs); they are
-                left running, as daemon-like workers of a closed engine.
+                left running, as daemon threads of a closed engine (they do not keep the process
+                from exiting).
         """
         if self._closed:
             return
         self._closed = True
         threads = []
         for d in (self._read, self._write):
-            d.pool.shutdown(wait=False)
-            threads += list(getattr(d.pool, "_threads", ()))
-        limit = wait_timeout()
+            d.pool.shutdown()
+            threads += list(d.pool.threads)
+        limit = 0.0 if self.stalled() else wait_timeout()  # stuck already: one more wait changes nothing
         deadline = time.monotonic() + limit
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        stuck = [t.name for t in threads if t.is_alive()]
+        with self._read._lock, self._write._lock:  # alive and in a job: an idle thread is ending on its own
+            busy = set(self._read.running) | set(self._write.running)
+        stuck = [t.name for t in threads if t.is_alive() and t.name in busy]
         if stuck:
             raise timeout_error(
                 f"waited {limit:g} s for the swap I/O threads to finish their queued jobs at close; still busy: "

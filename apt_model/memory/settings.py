@@ -19,7 +19,7 @@ HOST_BUDGET = Setting(
     values=_SIZE)
 SWAP_DIR = Setting(
     "swap_dir", None, "VB_SWAP_DIR",
-    "where swap folders go (an explicit folder must exist; default: <system temp>/apt_model-swap)",
+    "where swap folders go (an explicit folder must exist; default: <system temp>/apt_model-swap-<user id>)",
     folder_path, values="a folder")
 SWAP_BUDGET = Setting(
     "swap_budget", None, "VB_SWAP_BUDGET", "bytes the swap level may hold (default: the disk's free space)",

@@ -41,8 +41,10 @@ import json
 import mmap
 import os
 import re
+import resource
 import secrets
 import shutil
+import stat
 import tempfile
 import threading
 import time
@@ -182,9 +184,15 @@ class SwapRecord:
 
 
 def default_swap_root() -> Path:
-    """``$VB_SWAP_DIR`` or ``<system temp>/apt_model-swap``."""
+    """``$VB_SWAP_DIR``, or ``<system temp>/apt_model-swap-<user id>``: one per user. A folder
+    shared by every user was made by the first one, writable by that user only, and every other
+    user's ``enable()`` then raised ConfigError ("not writable"), even in modes that never page (a
+    probe's finding, 2026-11-29)."""
     found = read_env(SWAP_DIR)
-    return Path(found[0]) if found is not None else Path(tempfile.gettempdir()) / "apt_model-swap"
+    if found is not None:
+        return Path(found[0])
+    user = os.getuid() if hasattr(os, "getuid") else "user"
+    return Path(tempfile.gettempdir()) / f"apt_model-swap-{user}"
 
 
 def _process_start(pid: int) -> int | None:
@@ -270,7 +278,11 @@ def clean_stale_folders(root: Path) -> list[Path]:
         m = _FOLDER.match(entry.name)
         if (m is None and not _BUILDING.match(entry.name)) or not entry.is_dir():
             continue
-        if (entry / RECOVERY_FILE).exists():
+        try:
+            kept = (entry / RECOVERY_FILE).exists()
+        except OSError:  # another user's folder (mode 700) in a shared swap dir: not ours to judge
+            continue
+        if kept:
             log.info("swap folder %s is kept for inspection (%s); delete it once you are done with it",
                      entry, RECOVERY_FILE)
             continue
@@ -381,7 +393,11 @@ class SwapSpace:
         if not self.root.exists():
             if explicit:
                 raise ConfigError(f"swap directory {str(self.root)!r} does not exist; create it or set VB_SWAP_DIR to a folder that does")
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as err:
+                raise ConfigError(f"the default swap directory {str(self.root)!r} could not be made: "
+                                  f"{err.strerror or err}; set swap_dir / VB_SWAP_DIR to a writable folder") from None
         if not self.root.is_dir():
             raise ConfigError(f"swap directory {str(self.root)!r} is not a folder")
         self.stale_removed = clean_stale_folders(self.root)
@@ -390,7 +406,8 @@ class SwapSpace:
         try:
             self.folder, lock_fd = _create_owned_folder(self.root, name)
         except OSError as err:
-            raise ConfigError(f"swap directory {str(self.root)!r} is not writable: {err.strerror or err}") from None
+            raise ConfigError(f"swap directory {str(self.root)!r} is not writable: {err.strerror or err}; set "
+                              "swap_dir / VB_SWAP_DIR to a folder this user can write") from None
         self._owner = _Owner(self.folder, lock_fd)
         self.budget = budget
         self.direct = supports_direct_io(self.folder)
@@ -560,6 +577,7 @@ class SwapSpace:
                 finally:
                     os.close(fd)
         except OSError as err:
+            free = self.free_bytes()  # as the write met it: before this file and stale ones go
             with self._lock:
                 self.bytes_on_disk -= n
             try:
@@ -569,8 +587,15 @@ class SwapSpace:
             if err.errno in (errno.ENOSPC, errno.EDQUOT):
                 self.reclaim_stale()  # room for the caller's next attempt
                 raise SwapFullError(
-                    f"swap directory {self.folder} is full: writing {key} needs {n} bytes, "
-                    f"{self.free_bytes()} bytes free there"
+                    f"swap directory {self.folder} is full: writing {key} needs {n} bytes, {free} bytes were free "
+                    "there when it failed; free space on that disk, or point swap_dir / VB_SWAP_DIR at a larger "
+                    "one (swap_budget / VB_SWAP_BUDGET caps what paging puts there)"
+                ) from err
+            if err.errno == errno.EFBIG or (err.errno == errno.EINVAL and self._over_file_size_limit(n)):
+                limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+                raise SwapFullError(
+                    f"writing swap file {path} ({n} bytes) failed: {err.strerror or err}; this process's file-size "
+                    f"limit (ulimit -f, RLIMIT_FSIZE) is {limit} bytes: raise it, or lower the page size"
                 ) from err
             raise SwapError(f"writing swap file {path} failed: {err}") from err
         rec = SwapRecord(path, n, crc)
@@ -605,12 +630,24 @@ class SwapSpace:
             raise SwapCorruptionError(f"no swap record for page {key!r} in {self.folder}")
         if out.nbytes != rec.nbytes:
             raise SwapError(f"page {key!r}: destination holds {out.nbytes} bytes, the swap file {rec.nbytes}")
+        # O_NONBLOCK: a FIFO put in place of the file would block the open forever (no effect on a
+        # regular file). The open's other errors name the file as altered: a folder, or a link to a
+        # device, in its place failed with a bare OSError ("Invalid argument"), no SwapError a
+        # script could catch (a probe's finding, 2026-11-29)
         try:
-            fd = os.open(rec.path, os.O_RDONLY | (os.O_DIRECT if self.direct else 0))
+            fd = os.open(rec.path, os.O_RDONLY | os.O_NONBLOCK | (os.O_DIRECT if self.direct else 0))
         except FileNotFoundError:
             raise SwapCorruptionError(f"swap file {rec.path} is missing") from None
+        except OSError as err:
+            kind = SwapCorruptionError if err.errno in (errno.EINVAL, errno.EISDIR, errno.ELOOP) else SwapError
+            raise kind(f"swap file {rec.path} of page {key!r} could not be opened ({err.strerror or err}): "
+                       "it was replaced or altered, or the disk failed") from err
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise SwapCorruptionError(f"swap file {rec.path} of page {key!r} was replaced: it is no regular "
+                                          "file now (a folder, a FIFO or a device)")
+            size = st.st_size
             if size != rec.nbytes:
                 raise SwapCorruptionError(f"swap file {rec.path} is truncated or altered: {size} bytes, expected {rec.nbytes}")
             direct = _aligned_prefix(out) if self.direct else 0  # straight into the tensor's memory
@@ -651,6 +688,14 @@ class SwapSpace:
 
     def has(self, key: str) -> bool:
         return key in self._records
+
+    @staticmethod
+    def _over_file_size_limit(nbytes: int) -> bool:
+        """Whether a write of ``nbytes`` (rounded up to the O_DIRECT block, as direct writes are)
+        passes this process's file-size limit (``RLIMIT_FSIZE``). A direct write past a limit that is
+        no multiple of the block fails with EINVAL, not EFBIG."""
+        soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+        return soft != resource.RLIM_INFINITY and _round_up(nbytes) > soft
 
     def remove(self, key: str) -> None:
         """Forget page ``key``'s copy (no error if absent); no system call on the caller's thread.

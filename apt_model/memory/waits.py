@@ -74,7 +74,7 @@ SLICE_S = 0.05
 
 
 @shielded  # threading.Condition.wait is not safe to interrupt: signals wait for the next slice
-def wait_future(fut: Future, what: str, queues: str = "") -> Any:
+def wait_future(fut: Future, what: str, io: Any = None) -> Any:
     """The result of ``fut`` (re-raising its exception), waiting at most :func:`wait_timeout` seconds.
 
     A cancellation point: a signal held back by :mod:`~apt_model.memory.interrupts` (also one that
@@ -85,14 +85,19 @@ def wait_future(fut: Future, what: str, queues: str = "") -> Any:
     Args:
         fut: the background job's future.
         what: what is awaited, for the error (``"read of page blocks.0.weight (65536 bytes) from the nvme level"``).
-        queues: the I/O queues' state, for the error (see :meth:`IOEngine.describe`).
+        io: the :class:`~apt_model.memory.io_engine.IOEngine` running the job, or None: its queues'
+            state goes in the error, read when the wait gives up (read when it began, it said
+            "none running" of threads stuck in the job: a probe's finding); where its threads are
+            all stuck already (:meth:`~apt_model.memory.io_engine.IOEngine.stalled`), the wait gives
+            up at once rather than after the limit again.
 
     Raises:
         SwapTimeoutError: the job did not finish in time (it keeps running; nothing was freed).
         whatever the job raised, or a held-back signal's handler raised.
     """
     limit = wait_timeout()
-    deadline = time.monotonic() + limit
+    t0 = time.monotonic()
+    deadline = t0 + limit
     while True:
         try:
             return fut.result(timeout=max(0.0, min(SLICE_S, deadline - time.monotonic())))
@@ -100,10 +105,14 @@ def wait_future(fut: Future, what: str, queues: str = "") -> Any:
             if fut.done():  # it ended as the slice did (or itself raised a TimeoutError: re-raised)
                 return fut.result()
         deliver_held_back()
-        if time.monotonic() >= deadline:
+        now = time.monotonic()
+        stalled = io is not None and now < deadline and io.stalled()
+        if now >= deadline or stalled:
+            waited = (f"waited {limit:g} s for the {what}, which has not finished" if not stalled else
+                      f"gave up after {now - t0:.2g} s on the {what}: every I/O thread of its direction has been "
+                      f"stuck in a job for more than {limit:g} s")
             raise timeout_error(
-                f"waited {limit:g} s for the {what}, which has not finished"
-                + (f"; {queues}" if queues else "")
+                waited + (f"; {io.describe()}" if io is not None else "")
                 + f"; raise {ENV} if the disk is just slow, else look for a stuck swap disk or a blocked I/O thread"
             ) from None
 

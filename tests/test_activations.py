@@ -1731,3 +1731,65 @@ def test_repeated_blocks_that_are_single_convolutions_are_not_checkpointed(cpu_d
     finally:
         vb.disable()
     assert ckpt["chosen"] == "off" and "single Conv2d layers" in ckpt["reason"], ckpt
+
+
+class _SeesTheGenerator(nn.Module):
+    """Records the CPU generator's state at each call (forward and recomputation); draws nothing."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(torch.default_generator.get_state())
+        return x
+
+
+class _RngBlock(nn.Module):
+    def __init__(self, seen: list, p: float):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.drop = nn.Dropout(p)
+        self.sees = _SeesTheGenerator(seen)
+
+    def forward(self, x):
+        x = self.sees(x)  # first: a recomputation stops once it has what backward needs
+        return x + self.drop(torch.tanh(self.lin(x)))
+
+
+def test_checkpointing_leaves_the_cpu_generator_alone_where_a_block_drew_nothing(cpu_device):
+    """``preserve_rng_state=True`` set the CPU generator back to the forward's state for every
+    block's recomputation and then forward again: a data thread of the script drawing from it
+    meanwhile had its draws rewound, and the run ended with other weights than without the switch,
+    other ones each run (a probe's finding, 2026-11-29). A CPU block whose forward drew nothing is
+    now recomputed with the generator as it is; one that drew (dropout) is still replayed from the
+    forward's state, and its gradients stay bitwise those of plain PyTorch."""
+    def run(p: float, enabled: bool):
+        seen: list = []
+        torch.manual_seed(0)
+        model = nn.Sequential(_RngBlock(seen, p), _RngBlock(seen, p), nn.Linear(64, 1))
+        if enabled:
+            vb.enable("memory", activation_checkpointing=True, activation_offload=False, fp4="off", **PLAIN)
+        try:
+            model = model.to("cpu")
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+            loss = model(x).square().mean()
+            torch.rand(3)  # a draw between forward and backward, as a data thread makes
+            now = torch.default_generator.get_state()
+            loss.backward()
+            if enabled:
+                assert vb.get_report()["models"][0]["features"]["activation_checkpointing"]["chosen"] != "off"
+        finally:
+            if enabled:
+                vb.disable()
+        return seen, now, [q.grad.clone() for q in model.parameters()]
+
+    seen, now, grads = run(0.0, True)
+    assert len(seen) == 4, "two forwards and two recomputations"
+    assert all(torch.equal(s, now) for s in seen[2:]), "a recomputation set the generator back"
+    _, _, ref = run(0.0, False)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))
+    seen, now, grads = run(0.5, True)  # dropout draws: replayed from the forward's state
+    assert not torch.equal(seen[2], now) and torch.equal(seen[2], seen[1])
+    _, _, ref = run(0.5, False)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref))

@@ -558,3 +558,42 @@ def test_a_training_step_compiled_whole_runs_the_paging_code_eagerly(tmp_path, c
     assert body_compiled <= 2, f"{body.co_name} compiled {body_compiled} times in {STEPS} steps"
     assert got == ref
     assert_same(snapshot(ref_m, ref_opt), got_state)
+
+
+ADOPT_WITHOUT_DYNAMO = r"""
+import sys, torch, torch.nn as nn
+import apt_model.optimization.vb_global as vb
+vb.enable("balanced", banner=False, swap_dir=sys.argv[1])
+nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)).to("cpu")  # adopted
+print("DYNAMO_AFTER_ADOPTION", "torch._dynamo" in sys.modules)
+vb.disable()
+vb.enable("balanced", paging="always", device_budget="16KB", banner=False, swap_dir=sys.argv[1])
+m = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32)).to("cpu")  # adopted and paged
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+from torch._dynamo.output_graph import OutputGraph
+print("WRAPPED", hasattr(OutputGraph.call_user_compiler, "__wrapped__"))
+vb.disable()
+print("UNWRAPPED", not hasattr(OutputGraph.call_user_compiler, "__wrapped__"))
+"""
+
+
+def test_adoption_does_not_import_dynamo_and_paging_patches_it_when_imported(tmp_path):
+    """Adoption imported Dynamo itself (the compile step's check for a compiled model, the paging
+    session's patches): a model adopted on one thread while another built its first optimizer, which
+    imports Dynamo too, made the two imports race, and one raised ImportError ("partially
+    initialized module 'torch._dynamo.eval_frame'") in 5 runs of 6 (a probe's finding, 2026-11-29).
+    Adoption no longer imports it by a submodule; the paging session's patches of Dynamo are made
+    when it is imported (paging imports it through ``torch.compiler.disable``), and undone."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = tmp_path / "adopt.py"
+    script.write_text(ADOPT_WITHOUT_DYNAMO)
+    env = {**clean_env(), "VB_DEVICE": "cpu", "VB_CONFIG": "none"}
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "DYNAMO_AFTER_ADOPTION False" in proc.stdout, proc.stdout
+    assert "WRAPPED True" in proc.stdout and "UNWRAPPED True" in proc.stdout, proc.stdout

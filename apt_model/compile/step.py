@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import io
 import re
+import sys
 import textwrap
 import tokenize
 import weakref
@@ -107,9 +108,13 @@ def compiled_by_script(model: nn.Module) -> bool:
     ``_compiled_call_impl`` is set) or it is the ``OptimizedModule`` ``torch.compile(model)`` returns."""
     if script_call(model) is not None:  # not the switch's own call wrapper (base/call_wrapper.py)
         return True
-    from torch._dynamo.eval_frame import OptimizedModule
-
-    return isinstance(model, OptimizedModule)
+    # looked up, never imported: a model adopted on one thread while another builds its first
+    # optimizer (which imports Dynamo) made the two imports race, and one thread's raised
+    # ImportError ("partially initialized module 'torch._dynamo.eval_frame'": a probe's finding,
+    # 2026-11-29). Without Dynamo imported there is no OptimizedModule to be.
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    optimized = getattr(frame, "OptimizedModule", None)
+    return optimized is not None and isinstance(model, optimized)
 
 
 class CompileStep(FeatureStep):

@@ -62,6 +62,7 @@ import torch.nn.modules.module as module_mod
 
 from apt_model.base.call_wrapper import script_call
 from apt_model.base.log import get_logger
+from apt_model.base.post_import import when_imported
 from apt_model.memory.pages import live_page
 
 log = get_logger(__name__)
@@ -112,32 +113,35 @@ def install(patches) -> None:
     patches.add_undo(_PAGED.clear, "paged modules under torch.compile")
 
 
-def install_graph_inputs(session, patches) -> bool:
+def install_graph_inputs(session, patches) -> None:
     """Wrap every graph Dynamo compiles from now on so that the pages among its inputs are loaded
     and pinned while it runs (see the module docstring), for ``session`` (a
     :class:`~apt_model.memory.paging.session.PagingSession`, held weakly) until ``patches`` are
-    undone. Returns False, with the reason logged, where this torch has no
-    ``OutputGraph.call_user_compiler`` to patch."""
-    try:
-        from torch._dynamo.output_graph import OutputGraph
-    except ImportError as err:
-        log.info("compiled graphs that read paged parameters directly are not covered: %s", err)
-        return False
-    real = getattr(OutputGraph, "call_user_compiler", None)
-    if real is None:
-        log.info("compiled graphs that read paged parameters directly are not covered: this torch's Dynamo has "
-                 "no OutputGraph.call_user_compiler")
-        return False
+    undone. Dynamo's ``OutputGraph.call_user_compiler`` is patched when Dynamo is imported, by
+    whoever imports it (importing it here raced with a script thread's first optimizer build, which
+    imports it too: an ImportError there, a probe's finding, 2026-11-29; and it costs 2 s); where
+    this torch's Dynamo has no such method, that is logged and graphs are not covered."""
     _SESSION[0] = weakref.ref(session)
-
-    @functools.wraps(real)
-    def call_user_compiler(self, gm, *args, **kwargs):
-        return _PagedInputs(real(self, gm, *args, **kwargs), graph_may_write(gm), graph_attr_tensors(gm))
-
-    patches.set_attr(OutputGraph, "call_user_compiler", call_user_compiler,
-                     label="Dynamo's compiled graphs load the pages among their inputs")
     patches.add_undo(functools.partial(_SESSION.__setitem__, 0, None), "the session compiled graphs page for")
-    return True
+
+    def patch(module) -> None:
+        graph_cls = getattr(module, "OutputGraph", None)
+        real = getattr(graph_cls, "call_user_compiler", None)
+        if real is None:
+            log.info("compiled graphs that read paged parameters directly are not covered: this torch's Dynamo has "
+                     "no OutputGraph.call_user_compiler")
+            return
+
+        @functools.wraps(real)
+        def call_user_compiler(self, gm, *args, **kwargs):
+            return _PagedInputs(real(self, gm, *args, **kwargs), graph_may_write(gm), graph_attr_tensors(gm))
+
+        patches.set_attr(graph_cls, "call_user_compiler", call_user_compiler,
+                         label="Dynamo's compiled graphs load the pages among their inputs")
+
+    stop = when_imported("torch._dynamo.output_graph", patch)
+    if stop is not None:
+        patches.add_undo(stop, "waiting for Dynamo's import to wrap its compiled graphs")
 
 
 #: [weakref to the paging session compiled graphs load pages for, or None when paging is off]

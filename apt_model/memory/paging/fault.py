@@ -39,6 +39,7 @@ from torch.overrides import TorchFunctionMode
 
 from apt_model.memory.pages import live_page, storage_ptr
 from apt_model.base.errors import DistributedError
+from apt_model.base.post_import import when_imported
 from apt_model.memory.paging.compiled import compiling
 
 _TB = torch._C.TensorBase
@@ -303,17 +304,18 @@ class PageFaultMode(TorchFunctionMode):
         return entry[0] if entry is not None else None
 
 
-def _never_a_frame_of_its_own() -> None:
+def _never_a_frame_of_its_own(eval_frame) -> None:
     """Dynamo may trace the handler inline (it then records the user's op, see ``compiling()``
     above) but must never compile it as a frame of its own: called from an eagerly run stretch of
     a compiled function, the frame was compiled with ``compiling()`` true — the op alone, no fault
     handling — and recompiled per op until Dynamo's limit (a probe's compiled training step).
-    ``torch._dynamo.eval_frame.skip_code`` (where this torch has it) runs the frame as written."""
-    try:
-        from torch._dynamo.eval_frame import skip_code
-    except ImportError:
-        return
-    skip_code(PageFaultMode.__torch_function__.__code__)
+    ``torch._dynamo.eval_frame.skip_code`` (where this torch has it) runs the frame as written.
+    Applied when Dynamo is imported, by whoever imports it: importing it here, on a thread that
+    adopts a model while another builds its first optimizer, made the two imports race (an
+    ImportError in the script's thread: a probe's finding, 2026-11-29); and it costs 2 s."""
+    skip_code = getattr(eval_frame, "skip_code", None)
+    if skip_code is not None:
+        skip_code(PageFaultMode.__torch_function__.__code__)
 
 
-_never_a_frame_of_its_own()
+when_imported("torch._dynamo.eval_frame", _never_a_frame_of_its_own)

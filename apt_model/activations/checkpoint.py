@@ -373,61 +373,6 @@ def _in_modes(fn: Callable, flags: TrainingFlags) -> Callable:
     return run
 
 
-class CpuRngReplay:
-    """torch's CPU generator for one checkpointed call of a block that runs on the CPU, in place of
-    ``preserve_rng_state=True``.
-
-    ``preserve_rng_state`` sets the CPU generator back to the forward's state for the recomputation
-    and then back again, for every block, whether its forward drew a random number or not. A thread
-    of the script drawing from that generator meanwhile (a data producer's ``torch.randn``) had its
-    draws rewound, and drew the same numbers again: a run with the switch's checkpointing ended with
-    other weights than without it, and other ones each run (a probe's finding, 2026-11-29). Here the
-    forward's context records the generator's state when it begins (a 5 KB copy) and compares when
-    it ends: the recomputation of a call that drew nothing leaves the generator alone; one that
-    drew starts from the recorded state, which is put back after (what ``preserve_rng_state`` does;
-    the script's other threads' draws meanwhile are then rewound, as they are by
-    ``torch.utils.checkpoint`` in plain PyTorch). Decided per call, so a block that starts drawing
-    later (noise turned on mid-run) is replayed exactly. Another thread's draw during the forward
-    reads as the block's own: replayed, never wrong. Accelerator blocks keep
-    ``preserve_rng_state=True`` (it covers their device's generator as well)."""
-
-    def __init__(self):
-        self.before: torch.Tensor | None = None
-
-    @contextlib.contextmanager
-    def forward(self):
-        gen = torch.default_generator
-        before = gen.get_state()
-        try:
-            yield
-        finally:
-            self.before = None if torch.equal(before, gen.get_state()) else before
-
-    def recompute(self) -> "_EachEntry":
-        return _EachEntry(self._recompute)
-
-    @contextlib.contextmanager
-    def _recompute(self):
-        if self.before is None:
-            yield
-            return
-        gen = torch.default_generator
-        current = gen.get_state()
-        gen.set_state(self.before)
-        try:
-            yield
-        finally:
-            gen.set_state(current)
-
-
-def _on_cpu(module: nn.Module, args: tuple, kwargs: dict) -> bool:
-    """Whether ``module``'s first parameter and the tensors passed to it are all on the CPU."""
-    p = next(module.parameters(), None)
-    if p is not None and p.device.type != "cpu":
-        return False
-    return all(t.device.type == "cpu" for _, t in _tensor_args(args, kwargs))
-
-
 class _EachEntry:
     """A context manager entered any number of times (also nested): each entry runs a fresh
     ``make()`` context manager, exited in the reverse order."""
@@ -582,16 +527,16 @@ class CheckpointedForward:
             self._modules = list(self.module.modules())
         flags = TrainingFlags(self._modules)  # the recomputation runs in the modes of this forward
         replay = Replay(self.generators, buffers, track_rng=self.draws_rng is not False)
-        cpu_rng = CpuRngReplay() if _on_cpu(self.module, args, kwargs) else None
-        contexts = _contexts(replay if replay.track_rng or buffers else None, cpu_rng)
+        contexts = ({"context_fn": lambda: (replay.forward(), replay.recompute())}
+                    if replay.track_rng or buffers else {})
         spy = GeneratorSpy(self.generators) if self.draws_rng is None and not torch.compiler.is_compiling() else None
         with spy if spy is not None else contextlib.nullcontext():
             if self.mutates_input is False:
                 run, inputs = _shared_inputs(self.forward, args, kwargs)
-                out = checkpoint(_in_modes(run, flags), *inputs, use_reentrant=False,
-                                 preserve_rng_state=cpu_rng is None, **contexts)
+                out = checkpoint(_in_modes(run, flags), *inputs, use_reentrant=False, preserve_rng_state=True,
+                                 **contexts)
             else:
-                out = self._from_copies(args, kwargs, contexts, flags, preserve_rng_state=cpu_rng is None)
+                out = self._from_copies(args, kwargs, contexts, flags)
         if spy is not None and spy.found:
             replay.add_generators(spy.found)  # self.generators too: the same list
             log.debug("apt_model: %s draws from %d generator(s) it does not hold: tracked from now on",
@@ -607,8 +552,7 @@ class CheckpointedForward:
             replay.keep_buffers([buffers[i] for i in written])
         return out
 
-    def _from_copies(self, args: tuple, kwargs: dict, contexts: dict, flags: TrainingFlags,
-                     preserve_rng_state: bool = True):
+    def _from_copies(self, args: tuple, kwargs: dict, contexts: dict, flags: TrainingFlags):
         """A checkpointed call whose recomputation starts from copies of the tensor inputs taken
         before the forward: for a block that modifies its input in place (the recomputation would
         start from the modified values: wrong gradients; torch's own check raises where plain
@@ -627,8 +571,7 @@ class CheckpointedForward:
             # a fresh copy each time: a second recomputation starts clean
             return recompute(*(c.detach().requires_grad_().clone() if grad else c.clone() for c, grad in copies))
 
-        out = checkpoint(_in_modes(run, flags), use_reentrant=False, preserve_rng_state=preserve_rng_state,
-                         **contexts)
+        out = checkpoint(_in_modes(run, flags), use_reentrant=False, preserve_rng_state=True, **contexts)
         mutated = any(t._version != v for t, v in zip(tensors, versions))
         if self.mutates_input is None:
             self.mutates_input = mutated
@@ -640,29 +583,6 @@ class CheckpointedForward:
         if self._own:
             return (operator.getitem, ((self.forward,), 0))  # that object itself, by the standard library
         return (getattr, (self.module, "forward"))
-
-
-def _contexts(*replays) -> dict:
-    """``torch.utils.checkpoint``'s ``context_fn`` entering the forward and recompute contexts of
-    each of ``replays`` that is not None (``{}`` when none is)."""
-    used = [r for r in replays if r is not None]
-    if not used:
-        return {}
-    if len(used) == 1:
-        return {"context_fn": lambda: (used[0].forward(), used[0].recompute())}
-
-    def stacked(makes):
-        @contextlib.contextmanager
-        def both():
-            with contextlib.ExitStack() as stack:
-                for make in makes:
-                    stack.enter_context(make())
-                yield
-        return both
-
-    # the recompute context may be entered once per recomputation (a graph backpropagated twice)
-    return {"context_fn": lambda: (stacked([r.forward for r in used])(),
-                                   _EachEntry(stacked([r.recompute for r in used])))}
 
 
 def choose_blocks(n: int, policy: str, k: int) -> list[int]:

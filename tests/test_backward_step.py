@@ -859,3 +859,38 @@ def test_a_new_optimizer_made_mid_run_is_learned_again(tmp_path):
     # then armed for it: its last 3 steps ran in backward
     assert rep["state"] == "armed" and rep["relearned"] == 1, rep
     assert rep["steps_in_backward"] == 5 and rep["rolled_back"] == 0, rep
+
+
+def test_a_new_optimizer_learned_again_is_checked_against_the_level0_bound(tmp_path):
+    """Learning again kept the parameters already checked against the level-0 bound for the old
+    optimizer: SGD (no states) then AdamW stepped inside backward past the bound (327,680 bytes
+    resident against 321,536; the review of 2026-11-29). The new optimizer's states are checked:
+    its step stays after backward, with the reason, and the peak stays within the bound."""
+    import gc
+
+    from apt_model.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(seq_len=32, d_model=64, n_layers=2, n_heads=4, dropout=0.0))
+    vb.enable("balanced", swap_dir=str(tmp_path), device_budget="256KB", attention="off", mixed_precision="off",
+              compile="off", banner=False, paging_step_in_backward="on")
+    try:
+        m.to("cpu")
+        gen = torch.Generator().manual_seed(1)
+
+        def loop(opt, steps):
+            for _ in range(steps):
+                opt.zero_grad()
+                x = torch.randint(0, 256, (4, 32), generator=gen)
+                F.cross_entropy(m(x).reshape(-1, 256), x.roll(-1, 1).reshape(-1)).backward()
+                opt.step()
+
+        loop(torch.optim.SGD(m.parameters(), lr=1e-2), 3)
+        gc.collect()
+        loop(torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), 4)
+        paging = vb.get_report()["memory"]["paging"]
+    finally:
+        vb.disable()
+    rep, pager = paging["step_in_backward"], paging["pager"]
+    assert rep["relearned"] == 1 and rep["state"] == "off" and "past its page budget" in rep["reason"], rep
+    assert pager["peak_resident"] <= pager["budget"] + pager["largest_page"], pager

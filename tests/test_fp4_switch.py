@@ -792,42 +792,112 @@ def test_nn_init_through_a_converted_layers_weight_reaches_it(cpu_device):
         vb.disable()
 
 
-def test_layers_frozen_after_adoption_are_named_at_the_next_step(cpu_device, caplog):
+@pytest.mark.parametrize("paged", [False, True], ids=["in-memory", "paged-with-a-later-global-hook"])
+def test_layers_frozen_after_adoption_are_named_at_the_next_step(cpu_device, caplog, tmp_path, paged):
     """The common fine-tuning order moves the model first and freezes the base after: adoption (at
     ``.to()``) saw every layer trainable, so memory mode stored none in FP4, and the report said
     only "trainable weight" (a gap named in the 2026-11-29 note). At the next optimizer step the
-    layers frozen since are named, in a warning and in the report, with the fix; the check runs
-    once: its optimizer hook is gone after it. Training is unchanged (nothing is converted then)."""
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
+    layers frozen since are named, in a warning and in the report, with the fix; once. Training is
+    unchanged (nothing is converted then). Paged, with a global step pre-hook of the script's
+    registered after adoption: the check's hook once removed itself mid-step there, and the step
+    raised "OrderedDict mutated during iteration" (the review of 2026-11-29)."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     def run(enable: bool):
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 4))
         if enable:
-            vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+            extra = {"paging": "always", "device_budget": "64KB", "swap_dir": str(tmp_path)} if paged else {}
+            vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False, **extra)
+        handle = None
         try:
-            hooks_before = len(_global_optimizer_pre_hooks)
             model = model.to("cpu")
             model[0].requires_grad_(False)  # frozen after adoption
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+            handle = register_optimizer_step_pre_hook(lambda o, a, k: None)  # the script's, after adoption
             gen = torch.Generator().manual_seed(1)
             for _ in range(3):
                 loss = model(torch.randn(8, 128, generator=gen)).square().mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-            hooks_after = len(_global_optimizer_pre_hooks) + len(opt._optimizer_step_pre_hooks)
             fp4 = vb.get_report()["models"][0]["features"]["fp4"] if enable else None
         finally:
+            handle.remove() if handle is not None else None
             if enable:
                 vb.disable()
-        return model.state_dict(), fp4, hooks_before, hooks_after
+        return model.state_dict(), fp4
 
-    ref, _, _, _ = run(False)
+    ref, _ = run(False)
     with caplog.at_level("WARNING", logger="apt_model"):
-        got, fp4, before, after = run(True)
+        got, fp4 = run(True)
     assert all(torch.equal(ref[k], got[k]) for k in ref)
     assert fp4["chosen"] == "off" and fp4["frozen_after_adoption"] == ["0"], fp4
     assert "frozen after the model was adopted (to()) stay dense: 0" in fp4["reason"], fp4["reason"]
-    assert "Freeze them before the model is moved with .to()" in caplog.text
-    assert after == before, "the one-off check's optimizer hook stayed registered"
+    assert caplog.text.count("Freeze them before the model is moved with .to()") == 1
+
+
+def test_qat_conversion_after_a_paged_model_was_moved_converts_and_trains_as_without_the_switch(cpu_device, tmp_path):
+    """Paging's own hooks on each ``nn.Linear`` read as the script's to the FP4 planner, so
+    ``convert_to_fp4(model, use="qat")`` after ``.to()`` converted no layer, silently, and the
+    script trained in plain fp32 (a probe's finding, 2026-11-29). The switch's hooks no longer
+    count for QAT (the layer keeps its Parameter objects, and paging follows the new module);
+    FP4 storage of a paged layer is still refused, with that reason."""
+    from apt_model.quantization import FP4QATLinear, convert_to_fp4
+
+    def run(enabled: bool):
+        if enabled:
+            vb.enable("balanced", device_budget="200KB", host_budget="200KB", swap_dir=str(tmp_path),
+                      mixed_precision="off", attention="off", compile="off", banner=False)
+        try:
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.GELU(),
+                                  nn.Linear(128, 10)).to("cpu")
+            policy = {"min_weights": 0, "skip_output_head": False}
+            model.requires_grad_(False)  # frozen for a moment: what FP4 storage would say of the paged layers
+            storage = plan_fp4(model, policy, "storage") if enabled else []
+            model.requires_grad_(True)
+            plan = convert_to_fp4(model, use="qat", policy=policy)
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+            gen = torch.Generator().manual_seed(1)
+            target = torch.randn(64, 10, generator=torch.Generator().manual_seed(5))
+            losses = []
+            for _ in range(6):
+                x = torch.randn(32, 64, generator=gen)
+                loss = F.cross_entropy(model(x), (x @ target).argmax(1))
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                losses.append(loss.item())
+            paged = vb.get_report()["models"][0]["features"]["paging"]["chosen"] if enabled else None
+            return sum(isinstance(m, FP4QATLinear) for m in model.modules()), losses, paged, storage, plan
+        finally:
+            if enabled:
+                vb.disable()
+
+    n_ref, ref, _, _, _ = run(False)
+    n, got, paged, storage, plan = run(True)
+    assert paged == "paged", paged
+    assert n == n_ref == 3, [c.reason for c in plan]
+    assert got == ref
+    assert storage and all(not c.convert and c.reason.startswith("paged by the switch") for c in storage), \
+        [c.reason for c in storage]
+
+
+def test_add_lora_wraps_qat_layers_and_refuses_to_match_nothing():
+    """``add_lora`` matched ``nn.Linear`` and ``FP4Linear`` only: on a QAT model it wrapped no layer
+    and still froze every parameter, so an optimizer over ``model.parameters()`` trained nothing
+    (a probe's finding, 2026-11-29). QAT layers are wrapped now; targets that match no layer raise,
+    naming the layers there are, and nothing is frozen."""
+    from apt_model.quantization import FP4QATLinear, lora_parameters
+
+    model = nn.Sequential(FP4QATLinear(32, 64), nn.ReLU(), FP4QATLinear(64, 8))
+    assert add_lora(model, rank=4) == ["0", "2"]
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == ["0.lora_a", "0.lora_b", "2.lora_a", "2.lora_b"]
+    assert len(lora_parameters(model)) == 4
+    model(torch.randn(3, 32)).sum().backward()
+    assert model[0].lora_b.grad is not None
+    plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"no layer matched targets=\['\*\.q_proj'\].* are: 0, 2"):
+        add_lora(plain, targets="*.q_proj")
+    assert all(p.requires_grad for p in plain.parameters())

@@ -517,7 +517,8 @@ class ActivationOffloader:
         try:
             where = "the host level" if h.segment is not None else f"the swap files in {self.swap.folder}"
             wait_future(fut, f"{what} of saved activation {h.key} ({h.nbytes} bytes, shape {tuple(h.shape)}) "
-                             f"{'to' if what == 'write' else 'from'} {where}", self.io)
+                             f"{'to' if what == 'write' else 'from'} {where}", self.io,
+                             "write" if what == "write" else "read")
         finally:
             self.stats.stall_s += time.perf_counter() - t0
 

@@ -288,12 +288,15 @@ class IOEngine:
         write queue: ..."``."""
         return f"{self._read.describe()}; {self._write.describe()}"
 
-    def stalled(self) -> bool:
-        """Whether a direction's threads are all stuck in jobs older than the wait limit (see
-        :meth:`_Direction.stalled`): a wait for a job of the engine then gives up at once instead of
-        after the limit again (``disable()`` after a swap disk stopped answering waited the limit
-        once per page: 40 minutes for 21 pages, a probe's finding)."""
+    def stalled(self, direction: str | None = None) -> bool:
+        """Whether the threads of ``direction`` (``"read"``, ``"write"``; None: either) are all stuck
+        in jobs older than the wait limit (see :meth:`_Direction.stalled`): a wait for a job of that
+        direction then gives up at once instead of after the limit again (``disable()`` after a
+        swap disk stopped answering waited the limit once per page: 40 minutes for 21 pages, a
+        probe's finding)."""
         limit = wait_timeout()
+        if direction is not None:
+            return (self._read if direction == "read" else self._write).stalled(limit)
         return self._read.stalled(limit) or self._write.stalled(limit)
 
     def close(self) -> None:

@@ -572,7 +572,7 @@ class Pager:
             try:
                 wait_future(fut, f"{what} of page {page.label} ({page.key}, {page.nbytes} bytes) "
                                  f"{'from' if what == 'read' else 'to'} the {self.store.level_kind} level below "
-                                 f"{self.device}", self.io)
+                                 f"{self.device}", self.io, "read" if what == "read" else "write")
             finally:
                 dt = time.perf_counter() - t0
                 self.stats.stall_s += dt

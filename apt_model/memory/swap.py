@@ -191,8 +191,13 @@ def default_swap_root() -> Path:
     found = read_env(SWAP_DIR)
     if found is not None:
         return Path(found[0])
-    user = os.getuid() if hasattr(os, "getuid") else "user"
-    return Path(tempfile.gettempdir()) / f"apt_model-swap-{user}"
+    return Path(tempfile.gettempdir()) / swap_folder_name()
+
+
+def swap_folder_name() -> str:
+    """``apt_model-swap-<user id>``: the name of this user's swap dir inside a shared folder (the
+    system temp folder, or the disk ``apt-vb suggest`` picks)."""
+    return f"apt_model-swap-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
 
 
 def _process_start(pid: int) -> int | None:

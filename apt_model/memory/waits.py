@@ -74,7 +74,7 @@ SLICE_S = 0.05
 
 
 @shielded  # threading.Condition.wait is not safe to interrupt: signals wait for the next slice
-def wait_future(fut: Future, what: str, io: Any = None) -> Any:
+def wait_future(fut: Future, what: str, io: Any = None, direction: str | None = None) -> Any:
     """The result of ``fut`` (re-raising its exception), waiting at most :func:`wait_timeout` seconds.
 
     A cancellation point: a signal held back by :mod:`~apt_model.memory.interrupts` (also one that
@@ -90,6 +90,8 @@ def wait_future(fut: Future, what: str, io: Any = None) -> Any:
             "none running" of threads stuck in the job: a probe's finding); where its threads are
             all stuck already (:meth:`~apt_model.memory.io_engine.IOEngine.stalled`), the wait gives
             up at once rather than after the limit again.
+        direction: ``"read"`` or ``"write"``: the direction whose threads run the job (None: a
+            stall of either counts).
 
     Raises:
         SwapTimeoutError: the job did not finish in time (it keeps running; nothing was freed).
@@ -106,7 +108,7 @@ def wait_future(fut: Future, what: str, io: Any = None) -> Any:
                 return fut.result()
         deliver_held_back()
         now = time.monotonic()
-        stalled = io is not None and now < deadline and io.stalled()
+        stalled = io is not None and now < deadline and io.stalled(direction)
         if now >= deadline or stalled:
             waited = (f"waited {limit:g} s for the {what}, which has not finished" if not stalled else
                       f"gave up after {now - t0:.2g} s on the {what}: every I/O thread of its direction has been "

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from apt_model.quantization.linear import FP4Linear
+from apt_model.quantization.linear import FP4Linear, FP4QATLinear
 
 
 class LoRALinear(nn.Module):
@@ -71,7 +71,8 @@ class LoRALinear(nn.Module):
 
 def add_lora(model: nn.Module, targets=("*",), rank: int = 8, alpha: float = 16.0, dropout: float = 0.0,
              freeze: bool = True) -> list[str]:
-    """Wrap every ``nn.Linear`` / :class:`FP4Linear` whose qualified name matches a pattern in ``targets``.
+    """Wrap every ``nn.Linear`` / :class:`FP4Linear` / :class:`FP4QATLinear` whose qualified name
+    matches a pattern in ``targets``.
 
     Args:
         model: modified in place.
@@ -82,16 +83,29 @@ def add_lora(model: nn.Module, targets=("*",), rank: int = 8, alpha: float = 16.
 
     Returns:
         The names of the wrapped layers.
+
+    Raises:
+        ValueError: no layer matched (nothing is changed, nothing frozen); the message names the
+            patterns and a few of the model's linear layers. Until 2026-11-29 the whole model was
+            frozen with no adapter added: an optimizer over ``model.parameters()`` trained nothing
+            (a QAT model's ``FP4QATLinear`` layers were not matched: a probe's finding).
     """
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
-    found = []
+    kinds = (nn.Linear, FP4Linear, FP4QATLinear)
+    found, linear = [], []
     for name, module in model.named_modules():
         if isinstance(module, LoRALinear):
             continue
         for child_name, child in module.named_children():
             full = f"{name}.{child_name}" if name else child_name
-            if type(child) in (nn.Linear, FP4Linear) and any(fnmatch.fnmatchcase(full, t) for t in targets):
-                found.append((module, child_name, child, full))
+            if type(child) in kinds:
+                linear.append(full)
+                if any(fnmatch.fnmatchcase(full, t) for t in targets):
+                    found.append((module, child_name, child, full))
+    if not found:
+        shown = ", ".join(linear[:5]) + (f" and {len(linear) - 5} more" if len(linear) > 5 else "")
+        raise ValueError(f"add_lora: no layer matched targets={list(targets)}; the model's linear layers "
+                         f"({', '.join(k.__name__ for k in kinds)}) are: {shown or 'none'}")
     if freeze:
         for p in model.parameters():
             p.requires_grad_(False)

@@ -41,6 +41,7 @@ import torch.nn as nn
 from apt_model.base.errors import ConfigError
 from apt_model.base.log import get_logger
 from apt_model.base.module_attrs import module_attr
+from apt_model.base.module_hooks import is_switch_hook
 from apt_model.memory.host import release_free_memory
 from apt_model.quantization.linear import FP4Linear, FP4QATLinear
 from apt_model.quantization.footprint import release_parameter
@@ -163,9 +164,10 @@ def _match(name: str, patterns: tuple) -> str | None:
     return next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
 
 
-def _has_hooks(m: nn.Module) -> bool:
-    return bool(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks
-                or getattr(m, "_backward_pre_hooks", None))
+def _hooks(m: nn.Module) -> list:
+    """The hook functions on ``m`` (forward, forward pre-, backward, backward pre-)."""
+    return [fn for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
+                         getattr(m, "_backward_pre_hooks", None) or {}) for fn in d.values()]
 
 
 def _judge(name: str, parent, m: nn.Module, policy: FP4Policy, use: str, shared: dict) -> tuple[bool, str]:
@@ -185,8 +187,15 @@ def _judge(name: str, parent, m: nn.Module, policy: FP4Policy, use: str, shared:
     tied = shared.get(w.untyped_storage().data_ptr())
     if tied:
         return False, f"tied weight: shared with {', '.join(t for t in tied if not t.startswith(name + '.'))}"
-    if _has_hooks(m):
+    hooks = _hooks(m)
+    if any(not is_switch_hook(fn) for fn in hooks):
         return False, "hooks: the layer has hooks that a replacement would drop"
+    if hooks and use == "storage":  # the switch's own: paging's page-in/out hooks on the layer
+        return False, ("paged by the switch: FP4 storage releases the weight, which paging holds; enable FP4 "
+                       "storage before the model is moved (fp4='storage'), so that it is decided at adoption")
+    # QAT keeps the layer's Parameter objects: paging follows the new module (until 2026-11-29 the
+    # paging hooks read as the script's, and convert_to_fp4(use='qat') after .to() converted nothing,
+    # silently: a probe's finding)
     if "forward" in vars(m):
         # accelerate's add_hook_to_module (device alignment, offload), a script's monkey-patch:
         # the FP4 layer would run without it (until 2026-11-28 it did: a probe's finding)

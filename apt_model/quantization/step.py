@@ -253,19 +253,22 @@ class FP4Step(FeatureStep):
         if not trainable:
             return
         self._watched.append((weakref.ref(model), ctx.record, ctx.record_later, trainable, policy, by_mode))
-        if self._hook is None:
+        if self._hook is None:  # stays until disable(): see _at_step
             self._hook = register_optimizer_step_pre_hook(self._at_step)
             self.session.patches.add_handle(self._hook, "fp4: layers frozen after adoption, looked at the next step")
 
     def _at_step(self, opt, args, kwargs) -> None:
         """The optimizer step pre-hook of :meth:`_watch`: name the watched models' layers frozen
-        since their adoption that FP4 storage would take now, then remove itself. Never raises."""
+        since their adoption that FP4 storage would take now; with none watched it returns at once.
+        It is not removed before ``disable()``: torch iterates over its global pre-hooks while it
+        runs, and so does paging's step, which runs the optimizer's own hooks from inside its
+        global one: a removal from inside a step raised "OrderedDict mutated during iteration"
+        wherever a global hook registered later followed (the review of 2026-11-29). Never raises."""
         if torch.compiler.is_compiling():
             return
+        if not self._watched:
+            return
         watched, self._watched = self._watched, []
-        hook, self._hook = self._hook, None
-        if hook is not None:
-            _remove_after_global_pre_hooks(opt, hook)
         for ref, rec, record_later, ids, policy, by_mode in watched:
             try:
                 model = ref()
@@ -276,7 +279,10 @@ class FP4Step(FeatureStep):
 
     def _note_frozen_after(self, model: nn.Module, rec: ModelRecord, record_later, ids: frozenset,
                            policy: FP4Policy, by_mode: bool) -> None:
-        now = [c for c in plan_fp4(model, policy, "storage") if c.convert and id(c.module) in ids]
+        # a paged layer is refused by the planner now (paging holds its weight), yet was frozen late
+        # all the same: named too (the same fix applies: freeze before the model is moved)
+        now = [c for c in plan_fp4(model, policy, "storage") if id(c.module) in ids
+               and (c.convert or c.reason.startswith("paged by the switch"))]
         outside = held_outside(model, now)
         now = [c for c in now if id(c.module) not in outside]
         if by_mode:
@@ -349,21 +355,6 @@ class FP4Step(FeatureStep):
             "converted": layers, "skipped": [c.summary() for c in skipped],
             "bytes_before": before, "bytes_after": after, "bytes_saved": before - after,
         })
-
-
-def _remove_after_global_pre_hooks(opt: torch.optim.Optimizer, handle) -> None:
-    """Remove the global optimizer step pre-hook ``handle`` from inside that hook. PyTorch is then
-    iterating over the global pre-hooks' dictionary: removing one there raised "OrderedDict mutated
-    during iteration" when hooks registered later followed it (the paging session's). So a pre-hook
-    of ``opt`` itself, which runs once the global ones are done, removes it, then itself: the newest
-    entry of ``opt``'s dictionary, whose removal ends that iteration cleanly (were another added
-    since, it stays and tries again at the next step)."""
-    def remove(o, args, kwargs):
-        handle.remove()
-        if next(reversed(o._optimizer_step_pre_hooks), None) == own.id:
-            own.remove()
-
-    own = opt.register_step_pre_hook(remove)
 
 
 def _undo(parent: nn.Module, attr: str, old: nn.Linear, new: FP4Linear):

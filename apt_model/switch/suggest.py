@@ -10,7 +10,7 @@ The rules, each with the reason it gives:
   stays for the OS, data loading and the page cache the swap files go through.
 * **device_budget** — not set: at ``enable()`` it is the device's free memory minus headroom,
   which follows other processes on the device; a fixed figure would not.
-* **swap_dir** — ``<folder>/apt_model-swap`` on the candidate disk with the best measured
+* **swap_dir** — ``<folder>/apt_model-swap-<user id>`` on the candidate disk with the best measured
   bandwidth (the slower of write and cold read), among those with at least
   :data:`MIN_SWAP_FREE` bytes free that are not RAM-backed (tmpfs); candidates are the system
   temp folder and the user's cache folder.
@@ -28,6 +28,7 @@ import psutil
 
 from apt_model.base.log import get_logger
 from apt_model.base.sizes import format_size
+from apt_model.memory.swap import swap_folder_name
 from apt_model.switch.config import SETTINGS
 
 log = get_logger(__name__)
@@ -222,7 +223,7 @@ def suggest_config(device: str | None = None, measure: bool = True,
             return (min(bw.values()) if bw else 0.0, d["free"])
 
         best = max(usable, key=score)
-        values["swap_dir"] = str(Path(best["folder"]) / "apt_model-swap")
+        values["swap_dir"] = str(Path(best["folder"]) / swap_folder_name())
         reasons["swap_dir"] = _disk_line(best)
         if len(disks) > 1:
             reasons["swap_dir"] += "; other candidates: " + "; ".join(

@@ -568,6 +568,7 @@ class BackwardStep:
         self.state, self.reason = "learning", f"learning again from the next optimizer step: {why}"
         self.relearned += 1
         self._opt, self._group_of, self._mapped_task = None, {}, None
+        self._fits.clear()  # checked against the bound for the old optimizer's states, not the new one's
         self._tasks.clear()
         self._grads.clear()
         self._clipped, self._modified = False, None

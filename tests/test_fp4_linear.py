@@ -261,3 +261,29 @@ def test_lora_on_a_frozen_fp4_base_trains_only_the_adapters():
     assert not torch.equal(before, model(idx).detach())
     with pytest.raises(ValueError, match="rank=0"):
         LoRALinear(nn.Linear(4, 4), rank=0)
+
+
+def test_qat_layers_work_under_torch_func_transforms():
+    """The straight-through Function was written in the old style (``forward(ctx, ...)``), and
+    ``torch.func.grad`` of a QAT model raised "must override the setup_context staticmethod" (a
+    probe's finding, 2026-11-29). ``grad`` now equals ordinary autograd, and ``vmap`` over
+    ``grad`` gives each sample's gradient (Opacus-style per-sample gradients)."""
+    from torch.func import functional_call, grad, vmap
+
+    from apt_model.quantization import FP4QATLinear
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(FP4QATLinear(32, 16), torch.nn.ReLU(), FP4QATLinear(16, 4))
+    params = {k: v.detach() for k, v in m.named_parameters()}
+    x, y = torch.randn(4, 32), torch.randn(4, 4)
+
+    def loss(p, x, y):
+        return (functional_call(m, p, (x,)) - y).square().mean()
+
+    got = grad(loss)(params, x, y)
+    loss(dict(m.named_parameters()), x, y).backward()
+    assert all(torch.equal(got[k], p.grad) for k, p in m.named_parameters())
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0))(params, x.unsqueeze(1), y.unsqueeze(1))
+    for i in range(4):
+        one = grad(loss)(params, x[i:i + 1], y[i:i + 1])
+        assert all(torch.allclose(one[k], per_sample[k][i], atol=1e-6) for k in one)

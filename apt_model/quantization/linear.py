@@ -603,11 +603,21 @@ def state_dict_as_linear(module: FP4Linear, state_dict: dict, prefix: str, local
 
 
 class _FakeQuantizeSTE(torch.autograd.Function):
-    """Forward: the FP4 round trip of ``w``. Backward: the gradient unchanged (straight-through)."""
+    """Forward: the FP4 round trip of ``w``. Backward: the gradient unchanged (straight-through).
+
+    Written with ``setup_context`` (forward without ``ctx``), which ``torch.func`` transforms need:
+    in the older style ``torch.func.grad`` of a QAT model raised "must override the setup_context
+    staticmethod" (a probe's finding, 2026-11-29)."""
+
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, w, fmt: str, rule: str):
+    def forward(w, fmt: str, rule: str):
         return quantize(w, fmt, rule).dequantize(w.dtype)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass  # the straight-through backward needs nothing saved
 
     @staticmethod
     def backward(ctx, grad):

@@ -901,3 +901,17 @@ def test_add_lora_wraps_qat_layers_and_refuses_to_match_nothing():
     with pytest.raises(ValueError, match=r"no layer matched targets=\['\*\.q_proj'\].* are: 0, 2"):
         add_lora(plain, targets="*.q_proj")
     assert all(p.requires_grad for p in plain.parameters())
+
+
+def test_a_qat_model_is_reported_as_fp4_already(cpu_device):
+    """Memory mode on a model made of ``FP4QATLinear`` layers reported "the model has no nn.Linear
+    layers", though they are ``nn.Linear`` subclasses (a QAT probe's finding, 2026-11-29)."""
+    from apt_model.quantization import FP4QATLinear
+
+    vb.enable("memory", mixed_precision="off", attention="off", compile="off", banner=False)
+    try:
+        nn.Sequential(FP4QATLinear(128, 128), nn.ReLU(), FP4QATLinear(128, 4)).to("cpu")
+        fp4 = vb.get_report()["models"][0]["features"]["fp4"]
+    finally:
+        vb.disable()
+    assert fp4["chosen"] == "off" and fp4["reason"] == "no layer to convert: its linear layers are FP4QATLinear already"

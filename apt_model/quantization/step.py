@@ -35,7 +35,7 @@ from apt_model.base.patches import PatchSet
 from apt_model.base.sizes import format_size
 from apt_model.memory.host import release_free_memory
 from apt_model.quantization.footprint import release_parameter
-from apt_model.quantization.linear import FP4Linear, state_dict_as_linear
+from apt_model.quantization.linear import FP4Linear, FP4QATLinear, state_dict_as_linear
 from apt_model.quantization.native import native_support
 from apt_model.quantization.policy import Candidate, FP4Policy, plan_fp4
 
@@ -238,7 +238,10 @@ class FP4Step(FeatureStep):
         convert = [c for c in plan if c.convert]
         skipped = [c for c in plan if not c.convert]
         if not convert:
-            why = "no layer to convert: " + (_skip_summary(skipped) if skipped else "the model has no nn.Linear layers")
+            fp4_layers = sorted({type(m).__name__ for m in model.modules() if isinstance(m, (FP4Linear, FP4QATLinear))})
+            why = "no layer to convert: " + (_skip_summary(skipped) if skipped else
+                                             f"its linear layers are {', '.join(fp4_layers)} already" if fp4_layers
+                                             else "the model has no nn.Linear layers")
             return Decision(self.name, req, "off", why, tried, details={"skipped": [c.summary() for c in skipped]})
         compute = "auto" if native_ok and req in ("native", "all") else "emulated"
         chosen = "storage+native" if compute == "auto" else "storage"

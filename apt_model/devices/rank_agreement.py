@@ -28,6 +28,7 @@ verdict, a backend without one) each rank keeps its own verdict, as before.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import json
@@ -45,6 +46,8 @@ _SESSIONS = itertools.count(1)  # switch sessions in this process: the first par
 WAIT_CALLS_FACTOR = 2
 
 KEY_PREFIX = "apt_vb/verdict"
+#: Seconds a rank other than 0 waits, at its verdict, for rank 0 to say it runs the same trial.
+START_GRACE_S = 15
 
 
 def model_fingerprint(model: nn.Module) -> str:
@@ -98,7 +101,7 @@ class TrialChannel:
 
     def start(self) -> None:
         """At the trial's timed calls: rank 0 says it runs this trial (a rank whose rank 0 never
-        started it keeps its own verdict at once instead of waiting). Done once there is a process
+        started it keeps its own verdict after a short grace, START_GRACE_S, instead of waiting for a verdict). Done once there is a process
         group: the switch creates its group at the first training forward, after this call's
         hooks began (before 2026-11-28 only the first timed call tried, so under the switch's own
         DDP rank 0 never said so, and every other rank kept its own verdict). Never raises."""
@@ -134,12 +137,26 @@ class TrialChannel:
         if final:
             return self._ranked(keep, summary, "own", error="this rank's verdict is final (the trial gave up)")
         try:
-            if not store.check([self.key + "/started"]):
+            if not self._rank0_started(store):
                 return self._ranked(keep, summary, "own", error="rank 0 runs no such trial (another model)")
         except Exception as err:  # noqa: BLE001
             return self._ranked(keep, summary, "own", error=f"{type(err).__name__}: {err}")
         self._local = (keep, summary)
         return self.poll(count=False)
+
+    def _rank0_started(self, store) -> bool:
+        """Whether rank 0 said it runs this trial, waiting up to :data:`START_GRACE_S` seconds for
+        it: a rank that reached its verdict before rank 0 began the same trial (rank 0 slower, on a
+        loaded machine) took it for another model's and kept its own verdict (a rehearsal's
+        failure, 2026-11-29). Once per trial, and only on a rank other than 0."""
+        started = self.key + "/started"
+        if store.check([started]):
+            return True
+        try:
+            store.wait([started], datetime.timedelta(seconds=START_GRACE_S))
+        except Exception:  # noqa: BLE001 - the store's timeout: rank 0 runs another model
+            return False
+        return True
 
     def poll(self, count: bool = True) -> tuple[bool, dict] | None:
         if self._local is None:

@@ -654,8 +654,9 @@ def test_accelerate_prepare_under_the_switch_trains_on_the_switchs_device(scenar
 def test_rank_0s_trial_verdict_holds_for_every_rank_of_a_job(tmp_path):
     """Each rank times its own trial; near a threshold two ranks kept different settings (bf16 on
     one, fp32 on the other: a probe's finding). Rank 0's verdict now holds for every rank running
-    the same model, and a rank training another model keeps its own after a short grace (START_GRACE_S) rather than waiting for rank 0. The model
-    sleeps under autocast on rank 1 only, so rank 1's own trial would turn bf16 off."""
+    the same model, and a rank training another model keeps its own after a short grace
+    (``START_GRACE_S``) rather than waiting for rank 0. The model sleeps under autocast on rank 1
+    only, so rank 1's own trial would turn bf16 off."""
     torchrun([str(ROOT / "tests" / "dist_worker.py"), str(tmp_path), "agree"], tmp_path, env=CPU_ONLY)
     out = [json.loads((tmp_path / f"agree-rank{rank}.json").read_text()) for rank in (0, 1)]
 

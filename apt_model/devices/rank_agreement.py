@@ -103,8 +103,9 @@ class TrialChannel:
         """At the trial's timed calls: rank 0 says it runs this trial (a rank whose rank 0 never
         started it keeps its own verdict after :data:`START_GRACE_S`, instead of waiting for a
         verdict). Done once there is a process group: the switch creates its group at the first
-        training forward, after this call's hooks began (before 2026-11-28 only the first timed call tried, so under the switch's own
-        DDP rank 0 never said so, and every other rank kept its own verdict). Never raises."""
+        training forward, after this call's hooks began (before 2026-11-28 only the first timed
+        call tried, so under the switch's own DDP rank 0 never said so, and every other rank kept
+        its own verdict). Never raises."""
         if self._started:
             return
         world, rank, store = _group()

@@ -178,8 +178,9 @@ class FP4Step(FeatureStep):
     ``requires_grad_(False)``): those layers stay dense. Until 2026-11-29 nothing said so: the
     report read "no layer to convert: trainable weight". Layers that were trainable at adoption
     are now looked at again at the next optimizer step (:meth:`_at_step`, a global step pre-hook
-    registered only while such a model waits, then removed); those the policy would store in FP4
-    now are named in a warning and in the report (``frozen_after_adoption``), with the fix. They
+    registered when the first such model is adopted, kept until ``disable()``); those the policy
+    would store in FP4 now are named in a warning and in the report (``frozen_after_adoption``),
+    with the fix. They
     are not converted then: the features adopted after FP4 (paging's plan, a captured graph of the
     compile ladder) were made over their dense weights.
     """
@@ -267,9 +268,7 @@ class FP4Step(FeatureStep):
         runs, and so does paging's step, which runs the optimizer's own hooks from inside its
         global one: a removal from inside a step raised "OrderedDict mutated during iteration"
         wherever a global hook registered later followed (the review of 2026-11-29). Never raises."""
-        if torch.compiler.is_compiling():
-            return
-        if not self._watched:
+        if not self._watched or torch.compiler.is_compiling():  # the cheap test first: it runs every step
             return
         watched, self._watched = self._watched, []
         for ref, rec, record_later, ids, policy, by_mode in watched:
